@@ -1,0 +1,237 @@
+"""Load checkpoints written by apex's ``FP16_Optimizer`` without apex and without running pickles.
+
+apex's ``FP16_Optimizer.state_dict()`` stores its loss scaler as a pickled *object*, so a plain
+``torch.load(..., weights_only=True)`` refuses the file and ``weights_only=False`` would run
+whatever code the pickle names. ``load_apex_checkpoint`` takes the safe road: the weights-only
+unpickler, with exactly three extra globals allowed -- the apex scaler class paths -- each mapped
+to an inert stand-in class defined here that only stores attributes. Every other global the
+file names is refused before anything is called.
+
+How the mapping works (torch >= 2.5): ``torch.serialization.safe_globals`` accepts
+``(obj, "module.qualname")`` pairs; the weights-only unpickler resolves a pickle's
+``GLOBAL module name`` by looking the string ``"module.name"`` up among those pairs, builds the
+object with ``cls.__new__(cls)`` (NEWOBJ) and hands the pickled attribute dict to
+``__setstate__`` (BUILD). The stand-ins define that ``__setstate__`` to accept only a dict of
+plain attribute names.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import math
+import os
+import pickle
+import re
+from typing import IO, Any
+
+import torch
+
+__all__ = ["ApexCheckpointError", "apex_scaler_to_dict", "load_apex_checkpoint"]
+
+
+class ApexCheckpointError(pickle.UnpicklingError, ValueError):
+    """The file is not a loadable apex FP16_Optimizer checkpoint (``global_name``: the culprit)."""
+
+    def __init__(self, message: str, global_name: str | None = None) -> None:
+        super().__init__(message)
+        self.global_name = global_name
+
+
+class _ApexScalerStandIn:
+    """An inert holder for a pickled apex scaler's attributes; it has no behaviour at all."""
+
+    apex_path = ""
+    format = ""
+
+    def __setstate__(self, state: object) -> None:
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in state
+        ):
+            raise ApexCheckpointError(
+                f"the pickled state of {self.apex_path} is not a dict of attribute names; "
+                "the file is not an apex FP16_Optimizer checkpoint"
+            )
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self.apex_path} {self.__dict__}>"
+
+
+class _AmpLossScaler(_ApexScalerStandIn):
+    apex_path = "apex.amp.scaler.LossScaler"
+    format = "apex.amp"
+
+
+class _LegacyDynamicLossScaler(_ApexScalerStandIn):
+    apex_path = "apex.fp16_utils.loss_scaler.DynamicLossScaler"
+    format = "apex.fp16_utils.dynamic"
+
+
+class _LegacyLossScaler(_ApexScalerStandIn):
+    apex_path = "apex.fp16_utils.loss_scaler.LossScaler"
+    format = "apex.fp16_utils.static"
+
+
+_STAND_INS = (_AmpLossScaler, _LegacyDynamicLossScaler, _LegacyLossScaler)
+_FORMAT_BY_PATH = {cls.apex_path: cls.format for cls in _STAND_INS}
+
+
+def _attr(obj: object, name: str) -> Any:
+    if not hasattr(obj, name):
+        path = getattr(obj, "apex_path", None) or type(obj).__qualname__
+        raise ApexCheckpointError(f"apex scaler {path} has no attribute {name!r}")
+    return getattr(obj, name)
+
+
+def _number(obj: object, name: str, kind: type[int] | type[float]) -> Any:
+    value = _attr(obj, name)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a number")
+    return kind(value)
+
+
+def _loss_scale(obj: object, name: str) -> float:
+    scale = _number(obj, name, float)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ApexCheckpointError(
+            f"apex scaler attribute {name!r} is {scale}, not a positive scale"
+        )
+    return scale
+
+
+def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
+    """Returns a plain dict describing an apex loss-scaler object (stand-in or real apex class).
+
+    Schema (every value a Python primitive; attributes apex stored beyond these, such as amp's
+    ``_overflow_buf`` tensor, are dropped):
+
+    - all formats: ``"format"`` (str), ``"loss_scale"`` (float), ``"dynamic"`` (bool)
+    - ``format == "apex.amp"`` (``apex.amp.scaler.LossScaler``) adds ``"unskipped"`` (int,
+      clean steps since the last change), ``"scale_window"`` (int, from ``_scale_seq_len``),
+      ``"min_loss_scale"`` (float or None), ``"max_loss_scale"`` (float), ``"has_overflow"``
+      (bool; False if absent); ``"dynamic"`` is the scaler's own flag.
+    - ``format == "apex.fp16_utils.dynamic"`` (legacy ``DynamicLossScaler``) adds
+      ``"cur_iter"``, ``"last_overflow_iter"``, ``"scale_window"`` (ints) and
+      ``"scale_factor"`` (float); ``"dynamic"`` is True.
+    - ``format == "apex.fp16_utils.static"`` (legacy ``LossScaler``): ``"dynamic"`` is False.
+
+    Raises:
+        ApexCheckpointError: ``obj`` is not an apex scaler, misses a required attribute, or
+            holds a non-numeric or non-positive scale.
+    """
+    cls = type(obj)
+    fmt = getattr(cls, "format", "") if issubclass(cls, _ApexScalerStandIn) else ""
+    fmt = fmt or _FORMAT_BY_PATH.get(f"{cls.__module__}.{cls.__qualname__}", "")
+    if fmt == "apex.amp":
+        min_scale = _attr(obj, "_min_loss_scale")
+        return {
+            "format": fmt,
+            "loss_scale": _loss_scale(obj, "_loss_scale"),
+            "dynamic": bool(_attr(obj, "dynamic")),
+            "unskipped": _number(obj, "_unskipped", int),
+            "scale_window": _number(obj, "_scale_seq_len", int),
+            "min_loss_scale": None if min_scale is None else _number(obj, "_min_loss_scale", float),
+            "max_loss_scale": _number(obj, "_max_loss_scale", float),
+            "has_overflow": bool(getattr(obj, "_has_overflow", False)),
+        }
+    if fmt == "apex.fp16_utils.dynamic":
+        return {
+            "format": fmt,
+            "loss_scale": _loss_scale(obj, "cur_scale"),
+            "dynamic": True,
+            "cur_iter": _number(obj, "cur_iter", int),
+            "last_overflow_iter": _number(obj, "last_overflow_iter", int),
+            "scale_factor": _number(obj, "scale_factor", float),
+            "scale_window": _number(obj, "scale_window", int),
+        }
+    if fmt == "apex.fp16_utils.static":
+        return {"format": fmt, "loss_scale": _loss_scale(obj, "cur_scale"), "dynamic": False}
+    raise ApexCheckpointError(f"{cls.__module__}.{cls.__qualname__} is not an apex loss scaler")
+
+
+def _replace_scalers(obj: Any, seen: set[int]) -> Any:
+    """Returns ``obj`` with every stand-in scaler inside dicts/lists/tuples replaced by its dict."""
+    if isinstance(obj, _ApexScalerStandIn):
+        return apex_scaler_to_dict(obj)
+    if id(obj) in seen or not isinstance(obj, (dict, list, tuple)):
+        return obj
+    seen.add(id(obj))
+    if isinstance(obj, tuple):
+        return tuple(_replace_scalers(v, seen) for v in obj)
+    for key in obj.keys() if isinstance(obj, dict) else range(len(obj)):
+        obj[key] = _replace_scalers(obj[key], seen)
+    return obj
+
+
+def _python3_name(name: str) -> str:
+    """Returns the Python 3 path of a global as torch's error message spells it.
+
+    torch drops the ``builtins.`` prefix (``GLOBAL eval``), and protocol-2 pickles write some
+    modules under their Python 2 names (``commands.call`` for ``subprocess.call``).
+    """
+    if "." not in name:
+        return f"builtins.{name}"
+    module, attr = name.rsplit(".", 1)
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        return ".".join(_compat_pickle.NAME_MAPPING[(module, attr)])
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{attr}"
+
+
+def _refusal(err: pickle.UnpicklingError, source: object) -> ApexCheckpointError:
+    """Returns the error to raise for a file the weights-only unpickler refused."""
+    match = re.search(r"GLOBAL (\S+)", str(err))
+    if match is None:
+        return ApexCheckpointError(
+            f"{source!r} could not be loaded safely; it is not an apex FP16_Optimizer "
+            f"checkpoint (weights-only unpickler: {err})"
+        )
+    name = _python3_name(match.group(1))
+    return ApexCheckpointError(
+        f"{source!r} names the global {name}, which is not allowed: the file is not an apex "
+        "FP16_Optimizer checkpoint, and it was not executed",
+        global_name=name,
+    )
+
+
+def load_apex_checkpoint(
+    path_or_file: str | os.PathLike[str] | IO[bytes],
+    map_location: Any = None,
+) -> dict[str, Any]:
+    """Returns an apex ``FP16_Optimizer`` checkpoint dict with its scaler as a plain dict.
+
+    The file is read by ``torch.load(..., weights_only=True)`` with only the apex scaler classes
+    added to the allowed globals, so neither apex nor trust in the file is needed. Every apex
+    scaler object in the loaded dict (under ``"loss_scaler"`` for a bare
+    ``FP16_Optimizer.state_dict()``, or nested deeper, e.g. ``ckpt["optimizer"]["loss_scaler"]``)
+    is replaced by ``apex_scaler_to_dict(scaler)``; see that function for the schema. The other
+    apex keys are returned as loaded: ``dynamic_loss_scale`` and ``overflow`` and
+    ``first_closure_call_this_step`` (bools), ``optimizer_state_dict`` (the wrapped optimizer's
+    state dict) and ``fp32_from_fp16`` (per param group, a list of FP32 master tensors).
+
+    Args:
+        path_or_file: a path or a binary file object, as for ``torch.load``.
+        map_location: as for ``torch.load``; pass ``"cpu"`` to load a CUDA checkpoint (apex's
+            amp scaler holds a CUDA ``_overflow_buf``) on a machine without a GPU.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ApexCheckpointError: the pickle names any global beyond tensors, torch's default
+            weights-only allowlist and the apex scaler classes (the name is in the message and
+            in ``.global_name``), or the top level is not a dict. Nothing it names is called.
+    """
+    if isinstance(path_or_file, (str, os.PathLike)) and not os.path.exists(path_or_file):
+        raise FileNotFoundError(f"apex checkpoint not found: {os.fspath(path_or_file)}")
+    allowed = [(cls, cls.apex_path) for cls in _STAND_INS]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            loaded = torch.load(path_or_file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise _refusal(err, path_or_file) from err
+    if not isinstance(loaded, dict):
+        raise ApexCheckpointError(
+            f"{path_or_file!r} holds a {type(loaded).__name__}, not a dict: it is not an apex "
+            "FP16_Optimizer checkpoint"
+        )
+    return _replace_scalers(loaded, set())

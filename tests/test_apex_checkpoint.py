@@ -1,0 +1,273 @@
+"""Tests for loading apex FP16_Optimizer checkpoints safely, without apex installed.
+
+Fixtures are written with fake ``apex.*`` modules registered in ``sys.modules`` only while
+``torch.save`` runs; every load happens after they are removed, so apex is never importable.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.util
+import io
+import os
+import pickle
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict, load_apex_checkpoint
+
+APEX_MODULES = (
+    "apex",
+    "apex.amp",
+    "apex.amp.scaler",
+    "apex.fp16_utils",
+    "apex.fp16_utils.loss_scaler",
+)
+
+
+def apex_class(module: str, name: str) -> type:
+    return type(name, (), {"__module__": module, "__qualname__": name})
+
+
+AmpLossScaler = apex_class("apex.amp.scaler", "LossScaler")
+LegacyDynamic = apex_class("apex.fp16_utils.loss_scaler", "DynamicLossScaler")
+LegacyStatic = apex_class("apex.fp16_utils.loss_scaler", "LossScaler")
+NotAScaler = apex_class("apex.amp.scaler", "Evil")
+
+
+def instance(cls: type, **attrs) -> object:
+    obj = object.__new__(cls)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+@contextlib.contextmanager
+def fake_apex():
+    """Makes the fake apex classes picklable by their apex paths, for the duration only."""
+    assert not any(name in sys.modules for name in APEX_MODULES)
+    modules = {name: types.ModuleType(name) for name in APEX_MODULES}
+    for cls in (AmpLossScaler, LegacyDynamic, LegacyStatic, NotAScaler):
+        setattr(modules[cls.__module__], cls.__qualname__, cls)
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name in APEX_MODULES:
+            del sys.modules[name]
+    assert importlib.util.find_spec("apex") is None
+
+
+def save(obj, path) -> None:
+    with fake_apex():
+        torch.save(obj, path)
+
+
+def amp_scaler() -> object:
+    return instance(
+        AmpLossScaler, _loss_scale=2.0**13, dynamic=True, _unskipped=17, _scale_seq_len=2000,
+        _max_loss_scale=2.0**24, _min_loss_scale=None, _has_overflow=False,
+        _overflow_buf=torch.zeros(1, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def apex_state_dict(scaler: object) -> dict:
+    """An FP16_Optimizer.state_dict() as apex builds it: SGD with momentum over FP32 masters."""
+    torch.manual_seed(0)
+    masters = [torch.nn.Parameter(torch.randn(3, 2)), torch.randn(4).requires_grad_()]
+    sgd = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+    for m in masters:
+        m.grad = torch.ones_like(m)
+    sgd.step()
+    return {
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": True,
+        "overflow": False,
+        "first_closure_call_this_step": True,
+        "optimizer_state_dict": sgd.state_dict(),
+        "fp32_from_fp16": [masters],
+    }
+
+
+def assert_rest_of_state_matches(loaded: dict, original: dict) -> None:
+    for key in ("dynamic_loss_scale", "overflow", "first_closure_call_this_step"):
+        assert loaded[key] is original[key]
+    for got, want in zip(loaded["fp32_from_fp16"][0], original["fp32_from_fp16"][0], strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    opt, want_opt = loaded["optimizer_state_dict"], original["optimizer_state_dict"]
+    assert opt["param_groups"] == want_opt["param_groups"]
+    for i in (0, 1):
+        got, want = opt["state"][i]["momentum_buffer"], want_opt["state"][i]["momentum_buffer"]
+        assert torch.equal(got, want)
+
+
+def test_amp_era_checkpoint_loads_with_scaler_as_plain_dict(tmp_path):
+    original = apex_state_dict(amp_scaler())
+    save(original, tmp_path / "amp.pt")
+    loaded = load_apex_checkpoint(tmp_path / "amp.pt")
+    assert loaded["loss_scaler"] == {
+        "format": "apex.amp",
+        "loss_scale": 8192.0,
+        "dynamic": True,
+        "unskipped": 17,
+        "scale_window": 2000,
+        "min_loss_scale": None,
+        "max_loss_scale": 2.0**24,
+        "has_overflow": False,
+    }
+    assert_rest_of_state_matches(loaded, original)
+
+
+def test_legacy_dynamic_checkpoint_loads(tmp_path):
+    scaler = instance(
+        LegacyDynamic, cur_scale=2.0**20, cur_iter=4321, last_overflow_iter=4000,
+        scale_factor=2.0, scale_window=1000,
+    )  # fmt: skip
+    original = apex_state_dict(scaler)
+    save(original, tmp_path / "legacy.pt")
+    loaded = load_apex_checkpoint(str(tmp_path / "legacy.pt"))
+    assert loaded["loss_scaler"] == {
+        "format": "apex.fp16_utils.dynamic",
+        "loss_scale": 2.0**20,
+        "dynamic": True,
+        "cur_iter": 4321,
+        "last_overflow_iter": 4000,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+    }
+    assert_rest_of_state_matches(loaded, original)
+
+
+def test_legacy_static_checkpoint_loads_from_a_file_object():
+    original = apex_state_dict(instance(LegacyStatic, cur_scale=128))
+    original["dynamic_loss_scale"] = False
+    buffer = io.BytesIO()
+    save(original, buffer)
+    buffer.seek(0)
+    loaded = load_apex_checkpoint(buffer, map_location="cpu")
+    assert loaded["loss_scaler"] == {
+        "format": "apex.fp16_utils.static",
+        "loss_scale": 128.0,
+        "dynamic": False,
+    }
+    assert type(loaded["loss_scaler"]["loss_scale"]) is float
+    assert_rest_of_state_matches(loaded, original)
+
+
+def test_scalers_nested_in_a_training_checkpoint_are_converted(tmp_path):
+    checkpoint = {"epoch": 3, "optimizer": apex_state_dict(amp_scaler()), "extra": [amp_scaler()]}
+    save(checkpoint, tmp_path / "train.pt")
+    loaded = load_apex_checkpoint(tmp_path / "train.pt")
+    assert loaded["epoch"] == 3
+    assert loaded["optimizer"]["loss_scaler"]["format"] == "apex.amp"
+    assert loaded["extra"][0]["loss_scale"] == 8192.0
+
+
+def test_loading_leaves_torch_safe_globals_unchanged(tmp_path):
+    before = torch.serialization.get_safe_globals()
+    save(apex_state_dict(amp_scaler()), tmp_path / "ok.pt")
+    save({"loss_scaler": instance(NotAScaler)}, tmp_path / "bad.pt")
+    load_apex_checkpoint(tmp_path / "ok.pt")
+    with pytest.raises(ApexCheckpointError):
+        load_apex_checkpoint(tmp_path / "bad.pt")
+    assert torch.serialization.get_safe_globals() == before
+    with pytest.raises(pickle.UnpicklingError, match=re.escape("apex.amp.scaler.LossScaler")):
+        torch.load(tmp_path / "ok.pt", weights_only=True)  # not allowed outside the loader
+
+
+class Malicious:
+    """Pickles as a call of ``func(*args)``, which an unsafe load would run."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _payloads(marker: str):
+    return {
+        f"{os.system.__module__}.system": (os.system, (f"touch {marker}",)),
+        "builtins.exec": (builtins.exec, (f"open({marker!r}, 'w').close()",)),
+        "subprocess.call": (subprocess.call, (["touch", marker],)),
+    }
+
+
+@pytest.mark.parametrize("global_name", sorted(_payloads("m")))
+def test_malicious_checkpoint_is_refused_and_never_executed(tmp_path, global_name):
+    marker = tmp_path / "pwned"
+    func, args = _payloads(str(marker))[global_name]
+    path = tmp_path / "evil.pt"
+    save(apex_state_dict(Malicious(func, args)), path)
+    with pytest.raises(ApexCheckpointError) as info:
+        load_apex_checkpoint(path)
+    assert info.value.global_name == global_name
+    assert global_name in str(info.value)
+    assert "not an apex FP16_Optimizer checkpoint" in str(info.value)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the fixture really is an exploit ...
+    assert marker.exists()  # ... so the refusal above is what kept it from running
+
+
+class Unrelated:
+    """A harmless class that has no business in an apex checkpoint."""
+
+
+@pytest.mark.parametrize(
+    ("obj", "name"),
+    [
+        (Unrelated(), f"{Unrelated.__module__}.Unrelated"),
+        (instance(NotAScaler), "apex.amp.scaler.Evil"),
+    ],
+)
+def test_unrelated_class_is_refused_by_name(tmp_path, obj, name):
+    save(apex_state_dict(obj), tmp_path / "other.pt")
+    with pytest.raises(ApexCheckpointError, match=re.escape(name) + ".*not an apex FP16_Optimizer"):
+        load_apex_checkpoint(tmp_path / "other.pt")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nowhere.pt"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(path))):
+        load_apex_checkpoint(path)
+
+
+def test_a_non_dict_checkpoint_is_refused(tmp_path):
+    save([amp_scaler()], tmp_path / "list.pt")
+    with pytest.raises(ApexCheckpointError, match="list, not a dict"):
+        load_apex_checkpoint(tmp_path / "list.pt")
+
+
+def test_scaler_state_with_dunder_attributes_is_refused(tmp_path):
+    AmpLossScaler.__getstate__ = lambda self: {"__class__": "x", "_loss_scale": 1.0}
+    try:
+        save({"loss_scaler": instance(AmpLossScaler)}, tmp_path / "dunder.pt")
+    finally:
+        del AmpLossScaler.__getstate__
+    with pytest.raises(ApexCheckpointError, match="not an apex FP16_Optimizer checkpoint"):
+        load_apex_checkpoint(tmp_path / "dunder.pt")
+
+
+def test_scaler_to_dict_reports_missing_or_bad_attributes():
+    with pytest.raises(ApexCheckpointError, match="'last_overflow_iter'"):
+        apex_scaler_to_dict(instance(LegacyDynamic, cur_scale=2.0, cur_iter=1))
+    with pytest.raises(ApexCheckpointError, match="not a positive scale"):
+        apex_scaler_to_dict(instance(LegacyStatic, cur_scale=0.0))
+    with pytest.raises(ApexCheckpointError, match="not a number"):
+        apex_scaler_to_dict(instance(LegacyStatic, cur_scale="big"))
+    with pytest.raises(ApexCheckpointError, match="not an apex loss scaler"):
+        apex_scaler_to_dict(Unrelated())
+
+
+def test_scaler_to_dict_accepts_real_apex_classes_and_tensor_values():
+    scaler = instance(LegacyStatic, cur_scale=torch.tensor(64.0))
+    assert apex_scaler_to_dict(scaler) == {
+        "format": "apex.fp16_utils.static",
+        "loss_scale": 64.0,
+        "dynamic": False,
+    }
