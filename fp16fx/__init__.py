@@ -1,0 +1,61 @@
+"""fp16fx: FP16/BF16 training with FP32 master weights and loss scaling, as a pure compiled step.
+
+The functional API::
+
+    state = fp16fx.init(params, fp16fx.adam(1e-3))          # FP16 params -> dynamic scaling
+    loss = fp16fx.scale_loss(state, loss)                    # backprop this
+    state, info = fp16fx.step(state, grads)                  # pure; skips on inf/NaN
+    step = fp16fx.compile_step(inplace=True)                 # the same, fused and in place
+"""
+
+from fp16fx.compile import compile_step
+from fp16fx.scaling import (
+    DynamicLossScale,
+    LossScaleState,
+    NoLossScale,
+    StaticLossScale,
+    unscale_and_check,
+)
+from fp16fx.step import MixedPrecisionState, init, scale_loss, set_hyperparams, step
+from fp16fx.transforms import (
+    GradientTransformation,
+    TransformState,
+    adam,
+    adamw,
+    add_decayed_weights,
+    chain,
+    clip_by_global_norm,
+    multi_transform,
+    scale_by_adam,
+    scale_by_learning_rate,
+    sgd,
+    trace,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "GradientTransformation",
+    "LossScaleState",
+    "MixedPrecisionState",
+    "NoLossScale",
+    "StaticLossScale",
+    "TransformState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "chain",
+    "clip_by_global_norm",
+    "compile_step",
+    "init",
+    "multi_transform",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_loss",
+    "set_hyperparams",
+    "sgd",
+    "step",
+    "trace",
+    "unscale_and_check",
+]

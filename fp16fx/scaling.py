@@ -1,0 +1,199 @@
+"""Loss scaling: policies, their state, and the one definition of "unscale and check".
+
+Layer: ``scaling`` (DESIGN.md). Pure functions on tensors; never touches params.
+
+A policy is a frozen (hashable) dataclass holding configuration only. Its mutable part is a
+:class:`LossScaleState` of 0-d tensors that travels inside the training state, so changing the
+scale never changes a compiled graph. ``policy.adjust(state, finite)`` returns a *new* state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class LossScaleState(NamedTuple):
+    """The mutable part of every loss-scale policy, as 0-d tensors.
+
+    Attributes:
+      scale: the current loss scale (float32).
+      good_steps: finite steps since the scale last changed or overflowed (int32).
+      overflows: overflows since the scale last grew or backed off (int32; for hysteresis).
+    """
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+    overflows: torch.Tensor
+
+
+def _state(scale: float, device: torch.device | str | None) -> LossScaleState:
+    return LossScaleState(
+        scale=torch.tensor(scale, dtype=torch.float32, device=device),
+        good_steps=torch.zeros((), dtype=torch.int32, device=device),
+        overflows=torch.zeros((), dtype=torch.int32, device=device),
+    )
+
+
+class LossScalePolicy(Protocol):
+    """What the step needs of a policy: an initial state and a pure ``adjust``."""
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState: ...
+
+    def adjust(
+        self, state: LossScaleState, finite: torch.Tensor
+    ) -> tuple[LossScaleState, torch.Tensor]:
+        """Returns ``(new_state, floored)``; ``floored`` is True when a back-off was clamped."""
+        ...
+
+
+def is_power_of_two(x: float) -> bool:
+    """Returns whether ``x`` is a positive (possibly fractional) power of two: 2**k, k an int."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLossScale:
+    """No loss scaling: the scale is 1 for ever (the usual choice for BF16)."""
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        return _state(1.0, device)
+
+    def adjust(
+        self, state: LossScaleState, finite: torch.Tensor
+    ) -> tuple[LossScaleState, torch.Tensor]:
+        return state, torch.zeros_like(finite)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """A fixed loss scale. Non-finite steps are still skipped; the scale never moves.
+
+    A power of two keeps scaling and unscaling exact; other values are accepted (apex scripts
+    use e.g. 128 or 1000) and cost one rounding when the gradients are unscaled.
+    """
+
+    scale: float
+
+    def __post_init__(self) -> None:
+        _require_positive("scale", self.scale)
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        return _state(float(self.scale), device)
+
+    def adjust(
+        self, state: LossScaleState, finite: torch.Tensor
+    ) -> tuple[LossScaleState, torch.Tensor]:
+        return state, torch.zeros_like(finite)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """A loss scale that backs off on overflow and grows after a run of finite steps.
+
+    The rule, applied once per step after the gradients were checked::
+
+        if finite:
+            good_steps += 1
+            if good_steps == growth_interval:
+                scale = min(scale * growth_factor, max_scale)
+                good_steps = overflows = 0
+        else:                                   # the step itself is skipped
+            good_steps = 0
+            overflows += 1
+            if overflows == hysteresis:
+                scale = max(scale * backoff_factor, min_scale)   # "floored" if clamped
+                overflows = 0
+
+    Hysteresis N tolerates N-1 overflows (each still skips its step) before backing off.
+    At the floor the scale is clamped, never lowered further, and ``adjust`` reports the clamp
+    (``info["loss_scale_floored"]`` in a step): raising on a collapsed scale is left to the
+    caller, which can check that flag whenever it is willing to sync with the device.
+
+    All factors and bounds must be powers of two, so that scaling and unscaling stay exact.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            _require_positive(name, value)
+            if not is_power_of_two(value):
+                raise ValueError(
+                    f"{name} must be a power of two (so that scaling is exact), got {value!r}"
+                )
+        if self.growth_factor < 1:
+            raise ValueError(f"growth_factor must be >= 1, got {self.growth_factor!r}")
+        if self.backoff_factor > 1:
+            raise ValueError(f"backoff_factor must be <= 1, got {self.backoff_factor!r}")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.min_scale <= self.max_scale:
+            raise ValueError(
+                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})"
+            )
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        start = min(max(self.init_scale, self.min_scale), self.max_scale)
+        return _state(start, device)
+
+    def adjust(
+        self, state: LossScaleState, finite: torch.Tensor
+    ) -> tuple[LossScaleState, torch.Tensor]:
+        zero = torch.zeros_like(state.good_steps)
+        good_steps = torch.where(finite, state.good_steps + 1, zero)
+        overflows = torch.where(finite, state.overflows, state.overflows + 1)
+        grow = finite & (good_steps >= self.growth_interval)
+        back_off = ~finite & (overflows >= self.hysteresis)
+
+        grown = torch.clamp(state.scale * self.growth_factor, max=self.max_scale)
+        wanted = state.scale * self.backoff_factor
+        backed_off = torch.clamp(wanted, min=self.min_scale)
+        scale = torch.where(grow, grown, torch.where(back_off, backed_off, state.scale))
+
+        changed = grow | back_off
+        new_state = LossScaleState(
+            scale=scale,
+            good_steps=torch.where(changed, zero, good_steps),
+            overflows=torch.where(changed, zero, overflows),
+        )
+        return new_state, back_off & (wanted < self.min_scale)
+
+
+def unscale_and_check(
+    grads: Sequence[torch.Tensor], scale: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Returns ``(unscaled_grads, finite, norm)``: grads / scale in FP32, all-finite, L2 norm.
+
+    ``finite`` is a 0-d bool tensor, False when any element of any grad is inf or NaN;
+    ``norm`` is the global L2 norm of the unscaled grads (inf/NaN when not finite). Both come
+    from one reduction: the sum of squares is finite exactly when every element is finite and
+    the norm does not overflow FP32 (a step whose unscaled norm exceeds ~1.8e19 counts as an
+    overflow). Unscaling multiplies by ``1 / scale``, exact when the scale is a power of two.
+    Nothing is synced to the host.
+    """
+    inv_scale = torch.reciprocal(scale)
+    unscaled = [g.float() * inv_scale for g in grads]
+    if not unscaled:
+        zero = scale.new_zeros(())
+        return unscaled, torch.ones((), dtype=torch.bool, device=scale.device), zero
+    sum_sq = torch.stack([u.square().sum() for u in unscaled]).sum()
+    return unscaled, torch.isfinite(sum_sq), torch.sqrt(sum_sq)

@@ -1,0 +1,310 @@
+"""The mixed-precision step: a pure function of ``(state, grads)``.
+
+Layer: ``step`` (DESIGN.md). One step, for the leaves that have a gradient::
+
+    scaled grads g, scale s
+    u, finite, norm = unscale_and_check(g, s)     # one reduction pass
+    updates, opt'   = optimizer.update(u, ...)    # FP32 math on the masters
+    master'         = master + updates
+    param'          = master'.to(param.dtype)
+    keep every old value where not finite         # torch.where: no host sync, exact skip
+    loss_scale'     = policy.adjust(loss_scale, finite)
+
+Nothing is mutated; the in-place variant (``fp16fx.compile_step(inplace=True)``) writes the
+same values into the state's own tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from fp16fx import tree
+from fp16fx.scaling import (
+    DynamicLossScale,
+    LossScalePolicy,
+    LossScaleState,
+    NoLossScale,
+    unscale_and_check,
+)
+from fp16fx.transforms import GradientTransformation, TransformState, replace_hyperparams
+
+Info = dict[str, torch.Tensor]
+
+
+class MixedPrecisionState:
+    """The whole training state: a pytree of tensors with two static fields.
+
+    Attributes:
+      params: the model-dtype params (FP16, BF16 or FP32), structured as given to ``init``.
+      master: FP32 master weights, same structure (an FP32 param is its own master).
+      opt_state: the optimizer's :class:`~fp16fx.transforms.TransformState`.
+      loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
+      count: applied (not skipped) steps, a 0-d int64 tensor.
+      optimizer, policy: the transform and the loss-scale policy (pytree metadata, not leaves).
+    """
+
+    __slots__ = ("count", "loss_scale", "master", "opt_state", "optimizer", "params", "policy")
+
+    def __init__(
+        self,
+        params: Any,
+        master: Any,
+        opt_state: TransformState,
+        loss_scale: LossScaleState,
+        count: torch.Tensor,
+        optimizer: GradientTransformation,
+        policy: LossScalePolicy,
+    ) -> None:
+        self.params = params
+        self.master = master
+        self.opt_state = opt_state
+        self.loss_scale = loss_scale
+        self.count = count
+        self.optimizer = optimizer
+        self.policy = policy
+
+    _CHILDREN = ("params", "master", "opt_state", "loss_scale", "count")
+
+    def replace(self, **changes: Any) -> MixedPrecisionState:
+        """Returns a copy of this state with the given fields replaced."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields.update(changes)
+        return MixedPrecisionState(**fields)
+
+    def __repr__(self) -> str:
+        n = sum(m.numel() for m in tree.flatten(self.master)[0] if m is not None)
+        return (
+            f"MixedPrecisionState({n:,} trained values, count={self.count.tolist()}, "
+            f"loss_scale={self.loss_scale.scale.tolist()}, policy={self.policy})"
+        )
+
+
+optree.register_pytree_node(
+    MixedPrecisionState,
+    lambda s: (
+        tuple(getattr(s, name) for name in MixedPrecisionState._CHILDREN),
+        (s.optimizer, s.policy),
+        MixedPrecisionState._CHILDREN,
+    ),
+    lambda meta, children: MixedPrecisionState(*children, *meta),
+    namespace=optree.registry.__GLOBAL_NAMESPACE,  # plain optree calls see its tensors
+)
+
+
+def _default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
+    if any(p is not None and p.dtype == torch.float16 for p in params):
+        return DynamicLossScale()
+    return NoLossScale()
+
+
+def init(
+    params: Any,
+    optimizer: GradientTransformation,
+    loss_scale: LossScalePolicy | None = None,
+) -> MixedPrecisionState:
+    """Returns the initial training state for ``params``.
+
+    Args:
+      params: any pytree of FP16, BF16 or FP32 tensors on one device; ``None`` leaves are not
+        trained. The tensors are kept, not copied: an in-place step writes into them.
+      optimizer: a transform such as ``fp16fx.adam(1e-3)``.
+      loss_scale: a policy; by default ``DynamicLossScale()`` when any param is FP16, else
+        ``NoLossScale()`` (BF16 has FP32's exponent range and needs no scaling).
+    """
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
+        )
+    leaves, treedef = tree.check_params(params)
+    device = next(p.device for p in leaves if p is not None)
+    policy = _default_policy(leaves) if loss_scale is None else loss_scale
+    if not callable(getattr(policy, "adjust", None)):
+        raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
+    with torch.no_grad():
+        masters = [
+            None if p is None else p if p.dtype == torch.float32 else p.detach().float()
+            for p in leaves
+        ]
+        leaf_states = [
+            None if m is None else optimizer.init_leaf(m, i) for i, m in enumerate(masters)
+        ]
+        return MixedPrecisionState(
+            params=params,
+            master=tree.unflatten(treedef, masters),
+            opt_state=TransformState(
+                hyperparams=optimizer.init_hyperparams(device),
+                leaves=tree.unflatten(treedef, leaf_states),
+            ),
+            loss_scale=policy.init(device),
+            count=torch.zeros((), dtype=torch.int64, device=device),
+            optimizer=optimizer,
+            policy=policy,
+        )
+
+
+def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
+    """Returns ``loss`` in FP32 times the current loss scale (backpropagate through this)."""
+    return loss.float() * state.loss_scale.scale
+
+
+def set_hyperparams(
+    state: MixedPrecisionState, *, inplace: bool = False, **values: float
+) -> MixedPrecisionState:
+    """Returns ``state`` with hyperparameters changed, e.g. ``set_hyperparams(state, lr=1e-4)``.
+
+    Names: ``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``momentum``,
+    ``dampening``, ``max_norm``, as the optimizer has them. The values are tensors in the state,
+    so a compiled step is not recompiled. ``inplace=True`` overwrites the existing tensors
+    (for CUDA-graph replay, which reads fixed addresses) and returns the same state.
+    """
+    hp = replace_hyperparams(state.opt_state.hyperparams, values, inplace=inplace)
+    if inplace:
+        return state
+    return state.replace(opt_state=state.opt_state._replace(hyperparams=hp))
+
+
+def apply_updates(
+    optimizer: GradientTransformation,
+    policy: LossScalePolicy,
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor | None],
+    masters: list[torch.Tensor],
+    leaf_states: list[Any],
+    hyperparams: Any,
+    loss_scale: LossScaleState,
+    count: torch.Tensor,
+    indices: tuple[int, ...],
+) -> tuple[
+    list[torch.Tensor | None], list[torch.Tensor], list[Any], LossScaleState, torch.Tensor, Info
+]:
+    """Returns the stepped ``(params, masters, leaf_states, loss_scale, count, info)``.
+
+    The pure core over flat lists of the leaves that have a gradient (``params[i]`` is None
+    where the param is FP32 and so its own master; ``indices`` are their flat leaf indices).
+    This is what ``compile_step`` compiles.
+    """
+    unscaled, finite, grad_norm = unscale_and_check(grads, loss_scale.scale)
+    updates, new_states = optimizer.update(
+        unscaled, leaf_states, masters, hyperparams, grad_norm, indices
+    )
+
+    def keep_if_skipped(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return torch.where(finite, new, old)
+
+    new_masters = [keep_if_skipped(m + u, m) for m, u in zip(masters, updates)]
+    new_params = [
+        None if p is None else keep_if_skipped(m.to(p.dtype), p)
+        for p, m in zip(params, new_masters)
+    ]
+    new_states = optree.tree_map(keep_if_skipped, new_states, leaf_states)
+    new_loss_scale, floored = policy.adjust(loss_scale, finite)
+    info = {
+        "finite": finite,
+        "loss_scale": loss_scale.scale,
+        "grad_norm": grad_norm,
+        "loss_scale_floored": floored,
+    }
+    return (
+        new_params,
+        new_masters,
+        new_states,
+        new_loss_scale,
+        keep_if_skipped(count + 1, count),
+        info,
+    )
+
+
+def apply_updates_(
+    optimizer: GradientTransformation,
+    policy: LossScalePolicy,
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor | None],
+    masters: list[torch.Tensor],
+    leaf_states: list[Any],
+    hyperparams: Any,
+    loss_scale: LossScaleState,
+    count: torch.Tensor,
+    indices: tuple[int, ...],
+) -> Info:
+    """Returns ``info`` after writing :func:`apply_updates`' results into its own inputs."""
+    *new, info = apply_updates(
+        optimizer,
+        policy,
+        grads,
+        params,
+        masters,
+        leaf_states,
+        hyperparams,
+        loss_scale,
+        count,
+        indices,
+    )
+    old = (params, masters, leaf_states, loss_scale, count)
+    optree.tree_map(lambda dst, src: dst.copy_(src), old, tuple(new))
+    return info
+
+
+Core = Callable[..., Any]
+
+
+def run_step(
+    core: Core, state: MixedPrecisionState, grads: Any, *, inplace: bool
+) -> tuple[MixedPrecisionState, Info]:
+    """Returns ``core`` applied to the leaves of ``state`` that have a gradient in ``grads``.
+
+    Validates ``grads`` first (nothing is touched when they do not fit), gathers the flat
+    lists ``core`` takes, and scatters its results back into a new state (or, ``inplace``,
+    lets ``core`` write them into ``state``'s tensors and returns ``state``).
+    """
+    grad_leaves = tree.check_grads(state.params, grads)
+    params, treedef = tree.flatten(state.params)
+    masters = treedef.flatten_up_to(state.master)
+    leaf_states = treedef.flatten_up_to(state.opt_state.leaves)
+    active = [i for i, g in enumerate(grad_leaves) if g is not None]
+    args = (
+        state.optimizer,
+        state.policy,
+        [grad_leaves[i] for i in active],
+        [None if params[i].dtype == torch.float32 else params[i] for i in active],
+        [masters[i] for i in active],
+        [leaf_states[i] for i in active],
+        state.opt_state.hyperparams,
+        state.loss_scale,
+        state.count,
+        tuple(active),
+    )
+    with torch.no_grad():
+        if inplace:
+            return state, core(*args)
+        new_params, new_masters, new_states, loss_scale, count, info = core(*args)
+    for slot, i in enumerate(active):
+        masters[i] = new_masters[slot]
+        params[i] = new_masters[slot] if new_params[slot] is None else new_params[slot]
+        leaf_states[i] = new_states[slot]
+    new_state = state.replace(
+        params=tree.unflatten(treedef, params),
+        master=tree.unflatten(treedef, masters),
+        opt_state=state.opt_state._replace(leaves=tree.unflatten(treedef, leaf_states)),
+        loss_scale=loss_scale,
+        count=count,
+    )
+    return new_state, info
+
+
+def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:
+    """Returns ``(new_state, info)`` after one mixed-precision step; never mutates its inputs.
+
+    ``grads`` has the structure of ``state.params`` and holds the gradients of the *scaled*
+    loss (``scale_loss``) in the params' dtypes; a ``None`` grad leaves that param and its
+    optimizer state untouched. When any grad holds inf or NaN the step is skipped exactly
+    (every value bitwise unchanged) and only the loss-scale state moves.
+
+    ``info`` holds 0-d tensors (nothing is synced to the host): ``finite``, ``loss_scale``
+    (the scale these grads carry), ``grad_norm`` (global L2 norm of the unscaled grads) and
+    ``loss_scale_floored`` (an overflow found the scale already at its minimum).
+    """
+    return run_step(apply_updates, state, grads, inplace=False)

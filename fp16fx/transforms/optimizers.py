@@ -1,0 +1,69 @@
+"""The optimizers users call, as compositions of primitives, with torch.optim's defaults.
+
+Each matches its torch.optim namesake's math (to float32 rounding); structural options
+(momentum on or off, nesterov, amsgrad) are fixed here, numeric ones live in the state as
+tensors and can be changed between steps with :func:`fp16fx.set_hyperparams`.
+"""
+
+from __future__ import annotations
+
+from fp16fx.transforms.base import GradientTransformation, chain, check_hyperparam
+from fp16fx.transforms.primitives import (
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+
+def sgd(
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Returns ``torch.optim.SGD``'s update: L2 decay, optional (Nesterov) momentum, ``-lr``.
+
+    Momentum is built in when ``momentum > 0`` or ``nesterov``; a momentum of 0 given here
+    cannot be raised later (there would be no buffer).
+    """
+    check_hyperparam("momentum", momentum)
+    parts = [add_decayed_weights(weight_decay)]
+    if momentum > 0 or nesterov:
+        parts.append(trace(momentum, dampening, nesterov))
+    parts.append(scale_by_learning_rate(lr))
+    return chain(*parts)
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+) -> GradientTransformation:
+    """Returns ``torch.optim.Adam``'s update: L2 decay added to the gradient, then Adam."""
+    return chain(
+        add_decayed_weights(weight_decay),
+        scale_by_adam(betas[0], betas[1], eps, amsgrad),
+        scale_by_learning_rate(lr),
+    )
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+) -> GradientTransformation:
+    """Returns ``torch.optim.AdamW``'s update: Adam, then decoupled decay, times ``-lr``.
+
+    ``p <- p - lr * (adam(u) + weight_decay * p)`` (Loshchilov & Hutter, 2019).
+    """
+    return chain(
+        scale_by_adam(betas[0], betas[1], eps, amsgrad),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )

@@ -1,0 +1,108 @@
+"""Pytree helpers: flattening with ``None`` kept in place, leaf names, and input validation.
+
+Layer: ``tree`` (DESIGN.md). Knows nothing about optimizers or loss scales.
+
+Every tree in fp16fx is flattened with ``none_is_leaf=True`` so that a ``None`` leaf ("not
+trained" in params, "no gradient this step" in grads) keeps its position and the flat lists of
+params, masters, grads and optimizer state stay aligned index by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+PyTree = Any
+
+#: Parameter dtypes fp16fx trains. FP64 is refused: its master would be less precise than it.
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Returns ``(leaves, treedef)`` of ``tree`` with ``None`` leaves kept in place."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def unflatten(treedef: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Returns the tree of ``treedef`` holding ``leaves`` (the inverse of :func:`flatten`)."""
+    return optree.tree_unflatten(treedef, list(leaves))
+
+
+def leaf_names(tree: PyTree, root: str = "params") -> list[str]:
+    """Returns a readable name per flat leaf of ``tree``, e.g. ``params['fc'][0]``."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [root + "".join(f"[{key!r}]" for key in path) for path in paths]
+
+
+def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTreeSpec]:
+    """Returns the flat leaves of ``params`` after checking they can be trained.
+
+    Raises:
+      ValueError: the tree holds no tensor, or its tensors live on several devices.
+      TypeError: a leaf is neither ``None`` nor a floating tensor of a dtype in ``MODEL_DTYPES``.
+    """
+    leaves, treedef = flatten(params)
+    names = leaf_names(params)
+    devices = set()
+    for name, leaf in zip(names, leaves):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{name} is a {type(leaf).__name__}; every leaf must be a tensor or None"
+            )
+        if leaf.dtype not in MODEL_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {leaf.dtype}; fp16fx trains float16, bfloat16 and float32 "
+                "params (integer, bool, complex and float64 leaves cannot be trained: pass None "
+                "for leaves that are not trained)"
+            )
+        devices.add(leaf.device)
+    if not devices:
+        raise ValueError("params holds no tensor: there is nothing to train")
+    if len(devices) > 1:
+        raise ValueError(
+            f"params live on several devices {sorted(map(str, devices))}; fp16fx steps one "
+            "device's params per state (make one state per device)"
+        )
+    return leaves, treedef
+
+
+def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:
+    """Returns the flat leaves of ``grads`` after checking they match ``params`` leaf by leaf.
+
+    A ``None`` grad is allowed anywhere (that leaf is left untouched this step). Every other grad
+    must have its param's shape, dtype and device.
+
+    Raises:
+      ValueError: the tree structures or a leaf's shape differ, or a grad is given for a
+        ``None`` (untrained) param.
+      TypeError: a grad is not a tensor, or its dtype or device differs from its param's.
+    """
+    param_leaves, param_def = flatten(params)
+    grad_leaves, grad_def = flatten(grads)
+    if grad_def != param_def:
+        raise ValueError(
+            "grads do not have the structure of params:\n"
+            f"  params: {param_def}\n  grads:  {grad_def}"
+        )
+    names = leaf_names(grads, root="grads")
+    for name, param, grad in zip(names, param_leaves, grad_leaves):
+        if grad is None:
+            continue
+        if param is None:
+            raise ValueError(f"{name} is a gradient for a None (untrained) param")
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{name} is a {type(grad).__name__}, not a tensor")
+        if grad.shape != param.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(grad.shape)}, its param {tuple(param.shape)}"
+            )
+        if grad.dtype != param.dtype:
+            raise TypeError(f"{name} has dtype {grad.dtype}, its param {param.dtype}")
+        if grad.device != param.device:
+            raise TypeError(f"{name} is on {grad.device}, its param on {param.device}")
+    return grad_leaves
