@@ -121,6 +121,8 @@ def scale_by_adam(
     (Kingma & Ba, 2015; AMSGrad: Reddi et al., 2018.) ``eps`` is added after the bias
     correction of ``sqrt(v)``, as torch does, not inside the square root.
     """
+    for name, value in (("beta1", beta1), ("beta2", beta2), ("eps", eps)):
+        check_hyperparam(name, value)
 
     def init_leaf(param: torch.Tensor, index: int) -> ScaleByAdamState:
         return ScaleByAdamState(

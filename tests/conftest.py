@@ -1,0 +1,20 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Two cores: keep torch from oversubscribing them, and hypothesis fast but meaningful.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+settings.register_profile(
+    "fp16fx",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fp16fx"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

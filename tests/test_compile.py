@@ -1,0 +1,110 @@
+"""compile_step: same numbers as step, in place without a second state, zero recompiles."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch._dynamo
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import fp16fx
+from tests.strategies import grads_like, has_tensor, pytrees
+from tests.test_step import OPTIMIZERS, bitwise_equal, snapshot
+
+pytestmark = pytest.mark.compile
+
+
+def _steps(state, step, seeds, overflow_at=()):
+    infos = []
+    for i, seed in enumerate(seeds):
+        grads = grads_like(state.params, seed, scale=float(state.loss_scale.scale))
+        if i in overflow_at:
+            next(g for g in optree.tree_leaves(grads)).view(-1)[0] = float("inf")
+        state, info = step(state, grads)
+        infos.append({k: v.clone() for k, v in info.items()})
+    return state, infos
+
+
+def _fresh(params):
+    return optree.tree_map(lambda p: p.clone(), params)
+
+
+@settings(max_examples=4)
+@given(params=pytrees(), opt=st.sampled_from(["sgd", "adam"]), seed=st.integers(0, 2**16))
+def test_compiled_step_gives_the_numbers_of_step(params, opt, seed):
+    """Bitwise for SGD. Adam differs by an ulp at most: eager ``torch.sqrt`` on x86 CPUs is
+    not correctly rounded (Inductor's is), so it is compared to 1e-6."""
+    assume(has_tensor(params))
+    torch._dynamo.reset()
+    policy = fp16fx.DynamicLossScale(init_scale=2.0**8, growth_interval=2)
+    seeds = [seed + i for i in range(4)]
+    eager, _eager_infos = _steps(
+        fp16fx.init(_fresh(params), OPTIMIZERS[opt](), policy), fp16fx.step, seeds, {2}
+    )
+    for inplace in (False, True):
+        state = fp16fx.init(_fresh(params), OPTIMIZERS[opt](), policy)
+        compiled, infos = _steps(state, fp16fx.compile_step(inplace=inplace), seeds, {2})
+        assert (compiled is state) == inplace
+        assert [i["finite"].item() for i in infos] == [True, True, False, True]
+        assert bitwise_equal(compiled.loss_scale, eager.loss_scale)
+        assert bitwise_equal(compiled.count, eager.count)
+        if opt == "sgd":
+            assert bitwise_equal(compiled.master, eager.master)
+            assert bitwise_equal(compiled.params, eager.params)
+        else:
+            for a, b in zip(optree.tree_leaves(compiled), optree.tree_leaves(eager)):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_inplace_step_writes_into_the_states_own_tensors():
+    params = {"w": torch.randn(16, 8).half(), "b": torch.randn(8)}
+    state = fp16fx.init(params, fp16fx.adam(1e-2), fp16fx.StaticLossScale(2.0**10))
+    addresses = [t.data_ptr() for t in optree.tree_leaves(state)]
+    reference = fp16fx.init(_fresh(params), fp16fx.adam(1e-2), fp16fx.StaticLossScale(2.0**10))
+    step = fp16fx.compile_step(inplace=True)
+    grads = grads_like(params, 3, scale=2.0**10)
+    out, info = step(state, grads)
+    expected, _ = fp16fx.step(reference, grads)
+    assert out is state and info["finite"].item()
+    assert [t.data_ptr() for t in optree.tree_leaves(state)] == addresses
+    assert state.params["w"] is params["w"]  # the caller's tensor, updated in place
+    assert not torch.equal(params["w"], reference.params["w"])
+    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_fifty_steps_with_changing_lr_scale_and_overflows_compile_once(inplace):
+    torch._dynamo.reset()
+    params = {"w": torch.randn(32, 16).half(), "b": torch.randn(16).half(), "f": torch.randn(4)}
+    policy = fp16fx.DynamicLossScale(init_scale=2.0**8, growth_interval=3, hysteresis=2)
+    state = fp16fx.init(
+        params, fp16fx.chain(fp16fx.clip_by_global_norm(10.0), fp16fx.adamw()), policy
+    )
+    step = fp16fx.compile_step(inplace=inplace)
+    state, _ = step(state, grads_like(params, 0, scale=2.0**8))  # the one compile
+    scales, skipped = set(), []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(1, 51):
+            state = fp16fx.set_hyperparams(state, lr=1e-3 / i, weight_decay=0.01 * (i % 3))
+            grads = grads_like(params, i, scale=float(state.loss_scale.scale))
+            if i % 7 == 0:
+                grads["b"][i % 16] = float("nan")
+            state, info = step(state, grads)
+            scales.add(float(info["loss_scale"]))
+            if not info["finite"]:
+                skipped.append(i)
+    # Every injected NaN skips; the scale grows until real FP16 overflows back it off.
+    assert {7, 14, 21, 28, 35, 42, 49} <= set(skipped) and len(scales) > 2
+    assert state.opt_state.hyperparams[1][2]["lr"].item() == pytest.approx(1e-3 / 50)
+
+
+def test_inplace_step_refuses_bad_grads_before_touching_anything():
+    params = {"w": torch.randn(4).half()}
+    state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+    before = snapshot(state)
+    with pytest.raises(ValueError, match="shape"):
+        fp16fx.compile_step(inplace=True)(state, {"w": torch.randn(5).half()})
+    assert bitwise_equal(before, snapshot(state))

@@ -1,0 +1,194 @@
+"""Loss-scale policies: the dynamic rule against a reference model, exact unscaling, errors."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from fp16fx.scaling import (
+    DynamicLossScale,
+    LossScaleState,
+    NoLossScale,
+    StaticLossScale,
+    is_power_of_two,
+    unscale_and_check,
+)
+
+powers = st.integers(-6, 20).map(lambda k: 2.0**k)
+
+
+class DynamicScaleMachine(RuleBasedStateMachine):
+    """Drives DynamicLossScale.adjust with random finite/non-finite steps and checks it against
+    a plain-Python model of the documented rule after every step."""
+
+    @initialize(
+        init_exp=st.integers(-4, 24),
+        growth_exp=st.integers(0, 2),
+        backoff_exp=st.integers(-2, 0),
+        growth_interval=st.integers(1, 6),
+        hysteresis=st.integers(1, 3),
+        min_exp=st.integers(-3, 4),
+        span=st.integers(0, 12),
+    )
+    def setup(self, init_exp, growth_exp, backoff_exp, growth_interval, hysteresis, min_exp, span):
+        self.policy = DynamicLossScale(
+            init_scale=2.0**init_exp,
+            growth_factor=2.0**growth_exp,
+            backoff_factor=2.0**backoff_exp,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=2.0**min_exp,
+            max_scale=2.0 ** (min_exp + span),
+        )
+        self.state = self.policy.init()
+        p = self.policy
+        self.scale = min(max(p.init_scale, p.min_scale), p.max_scale)
+        self.good = 0
+        self.overflows = 0
+        self.floored = False
+
+    @rule(finite=st.booleans())
+    def step(self, finite):
+        p = self.policy
+        self.floored = False
+        if finite:
+            self.good += 1
+            if self.good == p.growth_interval:
+                self.scale = min(self.scale * p.growth_factor, p.max_scale)
+                self.good = self.overflows = 0
+        else:
+            self.good = 0
+            self.overflows += 1
+            if self.overflows == p.hysteresis:
+                wanted = self.scale * p.backoff_factor
+                self.floored = wanted < p.min_scale
+                self.scale = max(wanted, p.min_scale)
+                self.overflows = 0
+        self.state, floored = self.policy.adjust(self.state, torch.tensor(finite))
+        assert bool(floored) == self.floored
+
+    @invariant()
+    def matches_reference(self):
+        assert self.state.scale.item() == self.scale
+        assert self.state.good_steps.item() == self.good
+        assert self.state.overflows.item() == self.overflows
+        assert self.policy.min_scale <= self.scale <= self.policy.max_scale
+        assert self.state.scale.dtype == torch.float32
+
+
+TestDynamicScaleRule = DynamicScaleMachine.TestCase
+
+
+def test_growth_happens_after_exactly_growth_interval_clean_steps():
+    policy = DynamicLossScale(init_scale=8.0, growth_interval=3)
+    state = policy.init()
+    scales = []
+    for _ in range(7):
+        state, _ = policy.adjust(state, torch.tensor(True))
+        scales.append(state.scale.item())
+    assert scales == [8, 8, 16, 16, 16, 32, 32]
+
+
+def test_hysteresis_backs_off_on_the_nth_overflow_and_a_clean_step_does_not_reset_it():
+    policy = DynamicLossScale(init_scale=64.0, hysteresis=3)
+    state = policy.init()
+    for finite, expected in [(False, 64), (True, 64), (False, 64), (False, 32), (False, 32)]:
+        state, _ = policy.adjust(state, torch.tensor(finite))
+        assert state.scale.item() == expected
+
+
+def test_floor_clamps_and_reports():
+    policy = DynamicLossScale(init_scale=2.0, min_scale=1.0)
+    state = policy.init()
+    state, floored = policy.adjust(state, torch.tensor(False))
+    assert (state.scale.item(), floored.item()) == (1.0, False)
+    state, floored = policy.adjust(state, torch.tensor(False))
+    assert (state.scale.item(), floored.item()) == (1.0, True)
+
+
+@pytest.mark.parametrize("policy", [NoLossScale(), StaticLossScale(1000.0)])
+def test_fixed_policies_never_move(policy):
+    state = policy.init()
+    for finite in [False, True, False]:
+        new, floored = policy.adjust(state, torch.tensor(finite))
+        assert new.scale.item() == state.scale.item() and not floored
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"growth_factor": 3.0}, "growth_factor must be a power of two"),
+        ({"backoff_factor": 0.3}, "backoff_factor must be a power of two"),
+        ({"init_scale": 1000.0}, "init_scale must be a power of two"),
+        ({"init_scale": -2.0}, "init_scale must be a finite number > 0"),
+        ({"growth_factor": 0.5}, "growth_factor must be >= 1"),
+        ({"growth_interval": 0}, "growth_interval must be an int >= 1"),
+        ({"hysteresis": 1.5}, "hysteresis must be an int >= 1"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, "must not exceed max_scale"),
+    ],
+)
+def test_bad_configuration_is_refused_with_a_clear_message(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScale(**kwargs)
+
+
+def test_static_scale_must_be_positive():
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        StaticLossScale(0.0)
+
+
+@given(st.sampled_from([NoLossScale(), StaticLossScale(8.0), DynamicLossScale(min_scale=0.5)]))
+def test_state_survives_flatten_unflatten_with_its_configuration(policy):
+    # jmp's DynamicLossScale lost min_loss_scale when flattened; ours keeps config static.
+    state = policy.init()
+    leaves, treedef = optree.tree_flatten(state)
+    assert all(isinstance(x, torch.Tensor) for x in leaves)
+    rebuilt = optree.tree_unflatten(treedef, leaves)
+    assert isinstance(rebuilt, LossScaleState)
+    assert all(a is b for a, b in zip(rebuilt, state))
+
+
+@given(
+    exp=st.integers(-10, 24),
+    values=st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=16), min_size=1, max_size=30),
+)
+def test_unscaling_by_a_power_of_two_is_exact(exp, values):
+    scale = 2.0**exp
+    grads = torch.tensor(values, dtype=torch.float16)
+    (unscaled,), finite, norm = unscale_and_check([grads], torch.tensor(scale))
+    assert torch.equal(unscaled, grads.double().div(scale).float())
+    assert finite.item()
+    expected = math.sqrt(sum((v / scale) ** 2 for v in grads.tolist()))
+    assert norm.item() == pytest.approx(expected, rel=1e-6, abs=1e-30)
+
+
+@given(
+    bad=st.sampled_from([math.inf, -math.inf, math.nan]),
+    n=st.integers(1, 20),
+    data=st.data(),
+)
+def test_any_non_finite_element_anywhere_is_detected(bad, n, data):
+    grads = [torch.randn(n).half(), torch.randn(3, 2)]
+    leaf = data.draw(st.integers(0, 1))
+    index = data.draw(st.integers(0, grads[leaf].numel() - 1))
+    grads[leaf].view(-1)[index] = bad
+    _, finite, _ = unscale_and_check(grads, torch.tensor(1024.0))
+    assert not finite.item()
+
+
+def test_is_power_of_two():
+    assert [is_power_of_two(x) for x in (1.0, 0.25, 2.0**30, 3.0, 0.0, -2.0, math.inf)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]

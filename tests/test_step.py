@@ -1,0 +1,241 @@
+"""The pure mixed-precision step: purity, exact skips, None grads, errors, BF16."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import fp16fx
+from tests.strategies import grads_like, has_tensor, pytrees
+
+OPTIMIZERS = {
+    "sgd": lambda: fp16fx.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda: fp16fx.adam(1e-2, amsgrad=True, weight_decay=0.01),
+    "adamw+clip": lambda: fp16fx.chain(fp16fx.clip_by_global_norm(1.0), fp16fx.adamw(1e-2)),
+}
+optimizers = st.sampled_from(sorted(OPTIMIZERS))
+
+
+def snapshot(tree):
+    return [x.clone() for x in optree.tree_leaves(tree)]
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two tensors are bitwise identical (NaN payloads and signed zeros included)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.is_floating_point():
+        as_int = _INT_OF_SIZE[x.element_size()]
+        return torch.equal(x.contiguous().view(as_int), y.contiguous().view(as_int))
+    return torch.equal(x, y)
+
+
+def bitwise_equal(a, b) -> bool:
+    leaves_a, leaves_b = optree.tree_leaves(a), optree.tree_leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(map(same_bits, leaves_a, leaves_b))
+
+
+def scaled_grads(state, seed, none_prob=0.0):
+    return grads_like(state.params, seed, scale=state.loss_scale.scale.item(), none_prob=none_prob)
+
+
+@given(
+    params=pytrees(),
+    opt=optimizers,
+    seed=st.integers(0, 2**16),
+    none_prob=st.sampled_from([0, 0.3]),
+)
+def test_step_never_mutates_its_inputs(params, opt, seed, none_prob):
+    assume(has_tensor(params))
+    state = fp16fx.init(params, OPTIMIZERS[opt](), fp16fx.StaticLossScale(4.0))
+    state, _ = fp16fx.step(state, scaled_grads(state, seed))  # non-trivial moments
+    grads = scaled_grads(state, seed + 1, none_prob)
+    before_state, before_grads = snapshot(state), snapshot(grads)
+    fp16fx.step(state, grads)
+    assert bitwise_equal(before_state, snapshot(state))
+    assert bitwise_equal(before_grads, snapshot(grads))
+
+
+@given(
+    params=pytrees(),
+    opt=optimizers,
+    seed=st.integers(0, 2**16),
+    bad=st.sampled_from([math.inf, -math.inf, math.nan]),
+    data=st.data(),
+)
+def test_a_non_finite_grad_anywhere_skips_the_step_exactly(params, opt, seed, bad, data):
+    assume(has_tensor(params))
+    policy = fp16fx.DynamicLossScale(init_scale=2.0**10, hysteresis=1)
+    state = fp16fx.init(params, OPTIMIZERS[opt](), policy)
+    state, _ = fp16fx.step(state, scaled_grads(state, seed))
+    grads = scaled_grads(state, seed + 1)
+    grad_leaves = [g for g in optree.tree_leaves(grads)]
+    victim = data.draw(st.sampled_from(grad_leaves))
+    victim.view(-1)[data.draw(st.integers(0, victim.numel() - 1))] = bad
+
+    new, info = fp16fx.step(state, grads)
+
+    assert not info["finite"].item()
+    assert math.isnan(info["grad_norm"].item()) or math.isinf(info["grad_norm"].item())
+    for field in ("params", "master", "opt_state", "count"):
+        assert bitwise_equal(getattr(new, field), getattr(state, field)), field
+    assert new.loss_scale.scale.item() == state.loss_scale.scale.item() / 2
+    assert info["loss_scale"].item() == state.loss_scale.scale.item()
+
+
+@given(params=pytrees(allow_none=False), seed=st.integers(0, 2**16), data=st.data())
+def test_a_none_grad_leaves_its_param_and_optimizer_state_untouched(params, seed, data):
+    leaves, treedef = optree.tree_flatten(params)
+    assume(len(leaves) >= 2)
+    state = fp16fx.init(params, fp16fx.adam(1e-2), fp16fx.NoLossScale())
+    grad_leaves = optree.tree_leaves(grads_like(params, seed))
+    skipped = data.draw(st.integers(0, len(leaves) - 1))
+    grad_leaves[skipped] = None
+    new, info = fp16fx.step(state, optree.tree_unflatten(treedef, grad_leaves))
+    assert info["finite"].item()
+    old_states = treedef.flatten_up_to(state.opt_state.leaves)
+    new_states = treedef.flatten_up_to(new.opt_state.leaves)
+    for i, (p_old, p_new) in enumerate(zip(leaves, optree.tree_leaves(new.params))):
+        if i == skipped:
+            assert p_new is p_old
+            assert bitwise_equal(new_states[i], old_states[i])
+        else:
+            assert new_states[i][1].count.item() == 1  # the leaf's own Adam step count
+
+
+def test_state_is_a_pytree_of_tensors_that_round_trips():
+    params = {"a": torch.ones(2).half(), "frozen": None, "b": [torch.zeros(3)]}
+    state = fp16fx.init(params, fp16fx.adam(), fp16fx.DynamicLossScale(min_scale=0.25))
+    leaves, treedef = optree.tree_flatten(state)
+    assert all(isinstance(x, torch.Tensor) for x in leaves)
+    rebuilt = optree.tree_unflatten(treedef, leaves)
+    assert rebuilt.policy == state.policy and rebuilt.optimizer is state.optimizer
+    assert rebuilt.master["b"][0] is params["b"][0]  # an FP32 leaf is its own master
+    assert rebuilt.master["a"].dtype == torch.float32
+    assert state.loss_scale.scale.item() == 2.0**16
+
+
+def test_default_policy_follows_the_params_dtypes():
+    assert isinstance(
+        fp16fx.init([torch.ones(1).half()], fp16fx.sgd(1.0)).policy, fp16fx.DynamicLossScale
+    )
+    assert isinstance(
+        fp16fx.init([torch.ones(1).bfloat16()], fp16fx.sgd(1.0)).policy, fp16fx.NoLossScale
+    )
+
+
+def test_bf16_params_train_with_fp32_masters_and_skip_exactly_on_nan():
+    params = {"w": torch.randn(4, 4).bfloat16()}
+    state = fp16fx.init(params, fp16fx.adamw(1e-2), fp16fx.NoLossScale())
+    state, info = fp16fx.step(state, {"w": torch.randn(4, 4).bfloat16()})
+    assert info["finite"].item() and state.master["w"].dtype == torch.float32
+    assert torch.equal(state.params["w"], state.master["w"].bfloat16())
+    bad = torch.randn(4, 4).bfloat16()
+    bad[1, 2] = float("nan")
+    new, info = fp16fx.step(state, {"w": bad})
+    assert not info["finite"].item()
+    assert bitwise_equal(new.master, state.master) and bitwise_equal(new.opt_state, state.opt_state)
+
+
+def test_clipping_uses_the_norm_of_the_unscaled_grads():
+    scale = 2.0**12
+    params = [torch.zeros(4).half()]
+    state = fp16fx.init(
+        params,
+        fp16fx.chain(fp16fx.clip_by_global_norm(1.0), fp16fx.sgd(1.0)),
+        fp16fx.StaticLossScale(scale),
+    )
+    unscaled = torch.tensor([3.0, 4.0, 0.0, 0.0])  # norm 5
+    new, info = fp16fx.step(state, [(unscaled * scale).half()])
+    assert info["grad_norm"].item() == pytest.approx(5.0)
+    torch.testing.assert_close(new.master[0], -unscaled / (5.0 + 1e-6))
+
+
+def test_scale_loss_multiplies_the_fp32_loss_by_the_current_scale():
+    state = fp16fx.init([torch.ones(1).half()], fp16fx.sgd(1.0), fp16fx.StaticLossScale(256.0))
+    scaled = fp16fx.scale_loss(state, torch.tensor(1.5, dtype=torch.float16))
+    assert scaled.dtype == torch.float32 and scaled.item() == 384.0
+
+
+def test_count_counts_applied_steps_only():
+    state = fp16fx.init([torch.ones(2).half()], fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+    for g in ([1.0, 1.0], [float("inf"), 1.0], [1.0, 1.0]):
+        state, _ = fp16fx.step(state, [torch.tensor(g).half()])
+    assert state.count.item() == 2
+
+
+GOOD = {"w": torch.ones(2, 2).half(), "b": torch.ones(2).half()}
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (
+            {"w": torch.ones(2, dtype=torch.int32)},
+            TypeError,
+            r"params\['w'\] has dtype torch.int32",
+        ),
+        ({"w": torch.ones(2, dtype=torch.complex64)}, TypeError, "complex64"),
+        ({"w": torch.ones(2, dtype=torch.float64)}, TypeError, "float64"),
+        ({"w": [1.0, 2.0]}, TypeError, r"params\['w'\]\[0\] is a float"),
+        ({}, ValueError, "holds no tensor"),
+        ({"w": None}, ValueError, "holds no tensor"),
+    ],
+)
+def test_init_refuses_untrainable_params(params, error, message):
+    with pytest.raises(error, match=message):
+        fp16fx.init(params, fp16fx.sgd(0.1))
+
+
+def test_init_refuses_a_non_transform_optimizer():
+    with pytest.raises(TypeError, match="fp16fx transform"):
+        fp16fx.init(GOOD, torch.optim.SGD)
+
+
+@pytest.mark.parametrize(
+    ("grads", "error", "message"),
+    [
+        ({"w": torch.ones(2, 2).half()}, ValueError, "structure of params"),
+        (
+            {"w": torch.ones(2, 2).half(), "b": torch.ones(3).half()},
+            ValueError,
+            r"grads\['b'\] has shape \(3,\)",
+        ),
+        (
+            {"w": torch.ones(2, 2), "b": torch.ones(2).half()},
+            TypeError,
+            r"grads\['w'\] has dtype torch.float32",
+        ),
+        (
+            {"w": torch.ones(2, 2, device="meta").half(), "b": torch.ones(2).half()},
+            TypeError,
+            "is on meta",
+        ),
+        ({"w": 1.0, "b": torch.ones(2).half()}, TypeError, r"grads\['w'\] is a float"),
+    ],
+)
+def test_step_refuses_grads_that_do_not_fit_and_changes_nothing(grads, error, message):
+    state = fp16fx.init(GOOD, fp16fx.adam(), fp16fx.DynamicLossScale())
+    before = snapshot(state)
+    with pytest.raises(error, match=message):
+        fp16fx.step(state, grads)
+    assert bitwise_equal(before, snapshot(state))
+
+
+def test_a_grad_for_an_untrained_leaf_is_refused():
+    state = fp16fx.init({"w": torch.ones(2).half(), "n": None}, fp16fx.sgd(0.1))
+    with pytest.raises(ValueError, match=r"grads\['n'\] is a gradient for a None"):
+        fp16fx.step(state, {"w": torch.ones(2).half(), "n": torch.ones(2).half()})
+
+
+def test_params_on_several_devices_are_refused():
+    with pytest.raises(ValueError, match="several devices"):
+        fp16fx.init([torch.ones(1), torch.ones(1, device="meta")], fp16fx.sgd(0.1))

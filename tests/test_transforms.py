@@ -1,0 +1,166 @@
+"""Optimizer math: each transform against torch.optim, hyperparameters as tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fp16fx
+
+STEPS = 20
+
+
+def _run_both(make_ours, make_torch, params, seed, dtype=torch.float32):
+    """Runs ``STEPS`` steps of fp16fx (eager) and torch.optim on the same grads.
+
+    torch.optim runs on FP32 copies of the masters and is fed the very grads fp16fx sees
+    (upcast from the params' dtype), so the two must agree to float32 rounding.
+    """
+    model_params = {k: v.to(dtype) for k, v in params.items()}
+    state = fp16fx.init(model_params, make_ours(), fp16fx.NoLossScale())
+    reference = {k: v.float().clone().requires_grad_(True) for k, v in model_params.items()}
+    optimizer = make_torch(list(reference.values()))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        grads = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in params.items()}
+        state, info = fp16fx.step(state, grads)
+        assert info["finite"].item()
+        for k, p in reference.items():
+            p.grad = grads[k].float()
+        optimizer.step()
+    return state, reference
+
+
+def _assert_close(state, reference):
+    for k, expected in reference.items():
+        torch.testing.assert_close(state.master[k], expected.detach(), rtol=1e-6, atol=1e-6)
+
+
+PARAMS = {"w": torch.randn(7, 5), "b": torch.randn(5), "s": torch.randn(())}
+lrs = st.floats(1e-4, 1e-1)
+decays = st.sampled_from([0.0, 1e-3, 0.1])
+
+
+@given(
+    lr=lrs,
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    dampening=st.sampled_from([0.0, 0.3]),
+    weight_decay=decays,
+    nesterov=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_sgd_matches_torch(lr, momentum, dampening, weight_decay, nesterov, seed):
+    if nesterov and (momentum == 0 or dampening != 0):
+        with pytest.raises(ValueError, match="nesterov"):
+            fp16fx.sgd(lr, momentum, dampening, weight_decay, nesterov)
+        return
+    hp = dict(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
+    state, reference = _run_both(
+        lambda: fp16fx.sgd(**hp), lambda ps: torch.optim.SGD(ps, **hp), PARAMS, seed
+    )
+    _assert_close(state, reference)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@given(
+    lr=lrs,
+    beta1=st.sampled_from([0.0, 0.8, 0.9]),
+    beta2=st.sampled_from([0.95, 0.999]),
+    eps=st.sampled_from([1e-8, 1e-3]),
+    weight_decay=decays,
+    amsgrad=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_adam_family_matches_torch(name, lr, beta1, beta2, eps, weight_decay, amsgrad, seed):
+    hp = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+    torch_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    state, reference = _run_both(
+        lambda: getattr(fp16fx, name)(**hp), lambda ps: torch_cls(ps, **hp), PARAMS, seed
+    )
+    _assert_close(state, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_params_follow_torch_run_on_their_fp32_masters(dtype):
+    state, reference = _run_both(
+        lambda: fp16fx.adamw(1e-2), lambda ps: torch.optim.AdamW(ps, 1e-2), PARAMS, 7, dtype
+    )
+    _assert_close(state, reference)
+    for k, expected in reference.items():
+        assert state.params[k].dtype == dtype
+        assert torch.equal(state.params[k], expected.detach().to(dtype))
+
+
+def test_clip_by_global_norm_matches_torch_clip_grad_norm():
+    grads = [torch.randn(10) * 5, torch.randn(3, 3) * 5]
+    reference = [g.clone().requires_grad_(False) for g in grads]
+    holders = [torch.zeros_like(g, requires_grad=True) for g in grads]
+    for h, g in zip(holders, reference):
+        h.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(holders, max_norm=1.5)
+    clip = fp16fx.clip_by_global_norm(1.5)
+    hp = clip.init_hyperparams(torch.device("cpu"))
+    for norm in (None, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))):
+        out, _ = clip.update(grads, [(), ()], grads, hp, norm, (0, 1))
+        for o, h in zip(out, holders):
+            torch.testing.assert_close(o, h.grad, rtol=1e-6, atol=0)
+
+
+def test_chain_and_multi_transform_apply_each_group_its_own_hyperparameters():
+    params = [torch.ones(3), torch.ones(2)]
+    opt = fp16fx.multi_transform([fp16fx.sgd(0.1), fp16fx.sgd(1.0)], labels=[0, 1])
+    state = fp16fx.init(params, opt, fp16fx.NoLossScale())
+    state, _ = fp16fx.step(state, [torch.ones(3), torch.ones(2)])
+    assert state.params[0].tolist() == pytest.approx([0.9] * 3)
+    assert state.params[1].tolist() == [0.0, 0.0]
+
+
+def test_hyperparameters_are_float64_tensors_and_can_be_replaced():
+    state = fp16fx.init([torch.ones(2)], fp16fx.adam(1e-3), fp16fx.NoLossScale())
+    lr = state.opt_state.hyperparams[2]["lr"]
+    assert lr.dtype == torch.float64 and lr.shape == ()
+    new = fp16fx.set_hyperparams(state, lr=0.5, beta1=0.5)
+    assert new.opt_state.hyperparams[2]["lr"].item() == 0.5
+    assert new.opt_state.hyperparams[1]["beta1"].item() == 0.5
+    assert state.opt_state.hyperparams[2]["lr"].item() == pytest.approx(1e-3)  # pure
+    same = fp16fx.set_hyperparams(state, inplace=True, lr=0.25)
+    assert same is state and lr.item() == 0.25  # the same tensor, overwritten
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "message"),
+    [
+        ({"lr": -1.0}, ValueError, "'lr' must be >= 0"),
+        ({"beta2": 1.0}, ValueError, r"'beta2' must be in \[0, 1\)"),
+        ({"eps": float("nan")}, ValueError, "'eps' must be >= 0"),
+        ({"lr": "fast"}, TypeError, "'lr' must be a number"),
+        ({"momentum": 0.9}, KeyError, "no hyperparameter named"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, message):
+    state = fp16fx.init([torch.ones(2)], fp16fx.adam(1e-3), fp16fx.NoLossScale())
+    before = [dict((k, v.clone()) for k, v in d.items()) for d in state.opt_state.hyperparams]
+    with pytest.raises(error, match=message):
+        fp16fx.set_hyperparams(state, inplace=True, **{"lr": 0.5, **values})
+    for old, now in zip(before, state.opt_state.hyperparams):
+        assert all(torch.equal(old[k], now[k]) for k in old)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: fp16fx.adam(lr=-1e-3), "'lr' must be >= 0"),
+        (lambda: fp16fx.sgd(0.1, momentum=-0.5), "'momentum' must be >= 0"),
+        (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'beta1' must be in \[0, 1\)"),
+        (lambda: fp16fx.clip_by_global_norm(0.0), "'max_norm' must be > 0"),
+        (lambda: fp16fx.chain(), "at least one transform"),
+        (lambda: fp16fx.multi_transform([fp16fx.sgd(1.0)], [0, 1]), r"labels \[1\] name no"),
+    ],
+)
+def test_bad_optimizer_arguments_are_refused(factory, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        factory()
