@@ -16,7 +16,14 @@ from fp16fx.scaling import (
     StaticLossScale,
     unscale_and_check,
 )
-from fp16fx.step import MixedPrecisionState, init, scale_loss, set_hyperparams, step
+from fp16fx.step import (
+    MixedPrecisionState,
+    grad_buffers,
+    init,
+    scale_loss,
+    set_hyperparams,
+    step,
+)
 from fp16fx.transforms import (
     GradientTransformation,
     TransformState,
@@ -48,6 +55,7 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "compile_step",
+    "grad_buffers",
     "init",
     "multi_transform",
     "scale_by_adam",

@@ -22,7 +22,8 @@ from typing import Any
 import optree
 import torch
 
-from fp16fx import tree
+from fp16fx import buckets, tree
+from fp16fx.buckets import Layout
 from fp16fx.scaling import (
     DynamicLossScale,
     LossScalePolicy,
@@ -36,7 +37,7 @@ Info = dict[str, torch.Tensor]
 
 
 class MixedPrecisionState:
-    """The whole training state: a pytree of tensors with two static fields.
+    """The whole training state: a pytree of tensors with static optimizer and policy.
 
     Attributes:
       params: the model-dtype params (FP16, BF16 or FP32), structured as given to ``init``.
@@ -45,9 +46,22 @@ class MixedPrecisionState:
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
       count: applied (not skipped) steps, a 0-d int64 tensor.
       optimizer, policy: the transform and the loss-scale policy (pytree metadata, not leaves).
+      layout: ``None``, or the :class:`~fp16fx.buckets.Layout` of a bucketed state, whose
+        pytree leaves are a few flat buffers; ``params``, ``master`` and ``opt_state`` then
+        present views into them, structured as the params were given.
     """
 
-    __slots__ = ("count", "loss_scale", "master", "opt_state", "optimizer", "params", "policy")
+    __slots__ = (
+        "_master",
+        "_opt_state",
+        "_params",
+        "_views",
+        "count",
+        "layout",
+        "loss_scale",
+        "optimizer",
+        "policy",
+    )
 
     def __init__(
         self,
@@ -58,41 +72,90 @@ class MixedPrecisionState:
         count: torch.Tensor,
         optimizer: GradientTransformation,
         policy: LossScalePolicy,
+        layout: Layout | None = None,
     ) -> None:
-        self.params = params
-        self.master = master
-        self.opt_state = opt_state
+        self._params = params
+        self._master = master
+        self._opt_state = opt_state
         self.loss_scale = loss_scale
         self.count = count
         self.optimizer = optimizer
         self.policy = policy
+        self.layout = layout
+        self._views: dict[str, Any] = {}
 
-    _CHILDREN = ("params", "master", "opt_state", "loss_scale", "count")
+    @property
+    def params(self) -> Any:
+        return self._present("params")
+
+    @property
+    def master(self) -> Any:
+        return self._present("master")
+
+    @property
+    def opt_state(self) -> TransformState:
+        return self._present("opt_state")
+
+    def _present(self, name: str) -> Any:
+        raw = getattr(self, "_" + name)
+        if self.layout is None:
+            return raw
+        if name not in self._views:
+            self._views[name] = _unbucket(self.layout, name, raw)
+        return self._views[name]
+
+    def children(self) -> tuple[Any, ...]:
+        """Returns the pytree children: params, master, opt_state (raw), loss_scale, count."""
+        return (self._params, self._master, self._opt_state, self.loss_scale, self.count)
 
     def replace(self, **changes: Any) -> MixedPrecisionState:
-        """Returns a copy of this state with the given fields replaced."""
-        fields = {name: getattr(self, name) for name in self.__slots__}
+        """Returns a copy of this state with the given fields (raw, for a bucketed state)."""
+        fields = dict(zip(_CHILDREN, self.children()))
+        fields.update(optimizer=self.optimizer, policy=self.policy, layout=self.layout)
         fields.update(changes)
         return MixedPrecisionState(**fields)
 
     def __repr__(self) -> str:
-        n = sum(m.numel() for m in tree.flatten(self.master)[0] if m is not None)
+        n = sum(m.numel() for m in tree.flatten(self._master)[0] if m is not None)
+        buckets = "" if self.layout is None else f", {len(self.layout.buckets)} buckets"
         return (
-            f"MixedPrecisionState({n:,} trained values, count={self.count.tolist()}, "
+            f"MixedPrecisionState({n:,} trained values{buckets}, count={self.count.tolist()}, "
             f"loss_scale={self.loss_scale.scale.tolist()}, policy={self.policy})"
         )
 
 
+_CHILDREN = ("params", "master", "opt_state", "loss_scale", "count")
+
 optree.register_pytree_node(
     MixedPrecisionState,
-    lambda s: (
-        tuple(getattr(s, name) for name in MixedPrecisionState._CHILDREN),
-        (s.optimizer, s.policy),
-        MixedPrecisionState._CHILDREN,
-    ),
+    lambda s: (s.children(), (s.optimizer, s.policy, s.layout), _CHILDREN),
     lambda meta, children: MixedPrecisionState(*children, *meta),
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # plain optree calls see its tensors
 )
+
+
+def _unbucket(layout: Layout, name: str, raw: Any) -> Any:
+    """Returns the user-structured tree of views into the flat buffers ``raw``."""
+    n_leaves = layout.treedef.num_leaves
+    if name == "opt_state":
+        per_leaf: list[Any] = [None] * n_leaves
+        for bucket, bucket_state in zip(layout.buckets, raw.leaves):
+            tensors, state_def = optree.tree_flatten(bucket_state)
+            # Per-element tensors (moments) split into views; scalars (counts) are shared.
+            split = [
+                buckets.views(bucket, t)
+                if t.ndim == 1 and t.shape[0] == bucket.numel
+                else [t] * len(bucket.indices)
+                for t in tensors
+            ]
+            for k, i in enumerate(bucket.indices):
+                per_leaf[i] = state_def.unflatten([parts[k] for parts in split])
+        return raw._replace(leaves=tree.unflatten(layout.treedef, per_leaf))
+    leaves: list[Any] = [None] * n_leaves
+    for bucket, flat in zip(layout.buckets, raw):
+        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
+            leaves[i] = view
+    return tree.unflatten(layout.treedef, leaves)
 
 
 def _default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
@@ -105,6 +168,8 @@ def init(
     params: Any,
     optimizer: GradientTransformation,
     loss_scale: LossScalePolicy | None = None,
+    *,
+    buckets: bool = False,
 ) -> MixedPrecisionState:
     """Returns the initial training state for ``params``.
 
@@ -114,6 +179,10 @@ def init(
       optimizer: a transform such as ``fp16fx.adam(1e-3)``.
       loss_scale: a policy; by default ``DynamicLossScale()`` when any param is FP16, else
         ``NoLossScale()`` (BF16 has FP32's exponent range and needs no scaling).
+      buckets: keep params, masters and optimizer moments in one flat buffer per dtype (and
+        per ``multi_transform`` label), so a compiled step runs a few large kernels whatever
+        the number of leaves. The given tensors are re-pointed (``tensor.data = view``) at
+        their place in the buffer, so a model built on them keeps training in place.
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
@@ -125,25 +194,75 @@ def init(
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
     with torch.no_grad():
+        layout = None
+        if buckets:
+            layout = bucket_layout(leaves, treedef, optimizer)
+            params, leaves, indices = _into_buckets(layout, leaves)
+        else:
+            indices = range(len(leaves))
         masters = [
             None if p is None else p if p.dtype == torch.float32 else p.detach().float()
             for p in leaves
         ]
         leaf_states = [
-            None if m is None else optimizer.init_leaf(m, i) for i, m in enumerate(masters)
+            None if m is None else optimizer.init_leaf(m, i) for i, m in zip(indices, masters)
         ]
+        if layout is None:
+            masters = tree.unflatten(treedef, masters)
+            leaf_states = tree.unflatten(treedef, leaf_states)
         return MixedPrecisionState(
             params=params,
-            master=tree.unflatten(treedef, masters),
-            opt_state=TransformState(
-                hyperparams=optimizer.init_hyperparams(device),
-                leaves=tree.unflatten(treedef, leaf_states),
-            ),
+            master=masters,
+            opt_state=TransformState(optimizer.init_hyperparams(device), leaf_states),
             loss_scale=policy.init(device),
             count=torch.zeros((), dtype=torch.int64, device=device),
             optimizer=optimizer,
             policy=policy,
+            layout=layout,
         )
+
+
+def bucket_layout(
+    leaves: Sequence[torch.Tensor | None], treedef: Any, optimizer: GradientTransformation
+) -> Layout:
+    """Returns the bucket layout for ``leaves``: one bucket per dtype and optimizer label."""
+    return buckets.plan(leaves, treedef, keys=optimizer.partition)
+
+
+def _into_buckets(
+    layout: Layout, leaves: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, ...]]:
+    """Returns ``(flat params, the same, first leaf indices)`` after moving ``leaves`` into
+    new flat buffers and re-pointing each given tensor at its view."""
+    flats = []
+    for bucket in layout.buckets:
+        flat = buckets.pack(bucket, leaves, leaves[bucket.indices[0]].dtype)
+        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
+            leaves[i].data = view
+        flats.append(flat)
+    return flats, flats, layout.first_indices
+
+
+def grad_buffers(state: MixedPrecisionState) -> Any:
+    """Returns zeroed gradients structured like ``state.params``, as views into flat buffers.
+
+    For a bucketed state the buffers are laid out like its buckets, so a step reads them
+    without copying. Make them the ``.grad`` of the model's params (autograd then
+    accumulates into them in place) and zero them in place between steps::
+
+        grads = fp16fx.grad_buffers(state)
+        for p, g in zip(model.parameters(), optree.tree_leaves(grads)):
+            p.grad = g
+    """
+    leaves, treedef = tree.flatten(state.params)
+    layout = state.layout or buckets.plan(leaves, treedef)
+    grads: list[torch.Tensor | None] = [None] * len(leaves)
+    for bucket in layout.buckets:
+        first = leaves[bucket.indices[0]]
+        flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
+            grads[i] = view
+    return tree.unflatten(treedef, grads)
 
 
 def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
@@ -259,23 +378,47 @@ def run_step(
     Validates ``grads`` first (nothing is touched when they do not fit), gathers the flat
     lists ``core`` takes, and scatters its results back into a new state (or, ``inplace``,
     lets ``core`` write them into ``state``'s tensors and returns ``state``).
+
+    A bucketed state runs ``core`` on its flat buffers. Its grads are used in place when they
+    are views laid out like the bucket (as :func:`fp16fx.bind_grads` makes them); other grads
+    are first copied into a flat buffer, one extra pass over them. A ``None`` grad in a
+    bucketed state runs the step leaf by leaf on views (correct, slower; the result of a
+    pure step is then no longer bucketed).
     """
     grad_leaves = tree.check_grads(state.params, grads)
-    params, treedef = tree.flatten(state.params)
-    masters = treedef.flatten_up_to(state.master)
-    leaf_states = treedef.flatten_up_to(state.opt_state.leaves)
-    active = [i for i, g in enumerate(grad_leaves) if g is not None]
+    layout = state.layout
+    if layout is not None and any(
+        grad_leaves[i] is None for bucket in layout.buckets for i in bucket.indices
+    ):
+        per_leaf = state.replace(
+            params=state.params, master=state.master, opt_state=state.opt_state, layout=None
+        )
+        new_state, info = run_step(core, per_leaf, grads, inplace=inplace)
+        return (state if inplace else new_state), info
+    if layout is None:
+        params, treedef = tree.flatten(state.params)
+        masters = treedef.flatten_up_to(state.master)
+        leaf_states = treedef.flatten_up_to(state.opt_state.leaves)
+        active = [i for i, g in enumerate(grad_leaves) if g is not None]
+        grad_list = [grad_leaves[i] for i in active]
+        indices = tuple(active)
+    else:
+        params, masters = list(state.children()[0]), list(state.children()[1])
+        leaf_states = list(state.children()[2].leaves)
+        active = list(range(len(layout.buckets)))
+        grad_list = [_flat_grads(b, grad_leaves, p.dtype) for b, p in zip(layout.buckets, params)]
+        indices = layout.first_indices
     args = (
         state.optimizer,
         state.policy,
-        [grad_leaves[i] for i in active],
+        grad_list,
         [None if params[i].dtype == torch.float32 else params[i] for i in active],
         [masters[i] for i in active],
         [leaf_states[i] for i in active],
-        state.opt_state.hyperparams,
+        state.children()[2].hyperparams,
         state.loss_scale,
         state.count,
-        tuple(active),
+        indices,
     )
     with torch.no_grad():
         if inplace:
@@ -285,14 +428,25 @@ def run_step(
         masters[i] = new_masters[slot]
         params[i] = new_masters[slot] if new_params[slot] is None else new_params[slot]
         leaf_states[i] = new_states[slot]
+    if layout is None:
+        params = tree.unflatten(treedef, params)
+        masters = tree.unflatten(treedef, masters)
+        leaf_states = tree.unflatten(treedef, leaf_states)
     new_state = state.replace(
-        params=tree.unflatten(treedef, params),
-        master=tree.unflatten(treedef, masters),
-        opt_state=state.opt_state._replace(leaves=tree.unflatten(treedef, leaf_states)),
+        params=params,
+        master=masters,
+        opt_state=state.children()[2]._replace(leaves=leaf_states),
         loss_scale=loss_scale,
         count=count,
     )
     return new_state, info
+
+
+def _flat_grads(
+    bucket: buckets.Bucket, grads: list[torch.Tensor | None], dtype: torch.dtype
+) -> torch.Tensor:
+    flat = buckets.flat_view(bucket, grads)
+    return buckets.pack(bucket, grads, dtype) if flat is None else flat
 
 
 def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:

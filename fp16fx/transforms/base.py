@@ -17,7 +17,7 @@ kinds of state:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +49,9 @@ class GradientTransformation(NamedTuple):
     they stand for) and returns ``(updates, leaf_states)`` without mutating its inputs.
     ``grad_norm`` is the global L2 norm of ``updates`` when the caller knows it (the first
     transform of a step), else ``None``.
+
+    ``partition`` is ``None``, or a label per flat leaf: leaves with different labels are
+    updated differently (``multi_transform``) and so never share a flat bucket.
     """
 
     init_hyperparams: Callable[[torch.device], Any]
@@ -64,6 +67,7 @@ class GradientTransformation(NamedTuple):
         ],
         tuple[Updates, list[LeafState]],
     ]
+    partition: tuple[Hashable, ...] | None = None
 
 
 def _non_negative(x: float) -> bool:
@@ -155,7 +159,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_per_transform.append(new_states)
         return updates, [tuple(s) for s in zip(*new_per_transform)]
 
-    return GradientTransformation(init_hyperparams, init_leaf, update)
+    partitions = [t.partition for t in transforms if t.partition is not None]
+    partition = tuple(zip(*partitions)) if partitions else None
+    return GradientTransformation(init_hyperparams, init_leaf, update, partition)
 
 
 def multi_transform(
@@ -198,7 +204,7 @@ def multi_transform(
                 new_updates[k], new_states[k] = u, s
         return new_updates, new_states
 
-    return GradientTransformation(init_hyperparams, init_leaf, update)
+    return GradientTransformation(init_hyperparams, init_leaf, update, labels)
 
 
 def _hyperparam_dicts(hp: Any) -> list[Hyperparams]:
