@@ -1,0 +1,131 @@
+"""Renders a :class:`~fp16fx.bench.harness.BenchResult` as aligned text tables or JSON.
+
+Table columns (one table per preset):
+
+========== =============================================================================
+ms/step    median step time over the timed steps
+min ms     fastest timed step (robust to other work on the machine; the median is not)
+GB/s       effective bandwidth: roofline bytes (30 B/param) ÷ step time
+roof       fraction of the roofline reached: roofline time ÷ step time
+×torch     speed-up vs ``torch-fused`` (its time ÷ this time)
+×apex      speed-up vs ``apex-style``
+cold s     compile time with an empty Inductor cache (first step − median step)
+warm s     compile time again after ``torch._dynamo.reset()``, cache populated
+recomp     graphs compiled during the timed steps (after warm-up)
+peak MB    peak memory during the timed steps above the memory held when they began
+B/param    persistent bytes per param: state kept between steps, params and grads included
+========== =============================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+
+from fp16fx.bench.harness import BenchResult, ContenderResult, PresetResult
+
+__all__ = ["JSON_SCHEMA_VERSION", "format_report", "format_table", "to_json", "to_jsonable"]
+
+#: Bumped when the JSON document's fields change meaning.
+JSON_SCHEMA_VERSION = 1
+
+Cell = Callable[[ContenderResult], str]
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f}"
+
+
+COLUMNS: Sequence[tuple[str, Cell]] = (
+    ("ms/step", lambda r: _num(r.ms_per_step, ".2f")),
+    ("min ms", lambda r: _num(r.min_ms, ".2f")),
+    ("GB/s", lambda r: _num(r.gbps, ".1f")),
+    ("roof", lambda r: _percent(r.fraction_of_roofline)),
+    ("×torch", lambda r: _times(r.speedup_vs_torch_fused)),
+    ("×apex", lambda r: _times(r.speedup_vs_apex_style)),
+    ("cold s", lambda r: _num(r.cold_compile_s, ".1f")),
+    ("warm s", lambda r: _num(r.warm_compile_s, ".1f")),
+    ("recomp", lambda r: "-" if r.recompiles is None else str(r.recompiles)),
+    ("peak MB", lambda r: _mb(r.peak_mem_bytes)),
+    ("B/param", lambda r: _num(r.persistent_bytes_per_param, ".1f")),
+)
+
+
+def format_table(preset: PresetResult, bench: BenchResult) -> str:
+    """Return one preset's results as an aligned text table with its header lines."""
+    header = [
+        f"preset {preset.preset}: {preset.params:,} params in {preset.leaves:,} leaves; "
+        f"Adam (lr 1e-3) on FP16 params, static loss scale {bench.loss_scale:g}",
+        f"copy bandwidth {bench.copy_bandwidth_gbps:.1f} GB/s "
+        f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write) -> roofline "
+        f"{bench.roofline_bytes_per_param} B/param x {preset.params:,} = "
+        f"{preset.roofline_bytes / 1e6:.1f} MB = {preset.roofline_ms:.2f} ms/step "
+        f"(in-place read+write: {bench.inplace_bandwidth_gbps:.1f} GB/s)",
+    ]
+    names = ["contender", *(name for name, _ in COLUMNS)]
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for result in preset.results:
+        label = f"{result.label} [{result.name}]" if result.kind != "roofline" else result.label
+        if result.status != "ok":
+            rows.append([label, f"{result.status}: {result.reason}"])
+            continue
+        cells = [cell(result) for _, cell in COLUMNS]
+        if result.kind == "roofline":
+            cells[1] = "-"
+            cells[6:] = ["-"] * (len(cells) - 6)
+        rows.append([label, *cells])
+        notes += [f"{result.name}: {note}" for note in result.notes]
+    full_rows = [r for r in rows if len(r) == len(names)]
+    widths = [max(len(name), *(len(r[i]) for r in full_rows)) for i, name in enumerate(names)]
+    widths[0] = max(widths[0], *(len(r[0]) for r in rows))
+
+    def line(cells: list[str]) -> str:
+        if len(cells) != len(names):  # unavailable/error: free text after the label
+            return f"{cells[0]:<{widths[0]}}  {cells[1]}"
+        first = f"{cells[0]:<{widths[0]}}"
+        rest = (f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest])
+
+    rule = "-" * len(line(names))
+    body = [line(names), rule, *(line(r) for r in rows)]
+    footer = [f"note: {n}" for n in notes]
+    return "\n".join([*header, "", *body, *footer])
+
+
+def format_report(bench: BenchResult) -> str:
+    """Return the whole run as text: an environment line, then one table per preset."""
+    intro = (
+        f"fp16fx bench on {bench.device} ({bench.device_name}), {bench.threads} threads, "
+        f"torch {bench.torch_version}; median of {bench.steps} steps after "
+        f"{bench.warmup} warm-up"
+    )
+    if bench.load_avg_start is not None and bench.load_avg_end is not None:
+        intro += (
+            f"\nload average {bench.load_avg_start:.2f} at start, {bench.load_avg_end:.2f} at "
+            f"end on {bench.cpu_count} CPUs (other work on the machine skews the timings)"
+        )
+    return "\n\n".join([intro, *(format_table(p, bench) for p in bench.presets)]) + "\n"
+
+
+def to_jsonable(bench: BenchResult) -> dict:
+    """Return the run as plain JSON-ready data (``schema`` + every dataclass field)."""
+    return {"schema": JSON_SCHEMA_VERSION, **dataclasses.asdict(bench)}
+
+
+def to_json(bench: BenchResult) -> str:
+    """Return the run as one JSON document (see :func:`to_jsonable`)."""
+    return json.dumps(to_jsonable(bench), indent=2)

@@ -1,0 +1,48 @@
+"""The ``fp16fx`` command: one subcommand per module, each registering itself.
+
+Each subcommand's module provides ``add_parser(subparsers)``, which adds its parser and sets
+``handler`` (a ``(args) -> int`` function) as a default. This file holds no library logic: to
+add a subcommand, add its module to :data:`SUBCOMMANDS`. A module that cannot be imported
+(not written yet, or an optional dependency missing) is left out of the command's listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+#: Modules providing a subcommand, in the order ``fp16fx --help`` lists them.
+SUBCOMMANDS: tuple[str, ...] = ("fp16fx.bench",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``fp16fx`` argument parser with every importable subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="fp16fx", description="Mixed-precision FP16 optimizers for PyTorch."
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for module_name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``fp16fx`` command on ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return int(handler(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Tests of ``fp16fx bench``: presets, the roofline model, baseline correctness, output, CLI.
+
+Speed is never asserted; nothing large is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from math import prod
+
+import pytest
+import torch
+
+from fp16fx.bench import command, measure, presets
+from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
+from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
+from fp16fx.bench.report import format_report, to_json
+from fp16fx.bench.runner import BenchConfig, Runner, register_runner, storage_bytes
+
+TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
+
+
+# --- presets -------------------------------------------------------------------------------
+
+
+def test_resnet18_preset_is_torchvision_resnet18() -> None:
+    p = presets.preset("resnet18")
+    assert (p.num_params, p.num_leaves) == (11_689_512, 62)
+
+
+def test_gpt2_preset_is_gpt2_small_with_tied_head() -> None:
+    p = presets.preset("gpt2")
+    assert (p.num_params, p.num_leaves) == (124_439_808, 148)
+    assert p.shapes[:2] == ((50257, 768), (1024, 768))
+    assert p.shapes[2:14] == (
+        (768,), (768,), (768, 2304), (2304,), (768, 768), (768,),
+        (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,),
+    )  # fmt: skip
+
+
+def test_many_small_preset_has_2000_varied_leaves_and_10m_params() -> None:
+    p = presets.preset("many-small")
+    assert (p.num_params, p.num_leaves) == (10_000_000, 2000)
+    assert len(set(p.shapes)) >= 30
+    assert max(prod(s) for s in p.shapes) < 100_000
+
+
+def test_custom_shapes_split_evenly() -> None:
+    shapes = presets.custom_shapes(10_003, 4)
+    assert sorted(prod(s) for s in shapes) == [2500, 2501, 2501, 2501]
+    with pytest.raises(ValueError, match="leaves"):
+        presets.custom_shapes(3, 4)
+
+
+def test_unknown_preset_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="resnet18"):
+        presets.preset("resnet50")
+
+
+def test_param_set_is_fp16_with_scaled_grads_attached() -> None:
+    params, grads = presets.make_param_set(TINY_SHAPES, loss_scale=2.0**16, seed=3)
+    again, _ = presets.make_param_set(TINY_SHAPES, loss_scale=2.0**16, seed=3)
+    assert all(p.dtype == torch.float16 and p.grad is g for p, g in zip(params, grads))
+    assert all(torch.equal(a, b) for a, b in zip(params, again))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert max(g.abs().max().item() for g in grads) > 1.0  # scaled, not raw 1e-4 grads
+
+
+# --- roofline and accounting ---------------------------------------------------------------
+
+
+def test_roofline_is_30_bytes_per_param() -> None:
+    assert measure.ROOFLINE_BYTES_PER_PARAM == 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2 + 2
+    assert measure.roofline_bytes(11_689_512) == 30 * 11_689_512
+
+
+def test_storage_bytes_counts_each_storage_once() -> None:
+    flat = torch.zeros(100)
+    views = [flat[:50], flat[50:], flat]
+    assert storage_bytes([*views, torch.zeros(10, dtype=torch.float16)]) == 400 + 20
+
+
+# --- baselines are real optimizers ---------------------------------------------------------
+
+
+def _reference_masters(shapes, cfg: BenchConfig, steps: int) -> list[torch.Tensor]:
+    """torch.optim.Adam on FP32 masters fed the unscaled grads."""
+    params, grads = presets.make_param_set(shapes, loss_scale=cfg.loss_scale)
+    masters = [p.float() for p in params]
+    for m, g in zip(masters, grads):
+        m.grad = g.float() / cfg.loss_scale
+    opt = torch.optim.Adam(masters, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    for _ in range(steps):
+        opt.step()
+    return masters
+
+
+@pytest.mark.parametrize("runner_cls", [TorchFusedRunner, ApexStyleRunner])
+def test_baseline_matches_torch_adam_on_fp32_masters(runner_cls: type[Runner]) -> None:
+    cfg = BenchConfig()
+    params, grads = presets.make_param_set(TINY_SHAPES, loss_scale=cfg.loss_scale)
+    runner = runner_cls(cfg)
+    runner.setup(params, grads)
+    for _ in range(4):
+        runner.step()
+    expected = _reference_masters(TINY_SHAPES, cfg, steps=4)
+    for got, want in zip(runner.masters(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for p, m in zip(params, runner.masters()):  # the FP16 params carry the new weights
+        assert torch.equal(p, m.half())
+    assert storage_bytes(runner.persistent_tensors()) >= 20 * sum(prod(s) for s in TINY_SHAPES)
+
+
+@pytest.mark.parametrize("runner_cls", [TorchFusedRunner, ApexStyleRunner])
+def test_baseline_skips_the_step_when_a_grad_holds_inf(runner_cls: type[Runner]) -> None:
+    params, grads = presets.make_param_set(TINY_SHAPES)
+    runner = runner_cls(BenchConfig())
+    runner.setup(params, grads)
+    runner.step()
+    masters = [m.clone() for m in runner.masters()]
+    fp16 = [p.clone() for p in params]
+    grads[2].view(-1)[5] = float("inf")
+    runner.step()
+    assert all(torch.equal(a, b) for a, b in zip(masters, runner.masters()))
+    assert all(torch.equal(a, b) for a, b in zip(fp16, params))
+    grads[2].view(-1)[5] = 0.0
+    runner.step()
+    assert not torch.equal(masters[0], runner.masters()[0])
+
+
+@pytest.mark.compile
+def test_compiled_torch_baseline_matches_torch_adam_on_fp32_masters() -> None:
+    cfg = BenchConfig()
+    params, grads = presets.make_param_set(TINY_SHAPES[:2], loss_scale=cfg.loss_scale)
+    runner = TorchCompiledRunner(cfg)
+    runner.setup(params, grads)
+    for _ in range(3):
+        runner.step()
+    expected = _reference_masters(TINY_SHAPES[:2], cfg, steps=3)
+    for got, want in zip(runner.masters(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# --- harness, registry, output -------------------------------------------------------------
+
+
+def _tiny_run(only: list[str], compile_times: bool = False):
+    opts = BenchOptions(
+        presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
+        only=only,
+        steps=2,
+        warmup=1,
+        compile_times=compile_times,
+        copy_buffer_bytes=16 << 20,
+    )
+    return run_bench(opts)
+
+
+def test_json_document_has_the_documented_fields() -> None:
+    doc = json.loads(to_json(_tiny_run(["torch-fused", "apex-style"])))
+    for key in ("schema", "device", "threads", "copy_bandwidth_gbps", "presets", "steps"):
+        assert key in doc
+    (preset,) = doc["presets"]
+    assert preset["params"] == sum(prod(s) for s in TINY_SHAPES)
+    assert preset["roofline_bytes"] == 30 * preset["params"]
+    names = [r["name"] for r in preset["results"]]
+    assert names == ["roofline", "torch-fused", "apex-style"]
+    fields = {
+        "ms_per_step", "gbps", "fraction_of_roofline", "speedup_vs_torch_fused",
+        "speedup_vs_apex_style", "cold_compile_s", "warm_compile_s", "recompiles",
+        "peak_mem_bytes", "persistent_bytes_per_param", "status", "notes",
+    }  # fmt: skip
+    for row in preset["results"]:
+        assert fields <= row.keys()
+    fused = preset["results"][1]
+    assert fused["status"] == "ok" and fused["speedup_vs_torch_fused"] == 1.0
+    assert fused["persistent_bytes_per_param"] >= 20.0
+    assert fused["recompiles"] == 0
+
+
+def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
+    @register_runner
+    class Broken(Runner):
+        name = "test-broken"
+        label = "always fails"
+        order = 99
+
+        def setup(self, params, grads) -> None:
+            raise RuntimeError("boom")
+
+        def step(self) -> None: ...
+
+        def persistent_tensors(self):
+            return []
+
+    assert Broken in select_runners(None)
+    result = _tiny_run(["test-broken", "torch-fused"])
+    rows = {r.name: r for r in result.presets[0].results}
+    assert rows["test-broken"].status == "error" and "boom" in rows["test-broken"].reason
+    assert rows["torch-fused"].status == "ok"
+    assert "error: RuntimeError: boom" in format_report(result)
+
+
+@pytest.mark.compile
+def test_compiled_runner_gets_cold_and_warm_compile_times(monkeypatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/user-cache")
+    cache_dirs: list[str] = []
+
+    @register_runner
+    class TinyCompiled(Runner):
+        name = "test-tiny-compiled"
+        label = "a trivial compiled step"
+        order = 98
+        compiled = True
+
+        def setup(self, params, grads) -> None:
+            self.params = params
+            cache_dirs.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            self.fn = torch.compile(lambda x: x.mul_(1.0), fullgraph=True)
+
+        def step(self) -> None:
+            self.fn(self.params[0])
+
+        def persistent_tensors(self):
+            return self.params
+
+    result = _tiny_run(["test-tiny-compiled"], compile_times=True)
+    row = result.presets[0].results[1]
+    assert row.status == "ok", row.reason
+    assert row.cold_compile_s is not None and row.cold_compile_s >= 0
+    assert row.warm_compile_s is not None and row.warm_compile_s >= 0
+    assert row.recompiles == 0
+    cold_dir, warm_dir = cache_dirs  # one cold and one warm compile, sharing a fresh cache
+    assert cold_dir == warm_dir and "fp16fx-bench-inductor-" in cold_dir
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/nonexistent/user-cache"  # restored
+
+
+def test_unknown_contender_is_rejected_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="torch-fused"):
+        select_runners(["nope"])
+
+
+def test_fp16fx_runners_are_registered_even_if_fp16fx_is_incomplete() -> None:
+    names = {cls.name for cls in select_runners(None)}
+    assert {"fp16fx-compiled", "fp16fx-facade", "fp16fx-eager"} <= names
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+CLI_ARGS = [
+    "bench", "--params", "10000", "--leaves", "4", "--steps", "3", "--warmup", "1",
+    "--only", "torch-fused", "--only", "apex-style", "--no-compile-times",
+]  # fmt: skip
+
+
+def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from fp16fx import cli
+
+    assert cli.main(CLI_ARGS) == 0
+    out, err = capsys.readouterr()
+    assert "10,000 params in 4 leaves" in out
+    assert "copy bandwidth" in out and "roofline" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("contender"))
+    for column in ("ms/step", "GB/s", "×torch", "×apex", "peak MB", "B/param"):
+        assert column in header
+    assert any("[torch-fused]" in line for line in lines)
+    assert any("[apex-style]" in line for line in lines)
+    assert "apex-style" in err  # progress goes to stderr
+
+
+def test_cli_json_is_one_document(capsys: pytest.CaptureFixture[str]) -> None:
+    assert command.main([*CLI_ARGS[1:], "--json", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["presets"][0]["leaves"] == 4
+    assert err == ""
+
+
+def test_cli_rejects_params_without_leaves() -> None:
+    with pytest.raises(SystemExit, match="--leaves"):
+        command.main(["--params", "1000"])
