@@ -11,7 +11,13 @@ from typing import NamedTuple
 
 import torch
 
-from fp16fx.transforms.base import GradientTransformation, check_hyperparam, hyperparams, stateless
+from fp16fx.transforms.base import (
+    GradientTransformation,
+    check_hyperparam,
+    hyperparams,
+    scalars,
+    stateless,
+)
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
@@ -113,7 +119,7 @@ def scale_by_adam(
 
     With ``t`` the leaf's step count after this step::
 
-        m <- beta1 * m + (1 - beta1) * u          (torch.lerp)
+        m <- m + (1 - beta1) * (u - m)
         v <- beta2 * v + (1 - beta2) * u * u
         v_hat <- max(v_max, v) if amsgrad else v
         u <- m / (1 - beta1**t) / (sqrt(v_hat) / sqrt(1 - beta2**t) + eps)
@@ -135,17 +141,19 @@ def scale_by_adam(
         )
 
     def update(updates, leaf_states, params, hp, grad_norm, indices):
-        b1, b2, eps = hp["beta1"], hp["beta2"], hp["eps"].float()
+        b1, b2 = hp["beta1"], hp["beta2"]
         new_updates, new_states = [], []
         for u, state in zip(updates, leaf_states):
             count = state.count + 1
-            bias_correction1 = (1 - b1**count).float()
-            bias_correction2_sqrt = torch.sqrt(1 - b2**count).float()
-            mu = torch.lerp(state.mu, u, (1 - b1).float())
-            nu = state.nu * b2.float() + (1 - b2).float() * u * u
+            # Reciprocals turn two of three divisions per element into multiplications.
+            weight1, decay2, weight2, inv_correction1, inv_correction2_sqrt, eps = scalars(
+                1 - b1, b2, 1 - b2, 1 / (1 - b1**count), torch.rsqrt(1 - b2**count), hp["eps"]
+            )
+            mu = state.mu + weight1 * (u - state.mu)  # torch.lerp's formula for weight < 0.5
+            nu = state.nu * decay2 + weight2 * u * u
             nu_max = torch.maximum(state.nu_max, nu) if amsgrad else state.nu_max
-            denom = torch.sqrt(nu_max if amsgrad else nu) / bias_correction2_sqrt + eps
-            new_updates.append(mu / bias_correction1 / denom)
+            denom = torch.sqrt(nu_max if amsgrad else nu) * inv_correction2_sqrt + eps
+            new_updates.append(mu * inv_correction1 / denom)
             new_states.append(ScaleByAdamState(count, mu, nu, nu_max))
         return new_updates, new_states
 
