@@ -108,3 +108,8 @@ def test_inplace_step_refuses_bad_grads_before_touching_anything():
     with pytest.raises(ValueError, match="shape"):
         fp16fx.compile_step(inplace=True)(state, {"w": torch.randn(5).half()})
     assert bitwise_equal(before, snapshot(state))
+
+
+def test_cuda_graph_mode_needs_inplace():
+    with pytest.raises(ValueError, match="needs inplace=True"):
+        fp16fx.compile_step(cuda_graph=True)
