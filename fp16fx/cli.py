@@ -15,7 +15,7 @@ from collections.abc import Sequence
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 #: Modules providing a subcommand, in the order ``fp16fx --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("fp16fx.bench",)
+SUBCOMMANDS: tuple[str, ...] = ("fp16fx.train", "fp16fx.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

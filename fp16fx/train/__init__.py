@@ -1,0 +1,17 @@
+"""``fp16fx train``: a real model learning a real task in FP16, through fp16fx's public APIs.
+
+Layer: ``cli`` (DESIGN.md). This package holds no library logic: it trains with the
+apex-compatible ``fp16fx.FP16_Optimizer`` or the functional ``fp16fx.step``, and adds data
+sets, models, a loop with progress and history, checkpoints and reports around them.
+
+Run it as ``fp16fx train`` (or ``python -m fp16fx.train``), or from Python::
+
+    from fp16fx.train import TrainConfig, train
+    result = train(TrainConfig(epochs=3))
+    print(result.runs[0].history.test_accuracy)
+"""
+
+from fp16fx.train.command import add_parser, main
+from fp16fx.train.session import TrainConfig, TrainResult, train
+
+__all__ = ["TrainConfig", "TrainResult", "add_parser", "main", "train"]

@@ -1,0 +1,113 @@
+"""What ``fp16fx train`` shows at the end: the summary table and the optional plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fp16fx.train.loop import History
+
+__all__ = ["PlotError", "RunSummary", "check_plotting", "format_summary", "save_plot"]
+
+
+class PlotError(RuntimeError):
+    """Plotting is impossible (matplotlib missing, file not writable); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """One trained model's results, a column of the summary table.
+
+    Attributes:
+      name: the column's heading, e.g. ``"FP16"``.
+      label: what was trained and how (shown under the table).
+      history: the run's :class:`~fp16fx.train.loop.History`.
+    """
+
+    name: str
+    label: str
+    history: History
+
+
+def _rows(run: RunSummary) -> list[str]:
+    h = run.history
+    scale = h.final_loss_scale
+    return [
+        f"{100 * h.test_accuracy:.2f}%",
+        f"{h.images_per_second:,.0f}",
+        f"{h.skipped} / {h.steps}",
+        "-" if math.isnan(scale) else f"{scale:g}",
+        f"{h.wall_seconds:.1f} s",
+    ]
+
+
+_ROW_NAMES = ("test accuracy", "images/s", "steps skipped", "final loss scale", "wall time")
+
+
+def format_summary(title: str, runs: list[RunSummary]) -> str:
+    """Returns the summary table: one row per measure, one column per run, then a legend."""
+    cells = [_rows(run) for run in runs]
+    first = max(len(name) for name in _ROW_NAMES)
+    widths = [max(len(run.name), *(len(c) for c in col)) for run, col in zip(runs, cells)]
+    lines = [title, ""]
+    lines.append(" " * first + "".join(f"  {r.name:>{w}}" for r, w in zip(runs, widths)))
+    lines.append("-" * first + "".join("  " + "-" * w for w in widths))
+    for i, row_name in enumerate(_ROW_NAMES):
+        values = "".join(f"  {col[i]:>{w}}" for col, w in zip(cells, widths))
+        lines.append(f"{row_name:<{first}}{values}")
+    lines.append("")
+    lines += [f"{run.name}: {run.label}" for run in runs]
+    return "\n".join(lines) + "\n"
+
+
+def check_plotting(path: str) -> None:
+    """Returns None when ``path`` can receive a plot; raises :class:`PlotError` otherwise.
+
+    Called before training, so that a missing matplotlib fails at once, not after the run.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotError(
+            "--plot needs matplotlib, which is not installed: pip install 'fp16fx[plot]'"
+        ) from None
+    if not path.lower().endswith((".png", ".pdf", ".svg")):
+        raise PlotError(f"--plot {path}: the file name must end in .png, .pdf or .svg")
+
+
+def save_plot(path: str, runs: list[RunSummary]) -> None:
+    """Writes loss, test accuracy and loss-scale curves of ``runs`` to the image ``path``."""
+    check_plotting(path)
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc, ax_scale) = plt.subplots(1, 3, figsize=(15, 4))
+    for run in runs:
+        h = run.history
+        steps_per_epoch = max(h.steps // max(len(h.epochs), 1), 1)
+        ax_loss.plot([i / steps_per_epoch for i in range(h.steps)], h.step_loss, label=run.name)
+        ax_acc.plot(
+            [e.epoch for e in h.epochs],
+            [100 * e.test_accuracy for e in h.epochs],
+            marker="o",
+            label=run.name,
+        )
+        if not all(math.isnan(s) for s in h.step_loss_scale):
+            ax_scale.plot(
+                [i / steps_per_epoch for i in range(h.steps)], h.step_loss_scale, label=run.name
+            )
+    ax_loss.set(title="training loss", xlabel="epoch", yscale="log")
+    ax_acc.set(title="test accuracy (%)", xlabel="epoch")
+    ax_scale.set(title="loss scale", xlabel="epoch", yscale="log")
+    for ax in (ax_loss, ax_acc, ax_scale):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise PlotError(f"could not write the plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,335 @@
+"""How ``fp16fx train`` takes one optimizer step, through each of fp16fx's APIs.
+
+A :class:`Stepper` owns a model and its optimizer and exposes the few operations the training
+loop needs: one training step on a batch, the logits of a batch for evaluation, the learning
+rate, and a checkpointable state dict. Three implementations:
+
+* :class:`FacadeStepper`: the apex-compatible ``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam``
+  (``optimizer.backward(loss)``, ``optimizer.step()``), exactly as an apex script does it.
+* :class:`FunctionalStepper`: the pure API. The model is used through
+  ``torch.func.functional_call`` on a dict of params held in an ``fp16fx.init`` state, grads
+  come from ``torch.func.grad`` and the step is ``fp16fx.step`` (pure) or
+  ``fp16fx.compile_step(inplace=True)`` (fused, in place).
+* :class:`TorchStepper`: plain FP32 ``torch.optim.Adam``, the baseline of ``--compare-fp32``.
+
+None of them holds optimizer or loss-scale logic: that is fp16fx's job.
+
+Every step returns 0-d tensors on the model's device (no host sync); the loop decides when to
+look at them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+
+import fp16fx
+from fp16fx import tree
+
+__all__ = [
+    "APIS",
+    "FacadeStepper",
+    "FunctionalStepper",
+    "LossScale",
+    "StateMismatchError",
+    "StepOutput",
+    "Stepper",
+    "TorchStepper",
+    "make_stepper",
+]
+
+#: ``"dynamic"`` or a static loss scale.
+LossScale = str | float
+
+#: The values of ``--api``.
+APIS = ("facade", "functional")
+
+
+class StateMismatchError(ValueError):
+    """A state dict does not fit this model/optimizer; the message names the first misfit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one training step reports, as 0-d tensors on the model's device.
+
+    Attributes:
+      loss: the (unscaled) FP32 loss of the batch.
+      skipped: True when the step was skipped because the gradients overflowed.
+      loss_scale: the loss scale after the step (NaN when there is none).
+    """
+
+    loss: torch.Tensor
+    skipped: torch.Tensor
+    loss_scale: torch.Tensor
+
+
+def _describe_scale(loss_scale: LossScale) -> str:
+    if loss_scale == "dynamic":
+        return "dynamic loss scale"
+    return f"static loss scale {float(loss_scale):g}"
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels)
+
+
+class Stepper(abc.ABC):
+    """One model with its optimizer, seen by the training loop.
+
+    Attributes:
+      model: the ``nn.Module`` (for the functional API: the structure only, called through
+        ``functional_call`` with the state's params).
+      label: a short description for reports, e.g. ``"FP16, FP16_Optimizer (facade)"``.
+    """
+
+    model: nn.Module
+    label: str
+
+    @abc.abstractmethod
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        """Returns the step's report after one optimizer step on the batch."""
+
+    @abc.abstractmethod
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Returns the model's output for ``images`` (the caller sets eval mode, no_grad)."""
+
+    @abc.abstractmethod
+    def set_lr(self, lr: float) -> None:
+        """Sets the learning rate used by the next steps."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Returns ``{"model": ..., "optimizer": ...}``: tensors and primitives only."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict`; raises :class:`StateMismatchError` if it does not fit."""
+
+    def _load_model(self, model_state: Any) -> None:
+        try:
+            self.model.load_state_dict(model_state)
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()
+            raise StateMismatchError(
+                f"the model weights do not fit this model: {' '.join(first[:2])}"
+            ) from None
+
+
+class FacadeStepper(Stepper):
+    """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on an FP16 model, the apex way.
+
+    ``compile`` picks the facade's compiled fast path (``compiled=True``, its default) or the
+    same core run eagerly (cheaper on a CPU for small models: no compile time).
+    """
+
+    def __init__(
+        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = True
+    ) -> None:
+        self.model = model
+        adam = torch.optim.Adam(model.parameters(), lr=lr)
+        if loss_scale == "dynamic":
+            scaling = {"dynamic_loss_scale": True}
+        else:
+            scaling = {"static_loss_scale": float(loss_scale)}
+        self.optimizer = fp16fx.FP16_Optimizer(adam, **scaling, verbose=False, compiled=compile)
+        how = "compiled" if compile else "eager"
+        self.label = f"FP16, FP16_Optimizer(Adam) {how}, {_describe_scale(loss_scale)}"
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        self.optimizer.zero_grad()
+        loss = _loss(self.model(images), labels)
+        self.optimizer.backward(loss)
+        self.optimizer.step()
+        return StepOutput(
+            loss=loss.detach(),
+            skipped=torch.as_tensor(self.optimizer.overflow, device=loss.device).clone(),
+            loss_scale=torch.as_tensor(
+                self.optimizer.loss_scale, dtype=torch.float32, device=loss.device
+            ).clone(),
+        )
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def set_lr(self, lr: float) -> None:
+        # The facade reads hyperparameters from param_groups at every step.
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_model(state["model"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+            raise StateMismatchError(
+                f"the optimizer state does not fit this optimizer: {exc}"
+            ) from None
+
+
+class FunctionalStepper(Stepper):
+    """The pure API: ``functional_call`` + ``torch.func.grad`` + ``fp16fx.step``.
+
+    The training state is ``self.state`` (an ``fp16fx.init`` state over the model's params as a
+    dict keyed like ``model.named_parameters()``); the module's buffers (BatchNorm running
+    statistics) are passed to ``functional_call`` alongside, and updated by it in place.
+    With ``compile=True`` the step is ``fp16fx.compile_step(inplace=True)``, which writes into
+    the state's tensors (and so into the model's own params); otherwise the pure
+    ``fp16fx.step`` returns a new state each time.
+    """
+
+    def __init__(
+        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = False
+    ) -> None:
+        self.model = model
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        self.buffers = dict(model.named_buffers())
+        policy = (
+            fp16fx.DynamicLossScale()
+            if loss_scale == "dynamic"
+            else fp16fx.StaticLossScale(float(loss_scale))
+        )
+        self.state = fp16fx.init(params, fp16fx.adam(lr), loss_scale=policy)
+        self._step = fp16fx.compile_step(inplace=True) if compile else fp16fx.step
+        self._grad = grad(self._scaled_loss, has_aux=True)
+        how = "compile_step(inplace=True)" if compile else "step"
+        self.label = f"FP16, functional fp16fx.{how} (Adam), {_describe_scale(loss_scale)}"
+
+    def _scaled_loss(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Buffers are an argument (not captured) because BatchNorm updates them in place,
+        # which torch.func allows only for a function's inputs.
+        loss = _loss(functional_call(self.model, (params, buffers), (images,)), labels)
+        return fp16fx.scale_loss(self.state, loss), loss.detach()
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        grads, loss = self._grad(self.state.params, self.buffers, images, labels)
+        self.state, info = self._step(self.state, grads)
+        return StepOutput(
+            loss=loss,
+            skipped=~info["finite"],
+            # Cloned: the in-place step overwrites this tensor at the next step.
+            loss_scale=self.state.loss_scale.scale.clone(),
+        )
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, (self.state.params, self.buffers), (images,))
+
+    def set_lr(self, lr: float) -> None:
+        # In place: a tensor in the state changes, the compiled step is not recompiled.
+        fp16fx.set_hyperparams(self.state, lr=lr, inplace=True)
+
+    def _named_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        leaves, _ = tree.flatten(self.state)
+        names = tree.leaf_names(self.state, root="state")
+        return [(n, leaf) for n, leaf in zip(names, leaves) if isinstance(leaf, torch.Tensor)]
+
+    def state_dict(self) -> dict[str, Any]:
+        leaves = self._named_leaves()
+        return {
+            # Keyed like model.state_dict(): a plain nn.Module can load these weights.
+            "model": {**self.state.params, **self.buffers},
+            "optimizer": {
+                "names": [name for name, _ in leaves],
+                "tensors": [t for _, t in leaves],
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model_state, opt_state = state["model"], state["optimizer"]
+        if not isinstance(opt_state, dict) or set(opt_state) != {"names", "tensors"}:
+            raise StateMismatchError("the optimizer state is not a functional-API state")
+        mine = self._named_leaves()
+        names, tensors = opt_state["names"], opt_state["tensors"]
+        if len(names) != len(mine) or len(tensors) != len(mine):
+            raise StateMismatchError(
+                f"the optimizer state holds {len(tensors)} tensors, this model's {len(mine)}"
+            )
+        for (name, dst), saved_name, src in zip(mine, names, tensors):
+            if saved_name != name:
+                raise StateMismatchError(f"the optimizer state has {saved_name} where {name} goes")
+            _check_like(name, src, dst)
+        for name, dst in self.buffers.items():
+            if name not in model_state:
+                raise StateMismatchError(f"the model weights lack buffer {name!r}")
+            _check_like(name, model_state[name], dst)
+        # Everything fits: copy into the existing tensors (the compiled step keeps them).
+        with torch.no_grad():
+            for (_, dst), src in zip(mine, tensors):
+                dst.copy_(src)
+            for name, dst in self.buffers.items():
+                dst.copy_(model_state[name])
+
+
+def _check_like(name: str, src: Any, dst: torch.Tensor) -> None:
+    if not isinstance(src, torch.Tensor):
+        raise StateMismatchError(f"{name} is a {type(src).__name__} in the state, not a tensor")
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise StateMismatchError(
+            f"{name} is {src.dtype} {tuple(src.shape)} in the state; "
+            f"this model needs {dst.dtype} {tuple(dst.shape)}"
+        )
+
+
+class TorchStepper(Stepper):
+    """Plain FP32 ``torch.optim.Adam``: the ``--compare-fp32`` baseline."""
+
+    label = "FP32, torch.optim.Adam"
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        self.model = model
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = _loss(self.model(images), labels)
+        loss.backward()
+        self.optimizer.step()
+        return StepOutput(
+            loss=loss.detach(),
+            skipped=torch.zeros((), dtype=torch.bool, device=loss.device),
+            loss_scale=torch.full((), math.nan, device=loss.device),
+        )
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_model(state["model"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise StateMismatchError(f"the optimizer state does not fit: {exc}") from None
+
+
+def make_stepper(
+    api: str, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = False
+) -> Stepper:
+    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``."""
+    if api == "facade":
+        return FacadeStepper(model, lr, loss_scale, compile=compile)
+    if api == "functional":
+        return FunctionalStepper(model, lr, loss_scale, compile=compile)
+    raise ValueError(f"unknown api {api!r} (choose from: {', '.join(APIS)})")

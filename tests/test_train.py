@@ -1,0 +1,218 @@
+"""Tests of ``fp16fx train`` end to end: real runs that must learn, and one-line errors.
+
+The default run (a small FP16 CNN on scikit-learn's digits) must reach 95% test accuracy:
+that is the promise of the README's first command, so it is tested as it ships.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fp16fx
+from fp16fx import cli
+from fp16fx.train import command
+
+requires_facade = pytest.mark.skipif(
+    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
+)
+
+
+def train_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Returns ``(exit code, stdout, stderr)`` of ``fp16fx train ARGV`` run in this process."""
+    code = cli.main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table(out: str) -> dict[str, list[str]]:
+    """Returns the summary table's rows: name -> the cells of each column."""
+    lines = out.strip().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("test accuracy"))
+    rows = {}
+    for line in lines[start : start + 5]:
+        name, cells = line[:16].strip(), line[16:].replace(" / ", "/").replace(" s", "s")
+        rows[name] = cells.split()
+    return rows
+
+
+def accuracy(cell: str) -> float:
+    return float(cell.rstrip("%")) / 100
+
+
+# --- real runs -----------------------------------------------------------------------------
+
+
+@requires_facade
+def test_default_run_learns_digits_in_fp16_to_95_percent(capsys) -> None:
+    code, out, err = train_cli(capsys)  # exactly the README's command: no flags
+    assert code == 0, err
+    rows = table(out)
+    assert accuracy(rows["test accuracy"][0]) >= 0.95
+    assert "FP16_Optimizer(Adam)" in out and "dynamic loss scale" in out
+    assert "cnn on digits (1,437 train / 360 test images)" in out
+    skipped, steps = map(int, rows["steps skipped"][0].split("/"))
+    assert steps == 6 * 44 and 0 <= skipped < steps
+    assert float(rows["final loss scale"][0]) >= 1
+    assert "epoch 6/6" in err  # the log lines (logger "fp16fx" on stderr)
+
+
+def test_functional_api_learns_digits_to_95_percent(capsys) -> None:
+    code, out, err = train_cli(capsys, "--api", "functional", "--epochs", "3")
+    assert code == 0, err
+    assert accuracy(table(out)["test accuracy"][0]) >= 0.95
+    assert "functional fp16fx.step (Adam)" in out
+
+
+@requires_facade
+def test_compare_fp32_trains_both_from_the_same_start(capsys) -> None:
+    code, out, err = train_cli(
+        capsys, "--compare-fp32", "--epochs", "2", "--limit", "640", "--quiet"
+    )
+    assert code == 0, err
+    assert err == ""  # --quiet: nothing but the table
+    rows = table(out)
+    fp16, fp32 = (accuracy(c) for c in rows["test accuracy"])
+    assert fp16 >= 0.85 and fp32 >= 0.85 and abs(fp16 - fp32) < 0.08
+    assert rows["final loss scale"][1] == "-" and rows["steps skipped"][1] == "0/40"
+    assert "FP32: FP32, torch.optim.Adam" in out
+
+
+@pytest.mark.parametrize("api", ["functional", pytest.param("facade", marks=requires_facade)])
+def test_every_step_overflows_at_a_huge_static_scale_and_is_skipped(capsys, api) -> None:
+    # FP16's largest value is 65504: a loss scaled by 1e30 overflows in every backward pass.
+    code, out, err = train_cli(
+        capsys, "--api", api, "--loss-scale", "1e30", "--epochs", "1", "--limit", "96", "--quiet"
+    )
+    assert code == 0, err
+    rows = table(out)
+    assert rows["steps skipped"] == ["3/3"]
+    assert float(rows["final loss scale"][0]) == 1e30  # static: never moves
+    assert accuracy(rows["test accuracy"][0]) < 0.5  # nothing was learned
+
+
+@pytest.mark.parametrize("api", ["functional", pytest.param("facade", marks=requires_facade)])
+def test_resnet18_smoke_run_on_fake_data(capsys, api) -> None:
+    code, out, err = train_cli(
+        capsys,
+        *("--model", "resnet18", "--dataset", "fake", "--api", api),
+        *("--limit", "8", "--batch-size", "4", "--epochs", "1", "--quiet"),
+    )
+    assert code == 0, err
+    assert table(out)["steps skipped"][0].endswith("/2")
+    assert "resnet18 on fake (8 train / 8 test images)" in out
+
+
+@pytest.mark.compile
+def test_functional_compiled_run_never_recompiles_as_the_lr_changes(capsys) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    code, out, err = train_cli(
+        capsys, "--api", "functional", "--compile", "--epochs", "2", "--limit", "64", "--quiet"
+    )
+    assert code == 0, err
+    assert "compile_step(inplace=True)" in out
+    # Cosine schedule: the lr changed at each of the 4 steps; one graph was ever compiled.
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_progress_bar_shows_loss_scale_and_skipped_steps(capsys) -> None:
+    from fp16fx.train.session import TrainConfig, train
+
+    train(TrainConfig(api="functional", epochs=1, limit=320, progress=True))
+    err = capsys.readouterr().err
+    assert "epoch 1/1" in err and "scale=65536" in err and "skipped=0" in err
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys) -> None:
+    args = cli.build_parser().parse_args(["train"])
+    assert command.config_from_args(args).progress is False  # pytest's stderr is no TTY
+
+
+# --- bad input: one line, no traceback, non-zero exit --------------------------------------
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fp16fx train: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--model", "vgg16"], ["unknown model 'vgg16'", "cnn, resnet18"]),
+        (["--dataset", "mnist"], ["unknown dataset 'mnist'", "digits, cifar10, fake"]),
+        (["--dataset", "cifar10"], ["--data-dir", "nothing is downloaded"]),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], [""]),
+        (["--epochs", "0"], ["--epochs must be >= 1"]),
+        (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
+        (["--resume", "/nonexistent/ck.pt"], ["checkpoint /nonexistent/ck.pt does not exist"]),
+    ],
+)
+def test_bad_settings_fail_in_one_line(capsys, argv, fragments) -> None:
+    code, out, err = train_cli(capsys, *argv, "--api", "functional")
+    assert_one_line_error(code, err, *fragments)
+    assert out == ""
+
+
+def test_missing_cifar10_says_where_to_put_it(capsys, tmp_path) -> None:
+    code, _, err = train_cli(capsys, "--dataset", "cifar10", "--data-dir", str(tmp_path))
+    assert_one_line_error(code, err, "cifar-10-batches-py", "never downloads")
+
+
+def test_unwritable_save_path_fails_before_training(capsys, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code, _, err = train_cli(capsys, "--save", str(blocker / "ck.pt"))
+    assert_one_line_error(code, err, f"cannot save to {blocker / 'ck.pt'}")
+    code, _, err = train_cli(capsys, "--save", str(tmp_path))
+    assert_one_line_error(code, err, "is a directory")
+
+
+def test_plot_without_matplotlib_fails_before_training(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = train_cli(capsys, "--plot", "curves.png")
+    assert_one_line_error(code, err, "--plot needs matplotlib", "pip install 'fp16fx[plot]'")
+
+
+def test_plot_is_written_after_a_run(capsys, tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
+    path = tmp_path / "curves.png"
+    code, out, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "1", "--limit", "64", "--plot", str(path)
+    )
+    assert code == 0, err
+    assert path.read_bytes()[:4] == b"\x89PNG" and f"plot saved to {path}" in out
+
+
+def test_bad_loss_scale_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--loss-scale", "lots"])
+    assert exit_info.value.code == 2
+    assert "'lots' is neither 'dynamic' nor a number" in capsys.readouterr().err
+
+
+def test_fp16fx_command_lists_train() -> None:
+    assert "train" in cli.build_parser().format_help()
+
+
+def test_installed_command_fails_cleanly_in_a_subprocess() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "fp16fx.cli", "train", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "fp16fx train: error: unknown model 'nope' (choose from: cnn, resnet18)"
+    ]

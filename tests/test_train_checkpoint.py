@@ -1,0 +1,240 @@
+"""Tests of ``fp16fx train``'s checkpoints: atomic writes, exact resume, bad files.
+
+Resuming must be invisible: a run interrupted and resumed ends with weights and optimizer state
+bitwise equal to an uninterrupted run's (CPU kernels are deterministic).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp16fx
+from fp16fx import cli
+from fp16fx.train import checkpoint, loop
+from fp16fx.train.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from fp16fx.train.models import build_model, to_half
+
+requires_facade = pytest.mark.skipif(
+    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
+)
+APIS = ["functional", pytest.param("facade", marks=requires_facade)]
+SMALL = ("--limit", "160", "--quiet")  # 5 steps per epoch
+
+
+def train_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def leaves(tree: object, prefix: str = "") -> dict[str, object]:
+    """Returns every leaf (tensor or primitive) inside nested dicts/lists, keyed by its path."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    found: dict[str, object] = {}
+    for key, value in items:
+        found.update(leaves(value, f"{prefix}/{key}"))
+    return found
+
+
+def assert_same_state(path_a: str, path_b: str) -> None:
+    """Asserts that two checkpoints hold bitwise equal model and optimizer states."""
+    a = leaves(torch.load(path_a, weights_only=True)["stepper"])
+    b = leaves(torch.load(path_b, weights_only=True)["stepper"])
+    assert a.keys() == b.keys()
+    assert sum(isinstance(v, torch.Tensor) for v in a.values()) > 10
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == b[key].dtype, key
+            assert torch.equal(value, b[key]), f"{key} differs"
+        else:
+            assert value == b[key], key
+
+
+def leftovers(directory) -> list[str]:
+    return [name for name in os.listdir(directory) if name.endswith(".tmp")]
+
+
+# --- atomic writes -------------------------------------------------------------------------
+
+
+def test_save_is_readable_weights_only_and_leaves_no_temp_file(tmp_path) -> None:
+    path = str(tmp_path / "ck.pt")
+    save_atomic({"w": torch.arange(3), "epoch": 1}, path)
+    assert torch.load(path, weights_only=True)["epoch"] == 1
+    assert leftovers(tmp_path) == []
+
+
+def test_a_save_failing_midway_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "ck.pt")
+    save_atomic({"w": torch.ones(1000), "epoch": 1}, path)
+    real_save = torch.save
+
+    def save_half_then_fail(obj, f, *args, **kwargs):
+        real_save({"partial": torch.zeros(10)}, f)  # some bytes of a would-be checkpoint...
+        f.write(b"\x00" * 100)
+        raise OSError(28, "No space left on device")  # ...then the disk fills up
+
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*No space left"):
+        save_atomic({"w": torch.zeros(1000), "epoch": 2}, path)
+    old = torch.load(path, weights_only=True)
+    assert old["epoch"] == 1 and torch.equal(old["w"], torch.ones(1000))
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failing_save_during_training_is_one_line_and_keeps_the_old_file(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    path = str(tmp_path / "ck.pt")
+    assert train_cli(capsys, "--api", "functional", "--epochs", "1", "--save", path, *SMALL)[0] == 0
+    with open(path, "rb") as f:
+        before = f.read()
+
+    def fail(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 torn")
+        raise RuntimeError("interrupted write")
+
+    monkeypatch.setattr(torch, "save", fail)
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "2", "--resume", path, "--save", path, *SMALL
+    )
+    assert code == 1
+    assert err.strip().splitlines() == [
+        f"fp16fx train: error: could not save checkpoint {path}: interrupted write"
+    ]
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert leftovers(tmp_path) == []
+
+
+# --- exact resume --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_resume_equals_an_uninterrupted_run_bitwise(capsys, tmp_path, api) -> None:
+    whole, split = str(tmp_path / "whole.pt"), str(tmp_path / "split.pt")
+    common = ("--api", api, "--lr-schedule", "constant", *SMALL)
+    assert train_cli(capsys, *common, "--epochs", "2", "--save", whole)[0] == 0
+    assert train_cli(capsys, *common, "--epochs", "1", "--save", split)[0] == 0
+    assert torch.load(split, weights_only=True)["epoch"] == 1
+    code, out, err = train_cli(capsys, *common, "--epochs", "2", "--resume", split, "--save", split)
+    assert code == 0, err
+    assert torch.load(split, weights_only=True)["epoch"] == 2
+    assert_same_state(whole, split)
+    assert "0 / 10" in out  # the summary covers both epochs
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_interrupted_run_resumes_exactly_with_the_cosine_schedule(
+    capsys, tmp_path, monkeypatch, api
+) -> None:
+    whole, crashed = str(tmp_path / "whole.pt"), str(tmp_path / "crashed.pt")
+    common = ("--api", api, "--epochs", "3", *SMALL)
+    assert train_cli(capsys, *common, "--save", whole)[0] == 0
+
+    real_evaluate, calls = loop.evaluate, []
+
+    def evaluate_then_interrupt(stepper, batches):
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C during epoch 2, after epoch 1's checkpoint
+            raise KeyboardInterrupt
+        return real_evaluate(stepper, batches)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate_then_interrupt)
+    code, _, err = train_cli(capsys, *common, "--save", crashed)
+    assert code == 130 and f"interrupted; the last checkpoint is {crashed}" in err
+    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+
+    assert torch.load(crashed, weights_only=True)["epoch"] == 1
+    code, _, err = train_cli(capsys, *common, "--resume", crashed, "--save", crashed)
+    assert code == 0, err
+    assert_same_state(whole, crashed)
+
+
+def test_functional_checkpoint_weights_load_into_a_plain_module(capsys, tmp_path) -> None:
+    path = str(tmp_path / "ck.pt")
+    assert train_cli(capsys, "--api", "functional", "--epochs", "1", "--save", path, *SMALL)[0] == 0
+    ckpt = torch.load(path, weights_only=True)
+    model = to_half(build_model("cnn", 1, 10))
+    model.load_state_dict(ckpt["stepper"]["model"])  # strict: every key, every shape
+    assert ckpt["stepper"]["optimizer"]["names"][0].startswith("state")
+
+
+# --- bad checkpoints: one line, nothing trained ---------------------------------------------
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fp16fx train: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def saved(capsys, tmp_path) -> str:
+    """A functional-API checkpoint after one short epoch."""
+    path = str(tmp_path / "ck.pt")
+    assert train_cli(capsys, "--api", "functional", "--epochs", "1", "--save", path, *SMALL)[0] == 0
+    return path
+
+
+def test_corrupted_checkpoint_is_refused(capsys, tmp_path, saved) -> None:
+    with open(saved, "rb") as f:
+        data = f.read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"this is not a checkpoint" * 10)
+    for bad in (truncated, garbage):
+        code, out, err = train_cli(capsys, "--api", "functional", "--resume", str(bad))
+        assert code == 1 and out == ""
+        assert f"checkpoint {bad} is corrupted or not a torch checkpoint" in one_line(err)
+
+
+def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
+    code, _, err = train_cli(capsys, "--api", "facade", "--resume", saved)
+    assert code == 1
+    assert "was written with --api functional, this run has facade" in one_line(err)
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--model", "resnet18", "--resume", saved
+    )
+    assert "was written with --model cnn, this run has resnet18" in one_line(err)
+
+
+def test_foreign_torch_file_is_refused(capsys, tmp_path) -> None:
+    path = str(tmp_path / "weights.pt")
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    code, _, err = train_cli(capsys, "--resume", path)
+    assert code == 1 and "is not an fp16fx train checkpoint" in one_line(err)
+
+
+def test_checkpoint_with_a_misshapen_tensor_names_it(capsys, tmp_path, saved) -> None:
+    ckpt = torch.load(saved, weights_only=True)
+    opt = ckpt["stepper"]["optimizer"]
+    i = next(i for i, t in enumerate(opt["tensors"]) if t.dim() == 4)
+    opt["tensors"][i] = torch.zeros(3, 3, dtype=opt["tensors"][i].dtype)
+    bad = str(tmp_path / "bad.pt")
+    torch.save(ckpt, bad)
+    code, _, err = train_cli(capsys, "--api", "functional", "--resume", bad)
+    line = one_line(err)
+    assert code == 1 and opt["names"][i] in line and "(3, 3)" in line
+
+
+def test_load_checkpoint_checks_every_identity_field(tmp_path) -> None:
+    path = str(tmp_path / "ck.pt")
+    run = {"model": "cnn", "dataset": "digits", "api": "facade"}
+    empty = {"stepper": {}, "rng": {}, "history": {}}
+    save_atomic({"format": checkpoint.FORMAT, "run": run, "epoch": 1, **empty}, path)
+    assert load_checkpoint(path, run)["epoch"] == 1
+    with pytest.raises(CheckpointError, match="--dataset digits, this run has fake"):
+        load_checkpoint(path, {**run, "dataset": "fake"})
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "nope.pt"), run)
