@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             graphs_after_first_step = counters["stats"]["unique_graphs"]
             what = "compiling the step" if args.compile else "eager"
             print(f"step 1 ({what}): {time.perf_counter() - start:.1f} s")
-        if (i + 1) % 25 == 0:
+        if (i + 1) % max(args.steps // 6, 1) == 0:
             # .item()/.tolist() sync with the device: do it only when printing.
             print(
                 f"step {i + 1:4d}  loss {loss.item():.4f}  lr {lr:.2e}  "

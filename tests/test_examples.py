@@ -1,0 +1,80 @@
+"""The examples run, as a user runs them (a subprocess each), with small arguments.
+
+Each prints what it claims to show; these tests read it back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fp16fx
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+requires_facade = pytest.mark.skipif(
+    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
+)
+
+
+def run_example(name: str, *args: str) -> str:
+    """Returns the stdout of ``python examples/NAME ARGS`` after checking it exited with 0."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.compile
+def test_functional_step_example_never_recompiles_and_skips_exactly() -> None:
+    out = run_example("functional_step.py", "--steps", "20")
+    assert "recompiles after the first step: 0" in out
+    assert "step   11  overflow: step skipped, params unchanged; loss scale now 32768" in out
+    assert "after 20 steps (19 applied)" in out
+    assert "the module's params are the state's: True" in out  # in place
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses and all(loss < 1.5 for loss in losses)
+
+
+@requires_facade
+def test_migrate_from_apex_example_runs_static_and_dynamic_scaling() -> None:
+    out = run_example("migrate_from_apex.py", "--steps", "30")
+    static, dynamic = out.split("dynamic loss scale")
+    assert "static step 30:" in static and "loss scale 128," in static
+    assert "skipped so far 1" in static and "skipped so far 1" in dynamic
+    assert "loss scale 32768" in dynamic  # 2**16 halved by the one overflow
+    assert out.count("saved and reloaded") == 2
+
+
+def test_migrate_from_apex_example_changes_only_the_import() -> None:
+    source = (EXAMPLES / "migrate_from_apex.py").read_text()
+    assert "# from apex.fp16_utils import FP16_Optimizer, network_to_half\n" in source
+    assert "\nfrom fp16fx.fp16_utils import FP16_Optimizer, network_to_half\n" in source
+    for call in ("optimizer.backward(", "optimizer.step()", "FP16_Optimizer(optimizer"):
+        assert call in source
+
+
+@requires_facade
+def test_resnet18_cifar10_example_trains_on_fake_data() -> None:
+    out = run_example("resnet18_cifar10.py", "--fake-size", "8", "--batch-size", "4")
+    assert re.search(r"epoch 1/1: loss \d+\.\d+, [0-2] skipped steps, loss scale \d+", out)
+    assert "test accuracy" in out and "on 4 images" in out
+
+
+def test_resnet18_cifar10_example_has_the_three_fixes() -> None:
+    source = (EXAMPLES / "resnet18_cifar10.py").read_text()
+    body = source.split('"""', 2)[2]  # after the module docstring, which quotes the mistakes
+    code = "\n".join(line.split("#")[0] for line in body.splitlines())  # and comments
+    assert re.search(r"transforms\.Compose\(\s*\[", code) and "Compose[" not in code
+    assert "resnet18(weights=None, num_classes=10)" in code and "pretrained" not in code
+    assert "optimizer.step()" in code and ".update()" not in code
+    assert "download=True" not in code
