@@ -9,11 +9,13 @@ import json
 import os
 from math import prod
 
+import optree
 import pytest
 import torch
 
 from fp16fx.bench import command, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
+from fp16fx.bench.fp16fx_runners import Fp16fxCompiledRunner, Fp16fxEagerRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.report import format_report, to_json
 from fp16fx.bench.runner import BenchConfig, Runner, register_runner, storage_bytes
@@ -87,7 +89,7 @@ def test_storage_bytes_counts_each_storage_once() -> None:
 def _reference_masters(shapes, cfg: BenchConfig, steps: int) -> list[torch.Tensor]:
     """torch.optim.Adam on FP32 masters fed the unscaled grads."""
     params, grads = presets.make_param_set(shapes, loss_scale=cfg.loss_scale)
-    masters = [p.float() for p in params]
+    masters = [p.detach().float() for p in params]
     for m, g in zip(masters, grads):
         m.grad = g.float() / cfg.loss_scale
     opt = torch.optim.Adam(masters, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
@@ -219,6 +221,7 @@ def test_compiled_runner_gets_cold_and_warm_compile_times(monkeypatch) -> None:
             cache_dirs.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
             self.fn = torch.compile(lambda x: x.mul_(1.0), fullgraph=True)
 
+        @torch.no_grad()
         def step(self) -> None:
             self.fn(self.params[0])
 
@@ -241,9 +244,31 @@ def test_unknown_contender_is_rejected_with_the_choices() -> None:
         select_runners(["nope"])
 
 
-def test_fp16fx_runners_are_registered_even_if_fp16fx_is_incomplete() -> None:
+def test_fp16fx_runners_are_registered_even_if_fp16fx_is_incomplete(monkeypatch) -> None:
+    import fp16fx
+
     names = {cls.name for cls in select_runners(None)}
     assert {"fp16fx-compiled", "fp16fx-facade", "fp16fx-eager"} <= names
+    monkeypatch.delattr(fp16fx, "compile_step", raising=False)
+    reason = Fp16fxCompiledRunner.unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "fp16fx.compile_step" in reason
+    result = _tiny_run(["fp16fx-compiled", "torch-fused"])
+    statuses = {r.name: r.status for r in result.presets[0].results}
+    assert statuses == {"roofline": "ok", "fp16fx-compiled": "unavailable", "torch-fused": "ok"}
+
+
+def test_fp16fx_eager_runner_takes_real_steps() -> None:
+    if (reason := Fp16fxEagerRunner.unavailable_reason(torch.device("cpu"))) is not None:
+        pytest.skip(reason)
+    params, grads = presets.make_param_set(TINY_SHAPES)
+    runner = Fp16fxEagerRunner(BenchConfig())
+    runner.setup(params, grads)
+    before = [p.detach().clone() for p in params]
+    runner.step()
+    runner.step()
+    after = optree.tree_leaves(runner.state.params)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert storage_bytes(runner.persistent_tensors()) >= 16 * sum(prod(s) for s in TINY_SHAPES)
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -117,6 +117,7 @@ class TorchFusedRunner(_MasterCopyRunner):
             opt.grad_scale = None  # type: ignore[attr-defined]
         return opt
 
+    @torch.no_grad()
     def step(self) -> None:
         self._unscale_into_master_grads()
         if self.fused or not self.found_inf.item():
@@ -150,6 +151,7 @@ class TorchCompiledRunner(_MasterCopyRunner):
         self._compiled_step: Callable[[], None] = compiled_step
         return opt
 
+    @torch.no_grad()
     def step(self) -> None:
         self._unscale_into_master_grads()
         if not self.found_inf.item():
@@ -192,6 +194,7 @@ class ApexStyleRunner(Runner):
         self.overflow = False
         self.skipped_steps = 0
 
+    @torch.no_grad()
     def step(self) -> None:
         self.overflow = any(_has_inf_or_nan(g) for g in self.grads)
         if self.overflow:
@@ -204,7 +207,7 @@ class ApexStyleRunner(Runner):
             m.grad.mul_(inv_scale)  # type: ignore[union-attr]
         self.opt.step()
         for p, m in zip(self.params, self.master, strict=True):
-            p.data.copy_(m)
+            p.copy_(m)
 
     def persistent_tensors(self) -> Iterable[Tensor]:
         master_grads = [m.grad for m in self.master if m.grad is not None]

@@ -154,4 +154,4 @@ class Fp16fxFacadeRunner(Runner):
         self.opt.step()
 
     def persistent_tensors(self) -> Iterable[Tensor]:
-        return [*self.params, *self.grads, *tensors_in(self.opt)]
+        return [*self.params, *self.grads, *tensors_in(self.opt, depth=8)]

@@ -142,16 +142,19 @@ def make_param_set(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Return ``(params, grads)``: FP16 params and their scaled FP16 grads, one per shape.
 
-    Params are ``N(0, 0.02)``; grads are ``N(0, 1e-4) * loss_scale``, i.e. small true
-    gradients already multiplied by the loss scale, as after ``backward`` of a scaled loss.
-    With the default scale 2**16 they stay far from FP16's overflow. Each param's ``.grad``
-    is set to its grad. The values depend only on ``seed`` and the shapes.
+    Params are ``N(0, 0.02)`` in ``torch.nn.Parameter`` s (``requires_grad=True``, as
+    ``model.parameters()`` yields; optimizers leave ``requires_grad=False`` params alone).
+    Grads are ``N(0, 1e-4) * loss_scale``: small true gradients already multiplied by the
+    loss scale, as after ``backward`` of a scaled loss; with the default scale 2**16 they
+    stay far from FP16's overflow. Each param's ``.grad`` is set to its grad. The values
+    depend only on ``seed`` and the shapes.
     """
     generator = torch.Generator().manual_seed(seed)
     params: list[Tensor] = []
     grads: list[Tensor] = []
     for shape in shapes:
-        p = torch.randn(shape, generator=generator).mul_(0.02).to(device, dtype)
+        data = torch.randn(shape, generator=generator).mul_(0.02).to(device, dtype)
+        p = torch.nn.Parameter(data)
         g = torch.randn(shape, generator=generator).mul_(1e-4 * loss_scale).to(device, dtype)
         p.grad = g
         params.append(p)

@@ -154,6 +154,8 @@ def runner_classes() -> list[type[Runner]]:
 def tensors_in(obj: Any, depth: int = 4) -> Iterator[Tensor]:
     """Yield the tensors reachable from ``obj`` through containers and object attributes.
 
+    Walks dicts (keys and values), lists, tuples, sets, and the ``__dict__`` and
+    ``__slots__`` attributes of non-callable objects; a tensor's ``.grad`` is yielded too.
     A best-effort walk (to ``depth`` levels) used to find the buffers a stateful optimizer
     owns, e.g. a facade's masters, flat buffers and its wrapped optimizer's state.
     """
@@ -174,14 +176,25 @@ def tensors_in(obj: Any, depth: int = 4) -> Iterator[Tensor]:
             children: Iterable[Any] = list(item.keys()) + list(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = item
-        elif hasattr(item, "__dict__") and not callable(item):
-            children = list(vars(item).values())
+        elif not callable(item) and (hasattr(item, "__dict__") or hasattr(item, "__slots__")):
+            children = [*getattr(item, "__dict__", {}).values(), *_slot_values(item)]
         else:
             return
         for child in children:
             yield from walk(child, level - 1)
 
     yield from walk(obj, depth)
+
+
+def _slot_values(obj: Any) -> list[Any]:
+    """Return the values of ``obj``'s ``__slots__`` attributes (of every class in its MRO)."""
+    values = []
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                values.append(getattr(obj, name))
+    return values
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:
