@@ -8,7 +8,9 @@ The functional API::
     step = fp16fx.compile_step(inplace=True)                 # the same, fused and in place
 """
 
+from fp16fx.apex_checkpoint import load_apex_checkpoint
 from fp16fx.compile import compile_step
+from fp16fx.facade import FP16_Optimizer
 from fp16fx.scaling import (
     DynamicLossScale,
     LossScaleState,
@@ -43,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "FP16_Optimizer",
     "GradientTransformation",
     "LossScaleState",
     "MixedPrecisionState",
@@ -57,6 +60,7 @@ __all__ = [
     "compile_step",
     "grad_buffers",
     "init",
+    "load_apex_checkpoint",
     "multi_transform",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -1,0 +1,264 @@
+"""``FP16_Optimizer.state_dict`` / ``load_state_dict``: apex's keys, validated before any change.
+
+Layer: ``facade`` (DESIGN.md). The dict keeps apex's keys and meanings:
+
+* ``optimizer_state_dict`` -- the wrapped optimizer's state dict in torch.optim's format, FP32
+  masters in place of FP16/BF16 params (on the fast path it is produced from the compiled
+  state: ``exp_avg``, ``momentum_buffer``, ``step``... as torch names them);
+* ``fp32_from_fp16`` -- per param group, the FP32 masters of its FP16/BF16 params;
+* ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
+  pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
+* ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools.
+
+Loading accepts that dict, apex's own dicts as :func:`fp16fx.load_apex_checkpoint` returns them
+(scaler formats ``apex.amp``, ``apex.fp16_utils.dynamic``, ``apex.fp16_utils.static``), and
+apex dicts still holding scaler objects (``apex_scaler_to_dict`` converts them). Everything is
+checked first; only then is anything written, so a dict that does not fit raises an error naming
+the entry and leaves the optimizer exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec, group_values
+from fp16fx.facade.policy import FacadePolicy, ScaleValues, scaler_from_dict, scaler_to_dict
+from fp16fx.scaling import DynamicLossScale
+
+if TYPE_CHECKING:
+    from fp16fx.facade.optimizer import FP16_Optimizer
+
+KEYS = (
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "first_closure_call_this_step",
+    "optimizer_state_dict",
+    "fp32_from_fp16",
+)
+_REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
+#: Per-param state keys of the optimizers whose states are checked entry by entry.
+_STATE_KEYS: dict[type, tuple[str, ...]] = {
+    torch.optim.SGD: ("momentum_buffer",),
+    torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+}
+
+
+@contextlib.contextmanager
+def _added(state: dict[torch.Tensor, Any], extra: dict[torch.Tensor, Any]) -> Iterator[None]:
+    state.update(extra)
+    try:
+        yield
+    finally:
+        for key in extra:
+            state.pop(key, None)
+
+
+def state_dict(opt: FP16_Optimizer) -> dict[str, Any]:
+    """Returns ``opt``'s checkpoint dict (see the module docstring)."""
+    inner, engine = opt.optimizer, opt._engine
+    extra = engine.export() if isinstance(engine, FastEngine) else {}
+    with _added(inner.state, extra):
+        osd = inner.state_dict()
+    scale, good_steps, overflows = torch.stack([t.double() for t in opt._scaler.state]).tolist()
+    return {
+        "loss_scaler": scaler_to_dict(opt._scaler.policy, (scale, good_steps, overflows)),
+        "dynamic_loss_scale": opt.dynamic_loss_scale,
+        "overflow": opt.overflow,
+        "first_closure_call_this_step": opt.first_closure_call_this_step,
+        "optimizer_state_dict": osd,
+        "fp32_from_fp16": [
+            [m for p, m in zip(params, masters) if m is not p]
+            for params, masters in zip(opt._trainable, opt._masters)
+        ],
+    }
+
+
+@dataclasses.dataclass
+class _Plan:
+    policy: FacadePolicy
+    values: ScaleValues
+    osd: Mapping[str, Any]
+    masters: list[tuple[torch.Tensor, torch.Tensor]]  # (current master, saved value)
+    specs: list[GroupSpec] | None  # the fast path's group structures after loading; None: generic
+    first_closure_call: bool
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"the state dict does not fit this FP16_Optimizer: {message}")
+
+
+def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype | None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise _fail(f"{name} is a {type(value).__name__}, not a tensor")
+    if value.shape != like.shape:
+        raise _fail(f"{name} has shape {tuple(value.shape)}, its param {tuple(like.shape)}")
+    if dtype is not None and value.dtype != dtype:
+        raise _fail(f"{name} has dtype {value.dtype}, expected {dtype}")
+    if not value.is_floating_point():
+        raise _fail(f"{name} has dtype {value.dtype}, expected a floating-point tensor")
+
+
+def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
+    scaler = sd["loss_scaler"]
+    if not isinstance(scaler, Mapping):
+        try:
+            scaler = apex_scaler_to_dict(scaler)
+        except ApexCheckpointError as err:
+            raise _fail(f"loss_scaler: {err}") from None
+    try:
+        policy, values = scaler_from_dict(scaler)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    dynamic = sd.get("dynamic_loss_scale", isinstance(policy, DynamicLossScale))
+    if dynamic is not isinstance(policy, DynamicLossScale):
+        raise _fail(f"dynamic_loss_scale is {dynamic!r} but loss_scaler is {scaler}")
+    for key in ("overflow", "first_closure_call_this_step"):
+        if key in sd and not isinstance(sd[key], bool):
+            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
+    return policy, values
+
+
+def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
+    """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading."""
+    if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
+        raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
+    saved_groups, groups = osd["param_groups"], opt.param_groups
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
+        n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
+        raise _fail(f"optimizer_state_dict has {n} param group(s), this optimizer {len(groups)}")
+    entries: dict[Any, torch.Tensor] = {}
+    merged = []
+    for k, (saved, group) in enumerate(zip(saved_groups, groups)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
+            n = len(ids) if isinstance(ids, (list, tuple)) else ids
+            raise _fail(
+                f"param group {k} has {n} params in optimizer_state_dict, "
+                f"{len(group['params'])} in this optimizer"
+            )
+        entries.update(zip(ids, group["params"]))
+        merged.append({**group, **saved, "params": group["params"]})
+    state = osd["state"]
+    if not isinstance(state, Mapping):
+        raise _fail("optimizer_state_dict['state'] must be a dict")
+    known = _STATE_KEYS.get(type(opt.optimizer))
+    for key, value in state.items():
+        if key not in entries:
+            raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
+        if not isinstance(value, Mapping):
+            raise _fail(f"optimizer_state_dict['state'][{key!r}] is not a dict")
+        if known is None:
+            continue
+        name = type(opt.optimizer).__name__
+        extra = sorted(set(value) - set(known))
+        if extra:
+            raise _fail(
+                f"optimizer_state_dict['state'][{key!r}] has {extra}, which torch.optim.{name} "
+                "does not keep (was it saved from another optimizer?)"
+            )
+        for field, tensor in value.items():
+            where = f"optimizer_state_dict['state'][{key!r}][{field!r}]"
+            if field == "step":
+                if not (
+                    isinstance(tensor, (int, float))
+                    or (isinstance(tensor, torch.Tensor) and tensor.numel() == 1)
+                ):
+                    raise _fail(f"{where} is {tensor!r}, not a step count")
+            elif tensor is not None:
+                _check_tensor(where, tensor, entries[key], None)
+    return merged
+
+
+def _parse_masters(opt: FP16_Optimizer, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    current = [
+        [m for p, m in zip(params, masters) if m is not p]
+        for params, masters in zip(opt._trainable, opt._masters)
+    ]
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
+        n = len(saved) if isinstance(saved, (list, tuple)) else saved
+        raise _fail(f"fp32_from_fp16 has {n} group(s), this optimizer {len(current)}")
+    pairs = []
+    for k, (mine, theirs) in enumerate(zip(current, saved)):
+        if not isinstance(theirs, (list, tuple)) or len(theirs) != len(mine):
+            n = len(theirs) if isinstance(theirs, (list, tuple)) else theirs
+            raise _fail(
+                f"fp32_from_fp16[{k}] has {n} master(s); this optimizer's group {k} has "
+                f"{len(mine)} FP16/BF16 params"
+            )
+        for i, (master, value) in enumerate(zip(mine, theirs)):
+            _check_tensor(f"fp32_from_fp16[{k}][{i}]", value, master, torch.float32)
+            pairs.append((master, value))
+    return pairs
+
+
+def _parse(opt: FP16_Optimizer, sd: Any) -> _Plan:
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
+    missing = [key for key in _REQUIRED if key not in sd]
+    if missing:
+        raise _fail(
+            f"it has no {missing} entries (it has {sorted(map(str, sd))}); an FP16_Optimizer "
+            "state dict comes from FP16_Optimizer.state_dict() or fp16fx.load_apex_checkpoint()"
+        )
+    unknown = sorted(set(map(str, sd)) - set(KEYS))
+    if unknown:
+        raise _fail(f"it has unknown entries {unknown}")
+    policy, values = _parse_scaler(sd)
+    groups = _parse_optimizer(opt, sd["optimizer_state_dict"])
+    masters = _parse_masters(opt, sd["fp32_from_fp16"])
+    specs = None
+    if isinstance(opt._engine, FastEngine):
+        try:
+            specs = [group_spec(opt._engine.kind, g, k) for k, g in enumerate(groups)]
+        except Unsupported:
+            specs = None  # the loaded options need the generic path
+        for k, spec in enumerate(specs or []):
+            try:
+                build_transform(spec, group_values(spec, groups[k]))
+            except (ValueError, TypeError, KeyError) as err:
+                raise _fail(f"param group {k}: {err}") from None
+    return _Plan(
+        policy, values, sd["optimizer_state_dict"], masters, specs,
+        sd.get("first_closure_call_this_step", True),
+    )  # fmt: skip
+
+
+def load_state_dict(opt: FP16_Optimizer, sd: Any) -> None:
+    """Loads ``sd`` into ``opt``, or raises having changed nothing (see the module docstring)."""
+    plan = _parse(opt, sd)
+    inner, scaler = opt.optimizer, opt._scaler
+    saved = (inner.state, inner.param_groups, scaler.policy)
+    try:
+        inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
+        scaler.policy = plan.policy
+        engine = opt._engine
+        if isinstance(engine, FastEngine):
+            trained = [m for masters in opt._masters for m in masters]
+            loaded = {m: inner.state.pop(m) for m in trained if m in inner.state}
+            if plan.specs is None:
+                inner.state.update(loaded)
+                opt._handover("the loaded param groups need it", keep_state=False)
+            else:
+                engine.restructure(plan.specs, loaded)
+    except BaseException:
+        inner.state, inner.param_groups, scaler.policy = saved
+        raise
+    with torch.no_grad():
+        for dst, value in zip(scaler.state, plan.values):
+            dst.fill_(value)
+        for master, value in plan.masters:
+            master.copy_(value)
+        for params, masters in zip(opt._trainable, opt._masters):
+            for p, master in zip(params, masters):
+                if master is not p:
+                    p.copy_(master)
+    opt.first_closure_call_this_step = plan.first_closure_call

@@ -1,0 +1,119 @@
+"""The generic path: any torch optimizer stepped on FP32 master copies, as apex did it.
+
+Layer: ``facade`` (DESIGN.md). The optimizer math is the wrapped optimizer's own; the loss-scale
+math is :func:`fp16fx.scaling.unscale_and_check` (one fused reduction over all grads) and the
+policy's ``adjust``. The only host-device sync is the skip decision, one bool per step, read
+in :meth:`GenericEngine.finite` -- the same price torch's ``GradScaler.step`` pays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fp16fx.facade.policy import Scaler
+from fp16fx.scaling import unscale_and_check
+
+
+class GenericEngine:
+    """apex's ``FP16_Optimizer`` algorithm around any ``torch.optim.Optimizer`` (stateful).
+
+    ``trainable[k]`` are group ``k``'s params that require grad and ``masters[k]`` what the
+    group holds for each (an FP32 copy for FP16/BF16 params, the param itself for FP32 ones).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        trainable: Sequence[Sequence[torch.Tensor]],
+        masters: Sequence[Sequence[torch.Tensor]],
+        scaler: Scaler,
+    ) -> None:
+        self.optimizer, self.scaler = optimizer, scaler
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for params, group_masters in zip(trainable, masters, strict=True):
+            self.add_group(params, group_masters)
+        self._finite: torch.Tensor | None = None
+        self._floored: torch.Tensor | None = None
+
+    @staticmethod
+    def make_masters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Returns apex's masters: a detached FP32 copy per FP16/BF16 param, FP32 params as is."""
+        return [
+            p if p.dtype == torch.float32 else p.detach().clone().float().requires_grad_(True)
+            for p in params
+        ]
+
+    def add_group(self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+        self.pairs.extend(zip(params, masters, strict=True))
+
+    def update_master_grads(self) -> None:
+        """Unscales the model grads into the masters' grads, checks them and adjusts the scale.
+
+        A param without a grad gives its master a None grad, so the wrapped optimizer leaves it
+        and its state alone (apex left the previous step's master grad there).
+        """
+        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
+        unscaled, finite, _ = unscale_and_check(
+            [p.grad for p, _ in with_grad], self.scaler.state.scale
+        )
+        with torch.no_grad():
+            for (p, master), grad in zip(with_grad, unscaled):
+                if master is p:
+                    p.grad.copy_(grad)
+                else:
+                    master.grad = grad
+            for p, master in self.pairs:
+                if p.grad is None and master is not p:
+                    master.grad = None
+            new_state, floored = self.scaler.policy.adjust(self.scaler.state, finite)
+            for dst, src in zip(self.scaler.state, new_state):
+                dst.copy_(src)
+            stats = self.scaler.stats
+            stats.add_(torch.stack([~finite, floored]).to(stats.dtype))
+        self._finite, self._floored = finite, floored
+
+    def finite(self) -> bool:
+        """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
+        return True if self._finite is None else bool(self._finite)
+
+    def floored(self) -> bool:
+        return False if self._floored is None else bool(self._floored)
+
+    def masters_to_model(self) -> None:
+        """Copies every master into its FP16/BF16 model param."""
+        with torch.no_grad():
+            for p, master in self.pairs:
+                if master is not p:
+                    p.copy_(master)
+
+    def step(self) -> object:
+        """Steps the wrapped optimizer unless the grads overflowed; returns its result."""
+        if not self.finite():
+            return None
+        result = self.optimizer.step()
+        self.masters_to_model()
+        return result
+
+    def clip(self, max_norm: float, norm_type: float) -> float:
+        """Returns the total norm of the masters' grads after clipping them (-1 on overflow)."""
+        if not self.finite():
+            return -1.0
+        masters = [m for _, m in self.pairs if m.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zeroes (or sets to None) the grads of the model params and of the masters."""
+        for p, master in self.pairs:
+            for t in (p, master):
+                if set_to_none:
+                    t.grad = None
+                elif t.grad is not None:
+                    if t.grad.grad_fn is not None:
+                        t.grad = t.grad.detach()
+                    t.grad.zero_()
+
+    def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Returns ``{master: grad}`` for every master that has a grad."""
+        return {m: m.grad for _, m in self.pairs if m.grad is not None}

@@ -1,0 +1,503 @@
+"""apex's ``FP16_Optimizer``, running on fp16fx's compiled core.
+
+Layer: ``facade`` (DESIGN.md): a stateful, apex-compatible object. It owns no optimizer math and
+no loss-scale math; it chooses an engine (``fast``: the compiled core over flat buffers,
+:mod:`fp16fx.facade.fast`; ``generic``: the wrapped optimizer on FP32 masters,
+:mod:`fp16fx.facade.generic`) and keeps apex's methods, attributes and checkpoint keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from fp16fx.facade import checkpoint
+from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.generic import GenericEngine
+from fp16fx.facade.groups import Unsupported
+from fp16fx.facade.params import check_trainable, param_names, replace_params
+from fp16fx.facade.policy import Scaler, policy_from_args
+from fp16fx.facade.reporting import OverflowReporter
+from fp16fx.scaling import DynamicLossScale, StaticLossScale
+
+logger = logging.getLogger("fp16fx")
+Path = Literal["auto", "fast", "generic"]
+
+
+class FP16_Optimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer for FP16/BF16 models: FP32 masters, loss scaling, skipped overflows.
+
+    A drop-in replacement for apex's ``apex.fp16_utils.FP16_Optimizer``; change the import::
+
+        from fp16fx.fp16_utils import FP16_Optimizer, network_to_half   # was: apex.fp16_utils
+
+        model = network_to_half(model)                # FP16 except BatchNorm
+        optimizer = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                   dynamic_loss_scale=True)
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            optimizer.backward(loss)                  # instead of loss.backward()
+            optimizer.clip_master_grads(1.0)          # optional
+            optimizer.step()                          # skipped if the grads overflowed
+            scheduler.step()                          # any torch.optim.lr_scheduler works
+
+    Each FP16/BF16 param the wrapped optimizer holds gets an FP32 master that replaces it in
+    ``param_groups`` (as in apex); FP32 params are their own masters; params with
+    ``requires_grad=False`` are left alone. A param whose grad is None in a step is not
+    updated and its optimizer state is untouched.
+
+    Two engines, chosen at construction (``path``; ``self.path`` says which one runs):
+
+    * ``"fast"`` -- when the wrapped optimizer is exactly ``torch.optim.SGD``, ``Adam`` or
+      ``AdamW`` without ``maximize``/``differentiable``. The model's params and grads move into
+      one flat buffer per (param group, dtype) (``p.data`` and ``p.grad`` become views) and
+      each step is fp16fx's compiled core (unscale, check, clip, update, cast, skip, adjust
+      the scale) over those few tensors, with no host-device sync. Hyperparameters are read
+      from ``param_groups`` every step into 0-d tensors: LR schedulers never recompile.
+    * ``"generic"`` -- anything else (LBFGS, RMSprop, your own optimizer): apex's algorithm,
+      the wrapped optimizer stepping FP32 masters; one bool is read on the host per step to
+      decide the skip (as torch's GradScaler does).
+
+    Args:
+      init_optimizer: the ``torch.optim.Optimizer`` to wrap (built on the model's params).
+      static_loss_scale: the fixed loss scale when ``dynamic_loss_scale`` is False.
+      dynamic_loss_scale: back off on overflow and grow after a run of clean steps.
+      dynamic_loss_args: apex's ``init_scale``, ``scale_factor``, ``scale_window``,
+        ``min_loss_scale``, ``max_loss_scale`` and/or :class:`~fp16fx.DynamicLossScale`'s
+        fields (``hysteresis``, ...). Defaults are apex's: 2**16, window 2000, ceiling 2**24,
+        no floor (2**-126, see :mod:`fp16fx.facade.policy`).
+      verbose: log skipped steps (rate-limited, logger ``fp16fx``); False silences them.
+      path: ``"auto"`` (fast when possible), ``"fast"`` (error if not possible), ``"generic"``.
+      compiled: run the fast path's step through ``torch.compile`` (False: the same core,
+        eagerly; for debugging).
+      report_interval: read the device-side overflow counters and log every this many steps.
+    """
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: Mapping[str, Any] | None = None,
+        verbose: bool = True,
+        *,
+        path: Path = "auto",
+        compiled: bool = True,
+        report_interval: int = 100,
+    ) -> None:
+        if isinstance(init_optimizer, FP16_Optimizer):
+            raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "FP16_Optimizer wraps a torch.optim.Optimizer, e.g. FP16_Optimizer("
+                f"torch.optim.SGD(model.parameters(), lr=0.1)); got {init_optimizer!r}"
+            )
+        if path not in ("auto", "fast", "generic"):
+            raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
+        policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
+        self._names = param_names(init_optimizer)
+        groups = init_optimizer.param_groups
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        check_trainable([p for params in trainable for p in params], self._names)
+        device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
+        stats = torch.zeros(2, dtype=torch.int64, device=device)
+        self._scaler = Scaler(policy, policy.init(device), stats)
+        self.optimizer = init_optimizer
+        self.verbose = verbose
+        self._init_hooks()
+
+        engine: FastEngine | GenericEngine | None = None
+        if path != "generic":
+            try:
+                engine = FastEngine(init_optimizer, trainable, self._scaler, compiled=compiled)
+            except Unsupported as err:
+                if path == "fast":
+                    raise ValueError(f"path='fast' is not possible: {err}") from None
+                logger.info("fp16fx: FP16_Optimizer takes the generic path: %s", err)
+        if isinstance(engine, FastEngine):
+            masters = [[engine.entry(p) for p in params] for params in trainable]
+        else:
+            masters = [GenericEngine.make_masters(params) for params in trainable]
+        for group, params, group_masters in zip(groups, trainable, masters):
+            replace_params(init_optimizer, group, params, group_masters)
+        self._trainable, self._masters = trainable, masters
+        self._frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
+        if isinstance(engine, FastEngine):
+            existing = {m: init_optimizer.state.pop(m, None) for ms in masters for m in ms}
+            engine.rebuild({m: s for m, s in existing.items() if s})
+        else:
+            engine = GenericEngine(init_optimizer, trainable, masters, self._scaler)
+            if init_optimizer.state:  # cast existing state to the masters' dtype, as apex did
+                init_optimizer.load_state_dict(init_optimizer.state_dict())
+        self._engine: FastEngine | GenericEngine = engine
+        self.first_closure_call_this_step = True
+        self._processed = False  # generic: grads unscaled into the masters since the last step
+        self._fresh_grads = False  # grads changed since the last step
+        self._overflow_loaded: bool | None = None
+
+    def _init_hooks(self) -> None:
+        """Sets up what torch.optim.Optimizer's own __init__ would (hooks, profiling)."""
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict()
+        )
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict()
+        )
+        self._patch_step_function()
+
+    # -- what torch.optim.Optimizer has -------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups (FP32 masters in place of FP16/BF16 params)."""
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
+        """The per-param optimizer state, keyed by the param groups' tensors (as in apex).
+
+        On the fast path this is a snapshot built from the compiled state (moments are views
+        of the live buffers); on the generic path the wrapped optimizer's own ``state``.
+        """
+        if isinstance(self._engine, FastEngine):
+            return {**self.optimizer.state, **self._engine.export()}
+        return self.optimizer.state
+
+    @property
+    def path(self) -> str:
+        """``"fast"`` (compiled core over flat buffers) or ``"generic"`` (wrapped optimizer)."""
+        return "fast" if isinstance(self._engine, FastEngine) else "generic"
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return isinstance(self._scaler.policy, DynamicLossScale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (reading it syncs with the device; setting it does not)."""
+        return float(self._scaler.state.scale)
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}")
+        self._scaler.state.scale.fill_(float(value))
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the latest gradients held inf/NaN (computed when read: one sync)."""
+        if self._overflow_loaded is not None:
+            return self._overflow_loaded
+        engine = self._engine
+        if isinstance(engine, GenericEngine):  # as in apex: the last update_master_grads' check
+            return not engine.finite()
+        if self._fresh_grads:
+            return not bool(engine.check()[0])
+        return engine.last_info is not None and not bool(engine.last_info["finite"])
+
+    @overflow.setter
+    def overflow(self, value: bool) -> None:
+        self._overflow_loaded = bool(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """The number of steps skipped for inf/NaN gradients so far (reading it syncs)."""
+        return self._reporter.skipped_total + int(self._scaler.stats[0])
+
+    def __getstate__(self) -> Any:
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __repr__(self) -> str:
+        low = sum(p.numel() for ps in self._trainable for p in ps if p.dtype != torch.float32)
+        full = sum(p.numel() for ps in self._trainable for p in ps if p.dtype == torch.float32)
+        policy = self._scaler.policy
+        if isinstance(policy, StaticLossScale):
+            scaling = f"static loss scale {policy.scale:g}"
+        else:
+            scaling = (
+                f"dynamic loss scale {self.loss_scale:g} (x{policy.growth_factor:g} after "
+                f"{policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
+                f"{policy.hysteresis} overflow(s), in [{policy.min_scale:g}, {policy.max_scale:g}])"
+            )
+        how = "compiled" if getattr(self._engine, "compiled", False) else "eager"
+        where = f"fast path ({how})" if self.path == "fast" else "generic path"
+        return (
+            f"FP16_Optimizer({type(self.optimizer).__name__}, {where}, "
+            f"{len(self.param_groups)} param group(s), {low:,} FP16/BF16 values with FP32 "
+            f"masters, {full:,} FP32 values, {scaling})"
+        )
+
+    # -- apex's API ----------------------------------------------------------------------
+
+    def backward(
+        self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
+    ) -> None:
+        """Backpropagates ``loss`` (in FP32) times the loss scale; then ``update_master_grads``.
+
+        Use instead of ``loss.backward()``. For gradient accumulation call
+        ``backward(loss, update_master_grads=False)`` per micro-batch, then
+        ``update_master_grads()`` once before ``step()``.
+        """
+        (loss.float() * self._scaler.state.scale).backward(retain_graph=retain_graph)
+        self._fresh_grads = True
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """Makes the model grads the next step's (unscaled, checked) gradient.
+
+        Generic path: copies them, unscaled, into the FP32 masters' grads, checks them and moves
+        the loss scale, as apex did. Fast path: the grads already sit in the flat buffer, and
+        the compiled step unscales, checks and moves the scale in ``step()``.
+        """
+        self._fresh_grads = True
+        self._overflow_loaded = None
+        if isinstance(self._engine, GenericEngine):
+            self._engine.update_master_grads()
+            self._processed = True
+        else:
+            self._engine.forget_check()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Applies the update from the current grads, or skips it if they overflowed.
+
+        With a ``closure`` (which must call ``zero_grad()`` and ``optimizer.backward(loss)``
+        and return the loss) the closure is re-run until its gradients are finite, as in apex;
+        when they cannot become finite (static scale, or scale at its minimum) it raises
+        FloatingPointError. Grads produced without ``backward`` (e.g. ``loss.backward()``) are
+        taken as grads of the scaled loss.
+        """
+        if closure is not None:
+            return self._step_with_closure(closure)
+        self._check_frozen()
+        self._overflow_loaded = None
+        if isinstance(self._engine, FastEngine):
+            try:
+                self._engine.check_params(self._names)
+                self._engine.step()
+            except Unsupported as err:
+                self._handover(err)
+            else:
+                return self._stepped(None)
+        engine = self._engine
+        assert isinstance(engine, GenericEngine)
+        if not self._processed:
+            engine.update_master_grads()
+        return self._stepped(engine.step())
+
+    def update(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Alias of :meth:`step` (a widely copied apex tutorial calls ``optimizer.update()``)."""
+        return self.step(closure)
+
+    def _stepped(self, result: Any) -> Any:
+        self._processed = self._fresh_grads = False
+        self._reporter.stepped(self._scaler.stats, self._scaler.state.scale)
+        return result
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        if isinstance(self._engine, FastEngine):
+            while True:
+                with torch.enable_grad():
+                    loss = closure()
+                try:
+                    info = self._engine.step()
+                except Unsupported as err:
+                    self._handover(err)
+                    break
+                self._stepped(None)
+                finite, floored = torch.stack([info["finite"], info["loss_scale_floored"]])
+                if bool(finite):
+                    return loss
+                self._closure_overflowed(bool(floored))
+        engine = self._engine
+        assert isinstance(engine, GenericEngine)
+
+        def wrapped_closure() -> Any:
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:  # the wrapped optimizer may have moved the masters since the last call
+                engine.masters_to_model()
+            while True:
+                self._processed = False
+                loss = closure()
+                if not self._processed:
+                    engine.update_master_grads()
+                if engine.finite():
+                    return loss
+                self._closure_overflowed(engine.floored())
+
+        result = self.optimizer.step(wrapped_closure)
+        self.first_closure_call_this_step = True
+        engine.masters_to_model()
+        return self._stepped(result)
+
+    def _closure_overflowed(self, floored: bool) -> None:
+        if isinstance(self._scaler.policy, StaticLossScale) or floored:
+            where = "static" if not floored else "minimum"
+            raise FloatingPointError(
+                f"the closure's gradients are not finite at the {where} loss scale "
+                f"{self.loss_scale:g}: re-running it cannot help. The model produces inf/NaN; "
+                "lower the learning rate or the static loss scale, or use a dynamic one"
+            )
+        logger.debug(
+            "fp16fx: overflow within closure; re-running it at loss scale %g", self.loss_scale
+        )
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
+        """Returns the total norm of the unscaled grads (-1 on overflow); clips to ``max_norm``.
+
+        As apex (and ``torch.nn.utils.clip_grad_norm_``): the norm is over all masters' grads,
+        and grads are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returning a
+        Python float syncs with the device (inherent to the API). On the fast path the clipping
+        itself is folded into the next ``step()``, which reuses its own norm: no extra pass.
+        A ``norm_type`` other than 2 moves the optimizer to the generic path.
+        """
+        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        if isinstance(self._engine, FastEngine):
+            if float(norm_type) == 2.0:
+                norm = float(self._engine.check()[1])
+                if not math.isfinite(norm):
+                    return -1.0
+                self._engine.max_norm = float(max_norm)
+                return norm
+            self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type})"))
+        engine = self._engine
+        assert isinstance(engine, GenericEngine)
+        if not self._processed:
+            engine.update_master_grads()
+            self._processed = True
+        return engine.clip(max_norm, norm_type)
+
+    def zero_grad(
+        self, set_grads_to_None: bool = False, *, set_to_none: bool | None = None
+    ) -> None:
+        """Zeroes the grads of the model params and masters in place, or sets them to None.
+
+        ``set_to_none`` (torch's spelling) overrides apex's ``set_grads_to_None``. Zeroing in
+        place (the default) keeps the fast path's grads as views of its flat buffer; setting
+        them to None costs one extra copy of each grad in the next step.
+        """
+        to_none = set_grads_to_None if set_to_none is None else set_to_none
+        self._engine.zero_grad(to_none)
+        for p in self._frozen:
+            if to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self._fresh_grads = self._processed = False
+
+    def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
+        """Returns per param group the unscaled FP32 grad of each param (None: no grad).
+
+        Returns None (and logs a warning) when the current grads overflowed, as apex did.
+        """
+        if self.overflow:
+            logger.warning(
+                "fp16fx: inspect_master_grad_data called while the gradients overflowed; "
+                "returning None"
+            )
+            return None
+        grads = self._engine.unscaled_grads()
+        return [[grads.get(p) for p in group["params"]] for group in self.param_groups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group, as ``torch.optim.Optimizer.add_param_group`` (apex lacked it).
+
+        Its FP16/BF16 params get FP32 masters; on the fast path its params join new flat
+        buckets (one recompile).
+        """
+        n = len(self.param_groups)
+        self.optimizer.add_param_group(param_group)  # torch's checks, defaults filled in
+        try:
+            group = self.param_groups[n]
+            names = param_names(self.optimizer)
+            known = {id(p) for p in self._frozen} | {id(p) for ps in self._trainable for p in ps}
+            again = [names[id(p)] for p in group["params"] if id(p) in known]
+            if again:  # torch cannot see it: the groups hold its master, not the param itself
+                raise ValueError(
+                    f"some parameters appear in more than one parameter group: {again[0]} is "
+                    "already trained by this FP16_Optimizer"
+                )
+            params = [p for p in group["params"] if p.requires_grad]
+            check_trainable(params, names, self._scaler.state.scale.device)
+            if isinstance(self._engine, FastEngine):
+                try:
+                    self._engine.add_group(n, params)
+                except Unsupported as err:
+                    self._handover(err)
+            if isinstance(self._engine, FastEngine):
+                masters = [self._engine.entry(p) for p in params]
+            else:
+                masters = GenericEngine.make_masters(params)
+                self._engine.add_group(params, masters)
+        except BaseException:
+            self.optimizer.param_groups.pop()
+            raise
+        replace_params(self.optimizer, group, params, masters)
+        self._names.update(names)
+        self._trainable.append(params)
+        self._masters.append(masters)
+        self._frozen.extend(p for p in group["params"] if not p.requires_grad)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns apex's checkpoint dict; only tensors and Python primitives (weights_only).
+
+        Keys: ``optimizer_state_dict`` (the wrapped optimizer's, masters in place of FP16
+        params), ``fp32_from_fp16`` (per group, the FP32 masters), ``loss_scaler`` (a plain
+        dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
+        ``overflow``, ``first_closure_call_this_step``. Tensors are references to the live
+        state, as in torch.optim: save or copy the dict before stepping again.
+        """
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a dict from :meth:`state_dict`, from apex's ``FP16_Optimizer.state_dict()``
+        (as ``fp16fx.load_apex_checkpoint`` returns it, or with apex scaler objects), or
+        raises ValueError/TypeError naming the entry that does not fit -- then nothing changed.
+
+        The FP16/BF16 model params are set from the loaded masters.
+        """
+        checkpoint.load_state_dict(self, state_dict)
+        self._processed = self._fresh_grads = False
+        self._overflow_loaded = state_dict.get("overflow")
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _handover(self, reason: Exception | str, *, keep_state: bool = True) -> None:
+        """Switches from the fast to the generic path, moving the optimizer state over."""
+        fast = self._engine
+        assert isinstance(fast, FastEngine)
+        logger.warning(
+            "fp16fx: FP16_Optimizer switches to the generic path (%s): from now on the wrapped "
+            "%s steps FP32 masters, with one host sync per step",
+            reason, type(self.optimizer).__name__,
+        )  # fmt: skip
+        if keep_state:
+            self.optimizer.state.update(fast.export())
+        self._engine = GenericEngine(self.optimizer, self._trainable, self._masters, self._scaler)
+        self._processed = False
+
+    def _check_frozen(self) -> None:
+        for p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                raise RuntimeError(
+                    f"{self._names.get(id(p), 'a param')} had requires_grad=False when the "
+                    "FP16_Optimizer was built and now has a gradient; FP16_Optimizer does not "
+                    "train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
+                )

@@ -1,0 +1,56 @@
+"""The params an FP16_Optimizer trains: readable names, checks, masters put in their groups.
+
+Layer: ``facade`` (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp16fx.tree import MODEL_DTYPES
+
+
+def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    names = {}
+    for k, group in enumerate(optimizer.param_groups):
+        given = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            where = f"param_groups[{k}]['params'][{i}]"
+            names[id(p)] = f"param {given[i]!r} ({where})" if given else where
+    return names
+
+
+def check_trainable(
+    params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
+) -> None:
+    for p in params:
+        if p.dtype not in MODEL_DTYPES:
+            raise TypeError(
+                f"{names.get(id(p), 'a param')} has dtype {p.dtype}; FP16_Optimizer trains "
+                "float16, bfloat16 and float32 params"
+            )
+        device = device or p.device
+        if p.device != device:
+            raise ValueError(
+                f"{names.get(id(p), 'a param')} is on {p.device}, others on {device}; "
+                "FP16_Optimizer steps the params of one device"
+            )
+
+
+def replace_params(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    masters: list[torch.Tensor],
+) -> None:
+    """Puts each param's master in its place in ``group`` and moves its existing state over."""
+    master_of = {id(p): m for p, m in zip(params, masters)}
+    for i, p in enumerate(group["params"]):
+        master = master_of.get(id(p))
+        if master is None or master is p:
+            continue
+        group["params"][i] = master
+        if p in optimizer.state:
+            optimizer.state[master] = optimizer.state.pop(p)

@@ -1,0 +1,66 @@
+"""Overflow and minimum-scale reports through ``logging``: rate-limited, no per-step sync.
+
+Layer: ``facade`` (DESIGN.md). apex printed a line for every skipped step, from a decision it had
+already synced to the host. fp16fx's fast path never syncs in a step, so the step itself counts,
+on the device, the steps it skipped and the back-offs that hit the scale's floor
+(``info["loss_scale_floored"]``) into a 2-element tensor. The :class:`OverflowReporter` reads
+that tensor every ``interval`` steps -- one 16-byte device-to-host copy, the only sync it adds --
+and turns what happened since into at most two log lines on the ``fp16fx`` logger:
+
+* ``WARNING fp16fx: 3 of the last 100 steps were skipped ...`` (only with ``verbose=True``);
+* ``WARNING fp16fx: the loss scale is at its minimum ...`` whenever an overflow could not lower
+  the scale any further (always: a model that overflows at the minimum scale is broken, and
+  no amount of scaling will save it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("fp16fx")
+
+
+class OverflowReporter:
+    """Logs skipped steps and floored back-offs at most once per ``interval`` steps (stateful).
+
+    Attributes:
+      skipped_total, floored_total: counts up to the last read of the device counters.
+    """
+
+    def __init__(self, *, verbose: bool, interval: int) -> None:
+        if not (isinstance(interval, int) and interval >= 1):
+            raise ValueError(f"report_interval must be an int >= 1, got {interval!r}")
+        self.verbose, self.interval = verbose, interval
+        self.steps = 0
+        self.skipped_total = 0
+        self.floored_total = 0
+
+    def stepped(self, stats: torch.Tensor, scale: torch.Tensor) -> None:
+        """Counts one step; every ``interval`` steps reads ``stats`` and logs (one sync)."""
+        self.steps += 1
+        if self.steps >= self.interval:
+            self.flush(stats, scale)
+
+    def flush(self, stats: torch.Tensor, scale: torch.Tensor) -> None:
+        """Reads and zeroes the device counters ``stats`` = (skipped, floored) and logs them."""
+        skipped, floored, now = torch.cat([stats.double(), scale.double().reshape(1)]).tolist()
+        skipped, floored, steps = int(skipped), int(floored), self.steps
+        stats.zero_()
+        self.steps = 0
+        self.skipped_total += skipped
+        self.floored_total += floored
+        if floored:
+            logger.warning(
+                "fp16fx: the loss scale is at its minimum (%g) and the gradients still "
+                "overflowed %d time(s) in the last %d step(s); those steps were skipped. The "
+                "model itself produces inf/NaN: lowering the scale cannot fix that.",
+                now, floored, steps,
+            )  # fmt: skip
+        if skipped and self.verbose:
+            logger.warning(
+                "fp16fx: %d of the last %d step(s) were skipped (inf/NaN gradients); "
+                "loss scale now %g",
+                skipped, steps, now,
+            )  # fmt: skip

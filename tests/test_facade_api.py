@@ -1,0 +1,525 @@
+"""FP16_Optimizer's API beyond the training loop: construction, bad input, params without
+grads, frozen and mixed-dtype params, attributes, logging, param groups, engine switches."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fp16fx
+import fp16fx.fp16_utils
+from fp16fx.facade.policy import NO_FLOOR
+from fp16fx.fp16_utils import FP16_Optimizer
+from fp16fx.scaling import DynamicLossScale, StaticLossScale
+
+PATHS = ["fast", "generic"]
+APEX_NAMES = [
+    "FP16_Optimizer",
+    "LossScaler",
+    "DynamicLossScaler",
+    "network_to_half",
+    "BN_convert_float",
+    "FP16Model",
+    "convert_module",
+    "convert_network",
+    "prep_param_lists",
+    "model_grads_to_master_grads",
+    "master_params_to_model_params",
+    "tofp16",
+    "to_python_float",
+    "clip_grad_norm",
+]
+
+
+class TwoHeads(nn.Module):
+    """An FP16 trunk and two heads; ``forward(x, heads)`` uses only the listed heads."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Linear(5, 8)
+        self.a = nn.Linear(8, 2)
+        self.b = nn.Linear(8, 2)
+        self.half()
+
+    def forward(self, x: torch.Tensor, heads: str = "ab") -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return sum(getattr(self, name)(h).float().square().mean() for name in heads)
+
+
+X = torch.randn(8, 5).half()
+
+
+def wrap(model, path, inner=None, **kwargs) -> FP16_Optimizer:
+    inner = inner or torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    kwargs.setdefault("verbose", False)
+    return FP16_Optimizer(inner, path=path, compiled=False, **kwargs)
+
+
+def train(model, opt, steps, heads="ab", to_none=False):
+    for _ in range(steps):
+        opt.zero_grad(set_grads_to_None=to_none)
+        opt.backward(model(X, heads))
+        opt.step()
+
+
+def snapshot(opt) -> list[torch.Tensor]:
+    return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+def close(a, b):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# -- construction ------------------------------------------------------------------------
+
+
+def test_is_a_torch_optimizer_and_the_fp16_utils_namespace_has_every_apex_name():
+    opt = wrap(TwoHeads(), "fast")
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert sorted(fp16fx.fp16_utils.__all__) == sorted(APEX_NAMES)
+    assert all(getattr(fp16fx.fp16_utils, name) is not None for name in APEX_NAMES)
+    assert fp16fx.FP16_Optimizer is FP16_Optimizer
+    assert fp16fx.fp16_utils.FP16_Optimizer.__module__ == "fp16fx.facade.optimizer"
+
+
+@pytest.mark.parametrize(
+    "bad", [list(TwoHeads().parameters()), TwoHeads(), None], ids=["params", "module", "None"]
+)
+def test_rejects_what_is_not_a_torch_optimizer(bad):
+    with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
+        FP16_Optimizer(bad)
+
+
+def test_rejects_wrapping_twice_and_unknown_paths():
+    opt = wrap(TwoHeads(), "generic")
+    with pytest.raises(TypeError, match="already an FP16_Optimizer"):
+        FP16_Optimizer(opt)
+    with pytest.raises(ValueError, match="path must be"):
+        wrap(TwoHeads(), "fastest")
+
+
+def test_rejects_float64_params_naming_them():
+    model = nn.Linear(2, 2).double()
+    with pytest.raises(
+        TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.float64"
+    ):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    named = torch.optim.SGD(model.named_parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="'weight'"):
+        FP16_Optimizer(named)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ({"scale_windows": 10}, ValueError, r"unknown key\(s\) \['scale_windows'\]"),
+        ({"scale_window": 10, "growth_interval": 10}, ValueError, "growth_interval twice"),
+        ({"scale_factor": 2.0, "growth_factor": 4.0}, ValueError, "growth_factor twice"),
+        ({"init_scale": 1000.0}, ValueError, "init_scale must be a power of two"),
+        ({"scale_window": 0}, ValueError, "growth_interval must be an int >= 1"),
+        ({"scale_factor": 1.0}, ValueError, "scale_factor"),
+        ([("init_scale", 2.0)], TypeError, "must be a dict"),
+    ],
+)
+def test_bad_dynamic_loss_args_are_named(args, error, match):
+    with pytest.raises(error, match=match):
+        wrap(TwoHeads(), "fast", dynamic_loss_scale=True, dynamic_loss_args=args)
+
+
+def test_dynamic_defaults_are_apexs_and_no_floor_is_2_to_the_minus_126():
+    opt = wrap(TwoHeads(), "fast", dynamic_loss_scale=True)
+    assert opt._scaler.policy == DynamicLossScale(
+        init_scale=2.0**16, growth_interval=2000, max_scale=2.0**24, min_scale=2.0**-126
+    )
+    assert opt.loss_scale == 2.0**16 and opt.dynamic_loss_scale
+    static = wrap(TwoHeads(), "fast", static_loss_scale=1000.0)
+    assert static._scaler.policy == StaticLossScale(1000.0) and static.loss_scale == 1000.0
+    with pytest.warns(UserWarning, match="dynamic_loss_args is ignored"):
+        wrap(TwoHeads(), "fast", dynamic_loss_args={"scale_window": 10})
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    init=st.integers(-4, 30),
+    window=st.integers(1, 5000),
+    floor=st.one_of(st.none(), st.just(0), st.integers(-10, 0)),
+    ceiling=st.integers(0, 30),
+    factor=st.sampled_from([None, 2, 4]),
+    hysteresis=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_apex_dynamic_loss_args_map_onto_dynamic_loss_scale(
+    init, window, floor, ceiling, factor, hysteresis
+):
+    args = {"init_scale": 2.0**init, "scale_window": window, "max_loss_scale": 2.0**ceiling}
+    args["min_loss_scale"] = floor if floor in (None, 0) else 2.0**floor
+    if factor is not None:
+        args["scale_factor"] = factor
+    if hysteresis is not None:
+        args["hysteresis"] = hysteresis
+    min_scale = NO_FLOOR if not args["min_loss_scale"] else args["min_loss_scale"]
+    if min_scale > 2.0**ceiling:
+        with pytest.raises(ValueError, match="dynamic_loss_args"):
+            wrap(TwoHeads(), "generic", dynamic_loss_scale=True, dynamic_loss_args=args)
+        return
+    opt = wrap(TwoHeads(), "generic", dynamic_loss_scale=True, dynamic_loss_args=args)
+    policy = opt._scaler.policy
+    assert dataclasses.asdict(policy) == {
+        "init_scale": 2.0**init,
+        "growth_factor": float(factor or 2),
+        "backoff_factor": 1.0 / (factor or 2),
+        "growth_interval": window,
+        "hysteresis": hysteresis or 1,
+        "min_scale": min_scale,
+        "max_scale": 2.0**ceiling,
+    }
+    assert opt.loss_scale == min(max(2.0**init, min_scale), 2.0**ceiling)  # apex: min(init, max)
+
+
+@pytest.mark.parametrize(
+    "make, path",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "fast"),
+        (lambda ps: torch.optim.Adam(ps, foreach=False, capturable=False), "fast"),
+        (lambda ps: torch.optim.AdamW(ps), "fast"),
+        (lambda ps: torch.optim.Adam(ps, maximize=True), "generic"),
+        (lambda ps: torch.optim.RMSprop(ps), "generic"),
+        (lambda ps: torch.optim.LBFGS(ps), "generic"),
+        (lambda ps: type("MyAdam", (torch.optim.Adam,), {})(ps), "generic"),
+    ],
+)
+def test_auto_picks_the_fast_path_only_for_exactly_sgd_adam_adamw(make, path):
+    model = TwoHeads()
+    assert wrap(model, "auto", make(model.parameters())).path == path
+    if path == "generic":
+        with pytest.raises(ValueError, match="path='fast' is not possible"):
+            wrap(TwoHeads(), "fast", make(TwoHeads().parameters()))
+    assert wrap(TwoHeads(), "generic", make(TwoHeads().parameters())).path == "generic"
+
+
+# -- which params are trained --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16_and_bf16_params_get_masters_fp32_ones_and_frozen_ones_stay(path):
+    torch.manual_seed(0)
+    fp16, bf16 = nn.Parameter(torch.randn(4).half()), nn.Parameter(torch.randn(4).bfloat16())
+    fp32, frozen = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4).half(), False)
+    frozen_before = frozen.detach().clone()
+    params = [fp16, frozen, bf16, fp32]
+    opt = wrap(nn.Module(), path, torch.optim.Adam(params, lr=0.1))
+    entries = opt.param_groups[0]["params"]
+    assert entries[1] is frozen and entries[3] is fp32
+    assert entries[0] is not fp16 and entries[0].dtype == entries[2].dtype == torch.float32
+    assert torch.equal(entries[0], fp16.float()) and torch.equal(entries[2], bf16.float())
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(sum((p.float() * torch.arange(4.0)).sum() for p in params if p.requires_grad))
+        opt.step()
+    assert torch.equal(frozen, frozen_before) and frozen.grad is None and frozen not in opt.state
+    assert fp16.dtype == torch.float16 and bf16.dtype == torch.bfloat16
+    assert torch.equal(fp16, entries[0].half()) and torch.equal(bf16, entries[2].bfloat16())
+    assert all(opt.state[e]["step"].item() == 3 for e in (entries[0], entries[2], fp32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_param_without_grad_is_not_updated_and_its_state_is_untouched(path):
+    model = TwoHeads()
+    b_before = [p.detach().clone() for p in model.b.parameters()]
+    opt = wrap(model, path)
+    train(model, opt, 3, heads="a")  # head b never gets a gradient
+    assert all(torch.equal(p, q) for p, q in zip(model.b.parameters(), b_before))
+    b_entries = [e for e in opt.param_groups[0]["params"][-2:]]
+    assert all(e not in opt.state for e in b_entries)
+    if path == "fast":  # head b sits in a segment of its own, which the step leaves out
+        assert len(opt._engine.segments) == 2
+
+
+def test_params_missing_grads_in_some_steps_keep_torch_step_counts():
+    states = {}
+    for path in PATHS:
+        model = TwoHeads()
+        opt = wrap(model, path)
+        train(model, opt, 1)
+        train(model, opt, 2, heads="b", to_none=True)  # head a: no grad for 2 steps
+        train(model, opt, 2, to_none=True)
+        train(model, opt, 1, heads="a")  # set to zero, not None: b is stepped with zero grads
+        states[path] = opt.state_dict()["optimizer_state_dict"]["state"]
+        states[path + "-masters"] = snapshot(opt)
+    steps = {path: [s["step"].item() for s in states[path].values()] for path in PATHS}
+    assert steps["fast"] == steps["generic"] == [6, 6, 4, 4, 6, 6]
+    close(states["fast-masters"], states["generic-masters"])
+    for a, b in zip(states["fast"].values(), states["generic"].values()):
+        close([a["exp_avg"], a["exp_avg_sq"]], [b["exp_avg"], b["exp_avg_sq"]])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_grad_set_to_none_by_the_model_does_not_replay_the_last_one(path):
+    # torch's model.zero_grad() sets grads to None behind the optimizer's back; apex then
+    # stepped the param again with its master's stale gradient from the previous step.
+    model = TwoHeads()
+    opt = wrap(model, path, torch.optim.SGD(model.parameters(), lr=0.1))
+    train(model, opt, 1)
+    a_before = [p.detach().clone() for p in model.a.parameters()]
+    model.zero_grad()
+    opt.backward(model(X, heads="b"))
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.a.parameters(), a_before))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grads_assigned_by_the_user_are_used(path):
+    results = {}
+    for how in ("assigned", "backward"):
+        model = TwoHeads()
+        opt = wrap(model, path, static_loss_scale=4.0)
+        for _ in range(2):
+            opt.zero_grad(set_grads_to_None=how == "assigned")
+            if how == "assigned":
+                grads = torch.autograd.grad(model(X) * 4.0, list(model.parameters()))
+                for p, g in zip(model.parameters(), grads):
+                    p.grad = g.clone()
+            else:
+                opt.backward(model(X))
+            opt.step()
+        results[how] = snapshot(opt)
+    assert all(torch.equal(a, b) for a, b in zip(results["assigned"], results["backward"]))
+
+
+def test_fast_path_grads_are_views_of_one_buffer_and_zero_grad_keeps_them():
+    model = TwoHeads()
+    opt = wrap(model, "fast")
+    train(model, opt, 1)
+    (bucket,) = opt._engine.buckets
+    start, end = (
+        bucket.grad_buffer.data_ptr(),
+        bucket.grad_buffer.data_ptr() + 2 * bucket.offsets[-1],
+    )
+    assert all(start <= p.grad.data_ptr() < end for p in model.parameters())
+    assert all(
+        start - 1 < p.data_ptr() - bucket.param_buffer.data_ptr() + start < end
+        for p in model.parameters()
+    )
+    grads = [p.grad for p in model.parameters()]
+    opt.zero_grad()
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), grads))
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_unfreezing_a_param_after_wrapping_is_reported():
+    model = TwoHeads()
+    model.b.weight.requires_grad_(False)
+    opt = wrap(model, "fast")
+    model.b.weight.requires_grad_(True)
+    opt.backward(model(X))
+    with pytest.raises(RuntimeError, match="had requires_grad=False"):
+        opt.step()
+
+
+def test_moving_the_model_after_wrapping_is_reported():
+    model = TwoHeads()
+    opt = wrap(model, "fast")
+    model.float()
+    opt.backward(model(X.float()))
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] no longer lives"):
+        opt.step()
+
+
+# -- attributes and methods ----------------------------------------------------------------
+
+
+def poisoned_backward(model, opt):
+    model.trunk.weight.register_hook(lambda g: g * math.inf)
+    opt.backward(model(X))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_overflow_is_computed_when_read_and_matches_the_step(path):
+    model = TwoHeads()
+    opt = wrap(model, path, dynamic_loss_scale=True)
+    assert opt.overflow is False
+    train(model, opt, 1)
+    assert opt.overflow is False and opt.loss_scale == 2.0**16
+    before = snapshot(opt)
+    opt.zero_grad()
+    poisoned_backward(model, opt)
+    assert opt.overflow is True  # read before the step
+    opt.step()
+    assert opt.overflow is True and opt.loss_scale == 2.0**15 and opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_inspect_master_grad_data_gives_unscaled_grads_or_none_on_overflow(path, caplog):
+    model = TwoHeads()
+    model.a.bias.requires_grad_(False)
+    opt = wrap(model, path, static_loss_scale=64.0)
+    opt.backward(model(X))
+    want = torch.autograd.grad(model(X), [model.trunk.weight, model.b.bias])
+    (grads,) = opt.inspect_master_grad_data()
+    assert len(grads) == 6 and grads[3] is None
+    torch.testing.assert_close(grads[0], want[0].float(), rtol=0, atol=0)
+    torch.testing.assert_close(grads[5], want[1].float(), rtol=0, atol=0)
+    opt.zero_grad()
+    poisoned_backward(model, opt)
+    with caplog.at_level(logging.WARNING, logger="fp16fx"):
+        assert opt.inspect_master_grad_data() is None
+    assert "overflowed" in caplog.text
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_loss_scale_can_be_set_and_update_is_step(path):
+    results = []
+    for method in ("step", "update"):
+        model = TwoHeads()
+        opt = wrap(model, path, dynamic_loss_scale=True)
+        opt.loss_scale = 8.0
+        assert opt.loss_scale == 8.0
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(X))
+            getattr(opt, method)()
+        results.append(snapshot(opt))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for bad in (0.0, -1.0, math.inf, "8"):
+        with pytest.raises(ValueError, match="loss_scale must be"):
+            opt.loss_scale = bad
+    assert opt.loss_scale == 8.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_step_hooks_run_and_schedulers_accept_it(path):
+    model = TwoHeads()
+    opt = wrap(model, path)
+    calls = []
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(o is opt))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    scheduler.step()
+    assert calls == [True] and opt.param_groups[0]["lr"] == 5e-3
+
+
+def test_cannot_be_pickled_as_in_apex():
+    with pytest.raises(RuntimeError, match="state_dict"):
+        pickle.dumps(wrap(TwoHeads(), "fast"))
+
+
+def test_repr_says_what_runs():
+    text = repr(wrap(TwoHeads(), "fast", dynamic_loss_scale=True))
+    assert text.startswith("FP16_Optimizer(Adam, fast path (eager), 1 param group(s)")
+    assert (
+        "84 FP16/BF16 values with FP32 masters, 0 FP32 values" in text
+        and "dynamic loss scale 65536" in text
+    )
+    text = repr(wrap(TwoHeads(), "generic", static_loss_scale=128.0))
+    assert "generic path" in text and "static loss scale 128" in text
+
+
+def count_lines(caplog, text):
+    return sum(text in r.getMessage() for r in caplog.records if r.name == "fp16fx")
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_skipped_steps_are_logged_at_most_once_per_interval(verbose, caplog):
+    model = TwoHeads()
+    opt = wrap(model, "fast", dynamic_loss_scale=True, verbose=verbose, report_interval=5)
+    poison = {"on": False}
+    model.trunk.weight.register_hook(lambda g: g * math.inf if poison["on"] else g)
+    with caplog.at_level(logging.INFO, logger="fp16fx"):
+        for i in range(20):
+            poison["on"] = i in (1, 2, 3, 12)
+            train(model, opt, 1)
+    lines = [r.getMessage() for r in caplog.records if "were skipped" in r.getMessage()]
+    if verbose:
+        assert lines == [
+            "fp16fx: 3 of the last 5 step(s) were skipped (inf/NaN gradients); loss scale now 8192",
+            "fp16fx: 1 of the last 5 step(s) were skipped (inf/NaN gradients); loss scale now 4096",
+        ]
+    else:
+        assert lines == []
+    assert opt.skipped_steps == 4
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_overflow_at_the_minimum_scale_is_reported_even_when_not_verbose(path, caplog):
+    model = TwoHeads()
+    args = {"init_scale": 2.0**4, "min_loss_scale": 2.0**3}
+    opt = wrap(model, path, dynamic_loss_scale=True, dynamic_loss_args=args, report_interval=4)
+    model.trunk.weight.register_hook(lambda g: g * math.inf)
+    with caplog.at_level(logging.INFO, logger="fp16fx"):
+        train(model, opt, 4)
+    assert opt.loss_scale == 8.0
+    assert count_lines(caplog, "the loss scale is at its minimum (8) and the gradients still "
+                               "overflowed 3 time(s) in the last 4 step(s)") == 1  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_add_param_group_trains_the_new_params_with_masters(path):
+    model, extra = TwoHeads(), nn.Linear(8, 2).half()
+    opt = wrap(model, path, torch.optim.Adam(model.trunk.parameters(), lr=1e-2))
+    train(model, opt, 1)
+    opt.add_param_group(
+        {"params": list(model.a.parameters()) + list(model.b.parameters()), "lr": 0.1}
+    )
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model.trunk.weight]})
+    assert len(opt.param_groups) == 2 and opt.path == path
+    entries = opt.param_groups[1]["params"]
+    assert all(e.dtype == torch.float32 for e in entries) and opt.param_groups[1]["lr"] == 0.1
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 2)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert torch.equal(model.a.weight, entries[0].half())
+    assert extra.weight.dtype == torch.float16
+
+
+def test_add_param_group_matches_between_paths():
+    masters = {}
+    for path in PATHS:
+        model = TwoHeads()
+        opt = wrap(model, path, torch.optim.SGD(model.trunk.parameters(), lr=0.1, momentum=0.9))
+        train(model, opt, 2)
+        opt.add_param_group({"params": list(model.a.parameters()), "momentum": 0.5})
+        train(model, opt, 2)
+        masters[path] = snapshot(opt)
+    close(masters["fast"], masters["generic"])
+
+
+CHANGES = {
+    "amsgrad on": lambda g: g.update(amsgrad=True),
+    "momentum on": lambda g: g.update(momentum=0.9),
+    "nesterov on": lambda g: g.update(nesterov=True),
+    "maximize on": lambda g: g.update(maximize=True),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_changing_a_structural_option_rebuilds_or_hands_over_and_stays_correct(change):
+    masters = {}
+    for path in PATHS:
+        model = TwoHeads()
+        if change == "amsgrad on":
+            inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        else:
+            momentum = 0.0 if change == "momentum on" else 0.9
+            inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        opt = wrap(model, path, inner)
+        train(model, opt, 2)
+        CHANGES[change](opt.param_groups[0])
+        if change == "amsgrad on":  # torch itself crashes here: it has no max_exp_avg_sq yet
+            for e in opt.param_groups[0]["params"]:
+                opt.optimizer.state.get(e, {}).setdefault("max_exp_avg_sq", torch.zeros_like(e))
+        train(model, opt, 2)
+        assert opt.path == ("generic" if change == "maximize on" else path)
+        masters[path] = snapshot(opt)
+    close(masters["fast"], masters["generic"])

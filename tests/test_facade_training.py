@@ -1,0 +1,472 @@
+"""FP16_Optimizer in apex's usage shapes, against reference loops written from apex's rules.
+
+Every test runs both engines against a reference loop, bitwise:
+
+* ``generic`` (the wrapped torch optimizer on FP32 masters) against apex's algorithm written
+  out with torch.optim on FP32 masters and the dynamic-scale rule;
+* ``fast`` (flat buffers, segments, the core's transforms; run eagerly here) against the same
+  loop with the optimizer update done by the functional core on per-param leaves
+  (``fp16fx.step.apply_updates_``). Elementwise math does not care about flat buffers, so any
+  difference is a bookkeeping bug of the facade.
+
+That the fast path's transforms match torch.optim's options is tested over a few steps with a
+tight tolerance (its arithmetic is ordered differently, and over many steps a last-bit
+difference in a master can flip the rounding of its FP16 param, which the next forward then
+amplifies). The compiled fast path is tested in test_facade_compiled.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fp16fx
+from fp16fx.facade.policy import NO_FLOOR
+from fp16fx.fp16_utils import (
+    FP16_Optimizer,
+    FP16Model,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+)
+from fp16fx.step import apply_updates_, run_step
+
+PATHS = ["fast", "generic"]
+INF = float("inf")
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).half()
+
+
+def make_data(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(16, 6, generator=g).half(), torch.randn(16, 3, generator=g)) for _ in range(n)
+    ]
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x).float() - y) ** 2).mean()
+
+
+class Poison:
+    """A grad hook on the model's first param that turns its gradient into inf/NaN on demand."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.on = False
+        next(model.parameters()).register_hook(lambda g: g * INF if self.on else g)
+
+
+def wrap(model, inner, path, **kwargs) -> FP16_Optimizer:
+    return FP16_Optimizer(
+        inner(model.parameters()), path=path, compiled=False, verbose=False, **kwargs
+    )
+
+
+def facade_run(model, opt, data, poison=(), *, clip=None, micro=1):
+    """The apex training loop; returns [(loss, loss scale used, skipped)] per step."""
+    hook, trace = Poison(model), []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scale = opt.loss_scale
+        hook.on = i in poison
+        if micro == 1:
+            loss = loss_fn(model, x, y)
+            opt.backward(loss)
+        else:
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                loss = loss_fn(model, xs, ys)
+                opt.backward(loss, update_master_grads=False)
+            opt.update_master_grads()
+        if clip is not None:
+            opt.clip_master_grads(clip)
+        opt.step()
+        trace.append((loss.item(), scale, opt.overflow))
+    return trace
+
+
+def reference_run(model, inner, data, poison=(), *, scale, window=None, clip=None, micro=1):
+    """apex's FP16_Optimizer written out, the update by ``inner`` (a torch.optim factory) on
+    FP32 masters or, if ``inner`` is an fp16fx transform, by the functional core.
+
+    With a ``window``: the dynamic rule (halve on overflow, no floor; double after ``window``
+    clean steps, capped at 2**24). Returns the trace as :func:`facade_run` and the masters.
+    """
+    hook, trace = Poison(model), []
+    params = list(model.parameters())
+    if isinstance(inner, fp16fx.GradientTransformation):
+        return core_run(model, inner, data, poison, scale=scale, window=window, micro=micro)
+    masters = [p.detach().clone().float().requires_grad_() for p in params]
+    opt, clean = inner(masters), 0
+    for i, (x, y) in enumerate(data):
+        for p in params:
+            p.grad = None
+        hook.on = i in poison
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            loss = loss_fn(model, xs, ys)
+            (loss.float() * scale).backward()
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+        trace.append((loss.item(), scale, not finite))
+        if not finite:
+            scale, clean = (scale / 2, 0) if window else (scale, 0)
+            continue
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float() * (1.0 / scale)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        clean += 1
+        if window and clean == window:
+            scale, clean = min(scale * 2, 2.0**24), 0
+    return trace, masters
+
+
+def core_run(model, transform, data, poison=(), *, scale, window=None, micro=1):
+    """The same loop with the functional core doing unscale/check/update/scale per param."""
+    hook, trace = Poison(model), []
+    params = list(model.parameters())
+    policy = (
+        fp16fx.DynamicLossScale(scale, growth_interval=window, min_scale=NO_FLOOR)
+        if window
+        else fp16fx.StaticLossScale(scale)
+    )
+    state = fp16fx.init(params, transform, policy)
+    for i, (x, y) in enumerate(data):
+        for p in params:
+            p.grad = None
+        hook.on = i in poison
+        scale = state.loss_scale.scale.item()
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            loss = loss_fn(model, xs, ys)
+            fp16fx.scale_loss(state, loss).backward()
+        _, info = run_step(apply_updates_, state, [p.grad for p in params], inplace=True)
+        trace.append((loss.item(), scale, not bool(info["finite"])))
+    return trace, list(state.master)
+
+
+def masters_of(opt: FP16_Optimizer) -> list[torch.Tensor]:
+    return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+def assert_same(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def assert_close_engines(fast, generic):
+    """The core's SGD/Adam against torch.optim's over a few steps: float32 rounding."""
+    for a, b in zip(fast, generic, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3, weight_decay=1e-3)
+
+
+#: What each path is compared with: torch.optim on masters, or the core's same transform.
+REFERENCE = {
+    ("generic", sgd): sgd,
+    ("fast", sgd): fp16fx.sgd(0.05, momentum=0.9, weight_decay=1e-3),
+    ("generic", adam): adam,
+    ("fast", adam): fp16fx.adam(1e-3, weight_decay=1e-3),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_static_scale_sgd_with_momentum_matches_reference(path):
+    data = make_data(8)
+    opt = wrap(model := make_model(), sgd, path, static_loss_scale=128.0)
+    assert opt.path == path and not opt.dynamic_loss_scale and opt.loss_scale == 128.0
+    got = facade_run(model, opt, data)
+    want, masters = reference_run(make_model(), REFERENCE[path, sgd], data, scale=128.0)
+    assert got == want and [t[1:] for t in got] == [(128.0, False)] * 8
+    assert_same(masters_of(opt), masters)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_static_scale_skips_an_overflowing_step_instead_of_applying_it(path):
+    # apex applied inf grads at a static scale (its static scaler never checks); fp16fx skips.
+    opt = wrap(model := make_model(), sgd, path, static_loss_scale=128.0)
+    data = make_data(3)
+    facade_run(model, opt, data[:1])
+    before = masters_of(opt) + [p.detach().clone() for p in model.parameters()]
+    trace = facade_run(model, opt, data[1:2], poison={0})
+    assert trace[0][2] is True and opt.skipped_steps == 1 and opt.loss_scale == 128.0
+    after = masters_of(opt) + [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@settings(max_examples=12, deadline=None)
+@given(poison=st.sets(st.integers(0, 11), max_size=5), path=st.sampled_from(PATHS))
+def test_dynamic_scale_trajectory_matches_reference_with_injected_overflows(poison, path):
+    data = make_data(12)
+    args = {"init_scale": 2.0**10, "scale_window": 3}
+    opt = wrap(model := make_model(), adam, path, dynamic_loss_scale=True, dynamic_loss_args=args)
+    got = facade_run(model, opt, data, poison)
+    ref = REFERENCE[path, adam]
+    want, masters = reference_run(make_model(), ref, data, poison, scale=2.0**10, window=3)
+    assert got == want  # loss, loss scale used, skipped: every step
+    assert opt.skipped_steps == len(poison)
+    assert_same(masters_of(opt), masters)
+
+
+def test_lbfgs_with_closure_reruns_the_closure_on_overflow_like_apex():
+    data = make_data(1)[0]
+    model, calls = make_model(), []
+    opt = FP16_Optimizer(
+        torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4),
+        dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10}, verbose=False,
+    )  # fmt: skip
+    assert opt.path == "generic"
+    hook = Poison(model)
+
+    def closure():
+        calls.append(opt.loss_scale)
+        opt.zero_grad()
+        hook.on = len(calls) == 1  # the very first gradient overflows
+        loss = loss_fn(model, *data)
+        opt.backward(loss)
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    assert calls[:2] == [2.0**10, 2.0**9] and set(calls[1:]) == {2.0**9}
+
+    # Reference: LBFGS on FP32 masters at the scale apex settled on, refreshing the FP16
+    # model from the masters before every closure call, as apex's wrapped closure does.
+    ref = make_model()
+    params = list(ref.parameters())
+    masters = [p.detach().clone().float().requires_grad_() for p in params]
+    lbfgs, ref_calls = torch.optim.LBFGS(masters, lr=0.5, max_iter=4), []
+
+    def ref_closure():
+        ref_calls.append(1)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+                p.grad = None
+        loss = loss_fn(ref, *data)
+        (loss.float() * 2.0**9).backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float() / 2.0**9
+        return loss
+
+    for _ in range(3):
+        lbfgs.step(ref_closure)
+    assert len(calls) == len(ref_calls) + 1
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(opt), masters))
+    assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_closure_that_can_never_be_finite_raises_and_changes_nothing(path):
+    model = make_model()
+    opt = wrap(model, adam, path, static_loss_scale=8.0)
+    hook = Poison(model)
+    hook.on = True
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model, *make_data(1)[0])
+        opt.backward(loss)
+        return loss
+
+    with pytest.raises(FloatingPointError, match="static loss scale 8"):
+        opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_closure_on_the_fast_path_matches_the_generic_path():
+    results = {}
+    for path in PATHS:
+        model, data, calls = make_model(), make_data(4), []
+        opt = wrap(
+            model, adam, path, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**8}
+        )
+        hook = Poison(model)
+        for i, (x, y) in enumerate(data):
+
+            def closure(x=x, y=y, i=i, model=model, opt=opt, hook=hook, calls=calls):
+                calls.append(i)
+                opt.zero_grad()
+                hook.on = i == 1 and calls.count(i) == 1  # step 1's first attempt overflows
+                loss = loss_fn(model, x, y)
+                opt.backward(loss)
+                return loss
+
+            opt.step(closure)
+        results[path] = (calls, opt.loss_scale, masters_of(opt))
+    assert results["fast"][:2] == results["generic"][:2] == ([0, 1, 1, 2, 3], 2.0**7)
+    assert_close_engines(results["fast"][2], results["generic"][2])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradient_accumulation_moves_the_scale_once_per_update(path):
+    data = make_data(4)
+    args = {"init_scale": 2.0**8, "scale_window": 2}
+    opt = wrap(model := make_model(), adam, path, dynamic_loss_scale=True, dynamic_loss_args=args)
+    got = facade_run(model, opt, data, micro=4)
+    ref = REFERENCE[path, adam]
+    want, masters = reference_run(make_model(), ref, data, scale=2.0**8, window=2, micro=4)
+    assert got == want and [t[1] for t in got] == [2.0**8, 2.0**8, 2.0**9, 2.0**9]
+    assert opt.loss_scale == 2.0**10  # 4 updates of 4 micro-batches: grew twice, not 8 times
+    assert_same(masters_of(opt), masters)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_clip_master_grads_returns_the_unscaled_norm_and_clips(path):
+    data = make_data(5)
+    opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
+    got = facade_run(model, opt, data, clip=0.05)
+    want, masters = reference_run(make_model(), sgd, data, scale=64.0, clip=0.05)
+    if path == "generic":
+        assert got == want
+        assert_same(masters_of(opt), masters)
+    else:  # the step's own norm, summed in another order: the clip factor's last bit may differ
+        assert_close_engines(masters_of(opt), masters)
+
+    x, y = data[0]
+    opt.zero_grad()
+    opt.backward(loss_fn(model, x, y))
+    reference = [p.grad.float() / 64.0 for p in model.parameters()]
+    expected = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in reference])
+    )
+    norm = opt.clip_master_grads(0.05)
+    assert isinstance(norm, float) and norm > 0.05
+    assert math.isclose(norm, expected.item(), rel_tol=1e-5)
+    Poison(model).on = True
+    opt.zero_grad()
+    opt.backward(loss_fn(model, x, y))
+    assert opt.clip_master_grads(0.05) == -1
+    assert got  # the run above clipped every step
+
+
+def test_clip_with_another_norm_type_hands_the_fast_path_over_and_stays_correct():
+    data = make_data(4)
+    results = {}
+    for path in PATHS:
+        opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
+        for x, y in data:
+            opt.zero_grad()
+            opt.backward(loss_fn(model, x, y))
+            results.setdefault(path, []).append(opt.clip_master_grads(0.01, norm_type=INF))
+            opt.step()
+        assert opt.path == "generic"
+        results[path + "-masters"] = masters_of(opt)
+    assert results["fast"] == pytest.approx(results["generic"], rel=1e-6)
+    assert_close_engines(results["fast-masters"], results["generic-masters"])
+
+
+def conv_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)
+    )
+
+
+@pytest.mark.parametrize("convert", ["network_to_half", "FP16Model"])
+def test_converted_networks_train_with_batchnorm_kept_fp32(convert):
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 3, 6, 6), torch.tensor([0, 1, 1, 0])
+    results = {}
+    for path in PATHS:
+        model = (
+            network_to_half(conv_net()) if convert == "network_to_half" else FP16Model(conv_net())
+        )
+        bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = wrap(model, adam, path, dynamic_loss_scale=True)
+        entries = [p for g in opt.param_groups for p in g["params"]]
+        assert bn.weight.dtype == torch.float32 and any(e is bn.weight for e in entries)
+        assert all(e.dtype == torch.float32 for e in entries)
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x).float(), y))
+            opt.step()
+        assert bn.running_mean.dtype == torch.float32
+        for name, p in model.named_parameters():
+            in_bn = p is bn.weight or p is bn.bias
+            assert p.dtype == (torch.float32 if in_bn else torch.float16), name
+            assert not torch.equal(p, before[name]), f"{name} did not train"
+        results[path] = masters_of(opt)
+    assert_close_engines(results["fast"], results["generic"])
+
+
+@pytest.mark.parametrize("flat_master", [False, True])
+def test_manual_master_params_recipe_matches_fp16_optimizer(flat_master):
+    data, scale = make_data(4), 128.0
+    model = make_model()
+    model_params, master_params = prep_param_lists(model, flat_master=flat_master)
+    inner = sgd(master_params)
+    for x, y in data:
+        model.zero_grad()
+        (loss_fn(model, x, y).float() * scale).backward()
+        model_grads_to_master_grads(model_params, master_params, flat_master=flat_master)
+        for m in master_params:
+            m.grad.mul_(1.0 / scale)
+        inner.step()
+        master_params_to_model_params(model_params, master_params, flat_master=flat_master)
+
+    opt = wrap(reference := make_model(), sgd, "generic", static_loss_scale=scale)
+    facade_run(reference, opt, data)
+    manual = torch.cat([m.reshape(-1) for m in master_params])
+    assert torch.equal(manual, torch.cat([m.reshape(-1) for m in masters_of(opt)]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    initial = torch.cat([p.float().reshape(-1) for p in make_model().parameters()])
+    assert not torch.equal(manual, initial)
+
+
+OPTIONS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum-dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.3),
+    "sgd-nesterov-decay": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.8, nesterov=True, weight_decay=0.05
+    ),
+    "adam": lambda ps: torch.optim.Adam(
+        ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.05
+    ),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.2),
+    "adam-decoupled": lambda ps: torch.optim.Adam(
+        ps, lr=1e-2, weight_decay=0.2, decoupled_weight_decay=True
+    ),
+    "two-groups": lambda ps: torch.optim.Adam(
+        [{"params": ps[:2], "lr": 1e-2}, {"params": ps[2:], "weight_decay": 0.1}], lr=3e-3
+    ),
+}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_fast_path_maps_every_torch_option_onto_the_core(name):
+    data, masters = make_data(3), {}
+    for path in PATHS:
+        model = make_model()
+        opt = FP16_Optimizer(
+            OPTIONS[name](list(model.parameters())), static_loss_scale=256.0, path=path,
+            compiled=False,
+        )  # fmt: skip
+        assert opt.path == path
+        facade_run(model, opt, data)
+        masters[path] = masters_of(opt)
+    initial = [p.float() for p in make_model().parameters()]
+    moved = [(a - b).abs().max() for a, b in zip(masters["generic"], initial)]
+    assert min(moved) > 1e-4  # every param moved far more than the tolerance below
+    for a, b in zip(masters["fast"], masters["generic"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-7)
