@@ -1,0 +1,395 @@
+"""FP16_Optimizer checkpoints: bitwise continuation, weights_only files, dicts that do not fit
+(the optimizer must be left exactly as it was) and apex checkpoints of both eras."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+import sys
+import types
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fp16fx
+from fp16fx.fp16_utils import FP16_Optimizer
+
+PATHS = ["fast", "generic"]
+APEX_KEYS = {
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "first_closure_call_this_step",
+    "optimizer_state_dict",
+    "fp32_from_fp16",
+}
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+    model[2].bias.data = model[2].bias.data.float()  # an FP32 param among FP16 ones
+    return model
+
+
+def forward(model, x):
+    return (model[2].weight.float() @ model[1](model[0](x)).float().T).T + model[2].bias
+
+
+DATA = [(torch.randn(8, 5).half(), torch.randn(8, 2)) for _ in range(8)]
+INNER = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+}
+
+
+def wrap(model, path, inner="adam", **kwargs) -> FP16_Optimizer:
+    kwargs.setdefault("dynamic_loss_scale", True)
+    kwargs.setdefault("dynamic_loss_args", {"init_scale": 2.0**10, "scale_window": 2})
+    return FP16_Optimizer(
+        INNER[inner](model.parameters()), path=path, compiled=False, verbose=False, **kwargs
+    )
+
+
+def run(model, opt, steps, poison=()):
+    """Trains on ``steps`` (indices into DATA); returns [(loss, scale used, skipped)]."""
+    state = {"on": False}
+    handle = model[0].weight.register_hook(lambda g: g * math.inf if state["on"] else g)
+    trace = []
+    for i in steps:
+        opt.zero_grad()
+        state["on"] = i in poison
+        x, y = DATA[i]
+        loss = ((forward(model, x) - y) ** 2).mean()
+        scale = opt.loss_scale
+        opt.backward(loss)
+        opt.step()
+        trace.append((loss.item(), scale, opt.overflow))
+    handle.remove()
+    return trace
+
+
+def save_and_load(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def fingerprint(model, opt):
+    """Everything an optimizer holds, copied: its state dict's leaves and the model's params."""
+    leaves, treedef = optree.tree_flatten(opt.state_dict(), none_is_leaf=True)
+    leaves += list(model.parameters())
+    return treedef, [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def assert_same_fingerprint(a, b):
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1], strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    k=st.integers(1, 7),
+    path=st.sampled_from(PATHS),
+    inner=st.sampled_from(sorted(INNER)),
+    poison=st.sets(st.integers(0, 7), max_size=2),
+)
+def test_save_load_continue_is_bitwise_the_uninterrupted_run(k, path, inner, poison):
+    model = make_model()
+    opt = wrap(model, path, inner)
+    full = run(model, opt, range(8), poison)
+
+    first = make_model()
+    first_opt = wrap(first, path, inner)
+    head = run(first, first_opt, range(k), poison)
+    ckpt = save_and_load({"model": first.state_dict(), "optimizer": first_opt.state_dict()})
+    resumed = make_model(seed=1)  # another init: everything must come from the checkpoint
+    resumed_opt = wrap(resumed, path, inner)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    tail = run(resumed, resumed_opt, range(k, 8), poison)
+
+    assert head + tail == full  # losses, loss scales (growth counter included), skips
+    assert_same_fingerprint(fingerprint(resumed, resumed_opt), fingerprint(model, opt))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_state_dict_keeps_apexs_keys_with_a_plain_scaler(path):
+    model = make_model()
+    opt = wrap(model, path)
+    run(model, opt, range(3), poison={1})
+    sd = opt.state_dict()
+    assert set(sd) == APEX_KEYS
+    assert sd["loss_scaler"] == {
+        "format": "fp16fx", "dynamic": True, "loss_scale": 2.0**9, "good_steps": 1,
+        "overflows": 0, "init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 2, "hysteresis": 1, "min_scale": 2.0**-126, "max_scale": 2.0**24,
+    }  # fmt: skip
+    assert sd["dynamic_loss_scale"] is True and sd["overflow"] is False
+    assert sd["first_closure_call_this_step"] is True
+    (masters,) = sd["fp32_from_fp16"]
+    assert [m.dtype for m in masters] == [torch.float32] * 3  # the FP32 bias is its own master
+    assert all(torch.equal(m.half(), p) for m, p in zip(masters, model.parameters()))
+    osd = sd["optimizer_state_dict"]
+    assert osd["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert [sorted(s) for s in osd["state"].values()] == [["exp_avg", "exp_avg_sq", "step"]] * 4
+    assert all(s["step"].item() == 2 for s in osd["state"].values())
+    assert opt.state_dict()["loss_scaler"] == save_and_load(sd)["loss_scaler"]
+
+
+def test_a_checkpoint_moves_between_the_fast_and_the_generic_path():
+    results = {}
+    for source, target in (("fast", "generic"), ("generic", "fast"), ("fast", "fast")):
+        model = make_model()
+        opt = wrap(model, source)
+        run(model, opt, range(3))
+        ckpt = save_and_load({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        other = make_model(seed=2)
+        other_opt = wrap(other, target)
+        other.load_state_dict(ckpt["model"])
+        other_opt.load_state_dict(ckpt["optimizer"])
+        run(other, other_opt, range(3, 6))
+        results[source, target] = [p.detach().clone() for p in other_opt.param_groups[0]["params"]]
+    for a, b in zip(results["fast", "generic"], results["fast", "fast"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(results["generic", "fast"], results["fast", "fast"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _set(path, value):
+    def corrupt(sd):
+        *parents, last = path
+        node = sd
+        for key in parents:
+            node = node[key]
+        if value is DELETE:
+            del node[last]
+        else:
+            node[last] = value(node[last]) if callable(value) else value
+        return sd
+
+    return corrupt
+
+
+DELETE = object()
+CORRUPTIONS = {
+    "not a dict": (lambda sd: list(sd.items()), TypeError, "expects a dict"),
+    "missing entry": (
+        _set(["optimizer_state_dict"], DELETE),
+        ValueError,
+        "no \\['optimizer_state_dict'\\]",
+    ),
+    "unknown entry": (_set(["scheduler"], 1), ValueError, "unknown entries \\['scheduler'\\]"),
+    "extra group": (
+        _set(["optimizer_state_dict", "param_groups"], lambda gs: gs + gs),
+        ValueError,
+        "2 param group\\(s\\), this optimizer 1",
+    ),
+    "fewer params": (
+        _set(["optimizer_state_dict", "param_groups", 0, "params"], lambda ps: ps[:-1]),
+        ValueError,
+        "param group 0 has 3 params in optimizer_state_dict, 4",
+    ),
+    "master shape": (
+        _set(["fp32_from_fp16", 0, 1], torch.zeros(3)),
+        ValueError,
+        "fp32_from_fp16\\[0\\]\\[1\\] has shape \\(3,\\), its param \\(8,\\)",
+    ),
+    "master dtype": (
+        _set(["fp32_from_fp16", 0, 0], lambda t: t.half()),
+        ValueError,
+        "fp32_from_fp16\\[0\\]\\[0\\] has dtype torch.float16, expected torch.float32",
+    ),
+    "master count": (
+        _set(["fp32_from_fp16", 0], lambda ms: ms[:2]),
+        ValueError,
+        "fp32_from_fp16\\[0\\] has 2 master\\(s\\); this optimizer's group 0 has 3",
+    ),
+    "moment shape": (
+        _set(["optimizer_state_dict", "state", 2, "exp_avg"], torch.zeros(7)),
+        ValueError,
+        "\\['state'\\]\\[2\\]\\['exp_avg'\\] has shape \\(7,\\), its param \\(2, 8\\)",
+    ),
+    "state of another optimizer": (
+        _set(["optimizer_state_dict", "state", 0], {"momentum_buffer": torch.zeros(8, 5)}),
+        ValueError,
+        "\\['momentum_buffer'\\], which torch.optim.Adam does not keep",
+    ),
+    "state for no param": (
+        _set(["optimizer_state_dict", "state", 9], {}),
+        ValueError,
+        "an entry 9 for no param",
+    ),
+    "scaler format": (
+        _set(["loss_scaler", "format"], "deepspeed"),
+        ValueError,
+        "unknown format 'deepspeed'",
+    ),
+    "scaler value": (
+        _set(["loss_scaler", "loss_scale"], 0.0),
+        ValueError,
+        "'loss_scale'\\] must be finite and > 0",
+    ),
+    "scaler entry": (_set(["loss_scaler", "good_steps"], DELETE), ValueError, "no 'good_steps'"),
+    "scaler object": (_set(["loss_scaler"], object()), ValueError, "loss_scaler: .*not an apex"),
+    "scaler kind": (
+        _set(["dynamic_loss_scale"], False),
+        ValueError,
+        "dynamic_loss_scale is False but",
+    ),
+    "flag type": (_set(["overflow"], "no"), ValueError, "overflow must be a bool"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(path, name):
+    corrupt, error, match = CORRUPTIONS[name]
+    model, twin = make_model(), make_model()
+    opt, twin_opt = wrap(model, path), wrap(twin, path)
+    run(model, opt, range(2))
+    run(twin, twin_opt, range(2))
+    good = save_and_load(opt.state_dict())
+    other = make_model(seed=3)
+    other_opt = wrap(other, path)
+    run(other, other_opt, range(4), poison={2})
+    before = fingerprint(model, opt)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(corrupt(copy.deepcopy(save_and_load(other_opt.state_dict()))))
+    assert_same_fingerprint(fingerprint(model, opt), before)
+    assert run(model, opt, range(2, 4)) == run(twin, twin_opt, range(2, 4))  # still works
+    opt.load_state_dict(good)  # and a good dict still loads
+
+
+def test_bad_hyperparameters_are_refused_before_loading_on_the_fast_path():
+    model = make_model()
+    opt = wrap(model, "fast")
+    sd = save_and_load(opt.state_dict())
+    sd["optimizer_state_dict"]["param_groups"][0]["betas"] = (0.9, 1.5)
+    before = fingerprint(model, opt)
+    with pytest.raises(ValueError, match="param group 0: hyperparameter 'beta2' must be in"):
+        opt.load_state_dict(sd)
+    assert_same_fingerprint(fingerprint(model, opt), before)
+
+
+# -- apex checkpoints ------------------------------------------------------------------------
+
+APEX_MODULES = (
+    "apex",
+    "apex.amp",
+    "apex.amp.scaler",
+    "apex.fp16_utils",
+    "apex.fp16_utils.loss_scaler",
+)
+
+
+def apex_class(module: str, name: str) -> type:
+    return type(name, (), {"__module__": module, "__qualname__": name})
+
+
+AMP_SCALER = apex_class("apex.amp.scaler", "LossScaler")
+LEGACY_DYNAMIC = apex_class("apex.fp16_utils.loss_scaler", "DynamicLossScaler")
+LEGACY_STATIC = apex_class("apex.fp16_utils.loss_scaler", "LossScaler")
+
+
+def scaler(cls: type, **attrs) -> object:
+    obj = object.__new__(cls)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+@contextlib.contextmanager
+def fake_apex():
+    """Makes the apex scaler classes picklable under their apex paths while saving."""
+    modules = {name: types.ModuleType(name) for name in APEX_MODULES}
+    for cls in (AMP_SCALER, LEGACY_DYNAMIC, LEGACY_STATIC):
+        setattr(modules[cls.__module__], cls.__qualname__, cls)
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name in APEX_MODULES:
+            del sys.modules[name]
+
+
+def apex_state_dict(model, loss_scaler, dynamic=True) -> dict:
+    """What apex's FP16_Optimizer(SGD(momentum=0.9)).state_dict() holds after one step."""
+    torch.manual_seed(5)
+    masters = [
+        (p.detach().float() + 0.01 * torch.randn(p.shape)).requires_grad_()
+        for p in model.parameters()
+    ]
+    sgd = torch.optim.SGD(masters, lr=0.05, momentum=0.9)
+    for m in masters:
+        m.grad = torch.randn(m.shape)
+    sgd.step()
+    return {
+        "loss_scaler": loss_scaler,
+        "dynamic_loss_scale": dynamic,
+        "overflow": False,
+        "first_closure_call_this_step": True,
+        "optimizer_state_dict": sgd.state_dict(),
+        "fp32_from_fp16": [
+            [m for m, p in zip(masters, model.parameters()) if p.dtype != torch.float32]
+        ],
+    }
+
+
+def load_apex(tmp_path, sd) -> dict:
+    with fake_apex():
+        torch.save(sd, tmp_path / "apex.pt")
+    return fp16fx.load_apex_checkpoint(tmp_path / "apex.pt")
+
+
+APEX_SCALERS = {
+    "amp": (
+        scaler(AMP_SCALER, _loss_scale=2.0**13, dynamic=True, _unskipped=1, _scale_seq_len=3,
+               _max_loss_scale=2.0**24, _min_loss_scale=None, _has_overflow=False,
+               _overflow_buf=torch.zeros(1, dtype=torch.int32)),
+        [2.0**13, 2.0**13, 2.0**14, 2.0**14],  # 1 of 3 clean steps done: grows after 2 more
+    ),
+    "legacy dynamic": (
+        scaler(LEGACY_DYNAMIC, cur_scale=2.0**12, cur_iter=12, last_overflow_iter=9,
+               scale_factor=2.0, scale_window=5),
+        [2.0**12, 2.0**12, 2.0**12, 2.0**13],  # grows at iteration 14: (14 - 9) % 5 == 0
+    ),
+    "legacy static": (scaler(LEGACY_STATIC, cur_scale=128.0), [128.0] * 4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("era", APEX_SCALERS)
+def test_an_apex_checkpoint_loads_and_training_continues(tmp_path, path, era):
+    loss_scaler, scales = APEX_SCALERS[era]
+    apex_sd = apex_state_dict(make_model(seed=4), loss_scaler, dynamic=era != "legacy static")
+    loaded = load_apex(tmp_path, apex_sd)
+    assert isinstance(loaded["loss_scaler"], dict)
+    model = make_model()
+    opt = FP16_Optimizer(
+        INNER["sgd"](model.parameters()), dynamic_loss_scale=True, path=path, compiled=False
+    )
+    opt.load_state_dict(loaded)
+    assert opt.dynamic_loss_scale is (era != "legacy static") and opt.loss_scale == scales[0]
+    (masters,) = apex_sd["fp32_from_fp16"]
+    entries = opt.param_groups[0]["params"]
+    assert all(torch.equal(e, m) for e, m in zip(entries, masters))
+    assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters))
+    saved = apex_sd["optimizer_state_dict"]["state"]
+    for i, e in enumerate(entries):
+        assert torch.equal(opt.state[e]["momentum_buffer"], saved[i]["momentum_buffer"])
+    assert [t[1] for t in run(model, opt, range(4))] == scales
+
+    # The same continuation from the raw dict, its scaler still an (apex) object.
+    again = make_model()
+    again_opt = FP16_Optimizer(INNER["sgd"](again.parameters()), path=path, compiled=False)
+    again_opt.load_state_dict(apex_sd)
+    run(again, again_opt, range(4))
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters()))
