@@ -26,7 +26,7 @@ peak memory during the timed steps and persistent optimizer bytes per param."""
 
 DEFAULT_STEPS = 30
 DEFAULT_WARMUP = 5
-DEFAULT_TIME_BUDGET_S = 20.0
+DEFAULT_TIME_BUDGET_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

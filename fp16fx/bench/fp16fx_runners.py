@@ -154,4 +154,7 @@ class Fp16fxFacadeRunner(Runner):
         self.opt.step()
 
     def persistent_tensors(self) -> Iterable[Tensor]:
-        return [*self.params, *self.grads, *tensors_in(self.opt, depth=8)]
+        # The facade may move params and grads into flat buffers (p.data / p.grad become
+        # views): count what the params hold now, not the grads handed to setup.
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return [*self.params, *grads, *tensors_in(self.opt, depth=8)]

@@ -137,7 +137,7 @@ class BenchOptions:
     device: str = "cpu"
     threads: int | None = None
     compile_times: bool = True
-    time_budget_s: float | None = 20.0
+    time_budget_s: float | None = 10.0
     copy_buffer_bytes: int | None = None
     seed: int = 0
     config: BenchConfig = field(default_factory=BenchConfig)
