@@ -23,10 +23,10 @@ X = torch.randn(16, 6).half()
 Y = torch.randn(16, 3)
 
 
-def build(path="fast", lr=1e-3, seed=0, **kwargs) -> tuple[nn.Module, FP16_Optimizer]:
+def build(path="fast", lr=1e-3, seed=0, device="cpu", **kwargs) -> tuple[nn.Module, FP16_Optimizer]:
     """An FP16 MLP with two param groups under Adam, dynamic loss scaling."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).half()
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).half().to(device)
     inner = torch.optim.Adam(
         [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 2 * lr}],
         lr=lr,
@@ -38,7 +38,8 @@ def build(path="fast", lr=1e-3, seed=0, **kwargs) -> tuple[nn.Module, FP16_Optim
 
 def train_step(model, opt, i=0, clip=None):
     opt.zero_grad()
-    loss = ((model(X[i % 4 :: 1]).float() - Y[i % 4 :: 1]) ** 2).mean()
+    x, y = (t[i % 4 :].to(next(model.parameters()).device) for t in (X, Y))
+    loss = ((model(x).float() - y) ** 2).mean()
     opt.backward(loss)
     norm = None if clip is None else opt.clip_master_grads(clip)
     opt.step()
@@ -188,3 +189,20 @@ def test_apex_seed_recipe_on_resnet18():
     assert model[1].conv1.weight.dtype == torch.float16
     changed = sum(not torch.equal(p, b) for p, b in zip(params, before))
     assert changed == len(params)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fast_path_on_cuda_matches_the_generic_path_and_its_checkpoint_loads_on_cpu():
+    runs = {}
+    for path in ("fast", "generic"):
+        model, opt = build(path, device="cuda")
+        runs[path] = [train_step(model, opt, i)[0] for i in range(10)], masters(opt)
+        assert opt.path == path and opt._scaler.stats.is_cuda
+    for a, b in zip(runs["fast"][1], runs["generic"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    model, cpu_opt = build()
+    cpu_opt.load_state_dict(torch.load(buffer, weights_only=True, map_location="cpu"))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(masters(cpu_opt), runs["generic"][1]))

@@ -15,6 +15,7 @@ changes the compiled graph's inputs, which costs one compile per new layout.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -71,9 +72,16 @@ _COMPILE_ERRORS = tuple(
 
 
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``fn`` compiled once per process (every FP16_Optimizer shares its graphs)."""
+    """Returns ``fn`` compiled once per process (every FP16_Optimizer shares its graphs).
+
+    Each layout of buckets and segments is one graph; torch's default limit of 8 graphs per
+    function is raised where torch allows it, since a process may build many optimizers.
+    """
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, fullgraph=True, dynamic=False)
+        options: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:
+            options["recompile_limit"] = 64
+        _COMPILED[fn.__name__] = torch.compile(fn, **options)
     return _COMPILED[fn.__name__]
 
 

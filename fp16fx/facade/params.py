@@ -13,6 +13,8 @@ from fp16fx.tree import MODEL_DTYPES
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Returns ``{id(param): readable name}`` for error messages, e.g.
+    ``param 'fc.weight' (param_groups[0]['params'][3])`` when the groups carry names."""
     names = {}
     for k, group in enumerate(optimizer.param_groups):
         given = group.get("param_names")
@@ -25,6 +27,8 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
 def check_trainable(
     params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
 ) -> None:
+    """Raises TypeError/ValueError, naming the param, unless every one of ``params`` is
+    FP16/BF16/FP32 and they all live on one device (``device``, if given)."""
     for p in params:
         if p.dtype not in MODEL_DTYPES:
             raise TypeError(
