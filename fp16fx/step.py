@@ -35,6 +35,11 @@ from fp16fx.transforms import GradientTransformation, TransformState, replace_hy
 
 Info = dict[str, torch.Tensor]
 
+#: Combines this process's ``(finite, grad_norm)`` with other processes' (see
+#: :class:`fp16fx.distributed.Consensus`): returns the ``(finite, grad_norm)`` every process
+#: then acts on, so all of them skip or apply together. Static, hashable pytree metadata.
+Consensus = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class MixedPrecisionState:
     """The whole training state: a pytree of tensors with static optimizer and policy.
@@ -46,6 +51,8 @@ class MixedPrecisionState:
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
       count: applied (not skipped) steps, a 0-d int64 tensor.
       optimizer, policy: the transform and the loss-scale policy (pytree metadata, not leaves).
+      consensus: ``None``, or a :data:`Consensus` agreeing ``finite`` and the gradient norm
+        with other processes before any state changes (pytree metadata).
       layout: ``None``, or the :class:`~fp16fx.buckets.Layout` of a bucketed state, whose
         pytree leaves are a few flat buffers; ``params``, ``master`` and ``opt_state`` then
         present views into them, structured as the params were given.
@@ -56,6 +63,7 @@ class MixedPrecisionState:
         "_opt_state",
         "_params",
         "_views",
+        "consensus",
         "count",
         "layout",
         "loss_scale",
@@ -73,6 +81,7 @@ class MixedPrecisionState:
         optimizer: GradientTransformation,
         policy: LossScalePolicy,
         layout: Layout | None = None,
+        consensus: Consensus | None = None,
     ) -> None:
         self._params = params
         self._master = master
@@ -82,6 +91,7 @@ class MixedPrecisionState:
         self.optimizer = optimizer
         self.policy = policy
         self.layout = layout
+        self.consensus = consensus
         self._views: dict[str, Any] = {}
 
     @property
@@ -111,7 +121,12 @@ class MixedPrecisionState:
     def replace(self, **changes: Any) -> MixedPrecisionState:
         """Returns a copy of this state with the given fields (raw, for a bucketed state)."""
         fields = dict(zip(_CHILDREN, self.children()))
-        fields.update(optimizer=self.optimizer, policy=self.policy, layout=self.layout)
+        fields.update(
+            optimizer=self.optimizer,
+            policy=self.policy,
+            layout=self.layout,
+            consensus=self.consensus,
+        )
         fields.update(changes)
         return MixedPrecisionState(**fields)
 
@@ -128,7 +143,7 @@ _CHILDREN = ("params", "master", "opt_state", "loss_scale", "count")
 
 optree.register_pytree_node(
     MixedPrecisionState,
-    lambda s: (s.children(), (s.optimizer, s.policy, s.layout), _CHILDREN),
+    lambda s: (s.children(), (s.optimizer, s.policy, s.layout, s.consensus), _CHILDREN),
     lambda meta, children: MixedPrecisionState(*children, *meta),
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # plain optree calls see its tensors
 )
@@ -170,6 +185,7 @@ def init(
     loss_scale: LossScalePolicy | None = None,
     *,
     buckets: bool = False,
+    consensus: Consensus | None = None,
 ) -> MixedPrecisionState:
     """Returns the initial training state for ``params``.
 
@@ -183,6 +199,8 @@ def init(
         per ``multi_transform`` label), so a compiled step runs a few large kernels whatever
         the number of leaves. The given tensors are re-pointed (``tensor.data = view``) at
         their place in the buffer, so a model built on them keeps training in place.
+      consensus: agree "finite" and the gradient norm with other processes every step
+        (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.distributed.Consensus`).
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
@@ -219,6 +237,7 @@ def init(
             optimizer=optimizer,
             policy=policy,
             layout=layout,
+            consensus=consensus,
         )
 
 
@@ -297,6 +316,7 @@ def apply_updates(
     loss_scale: LossScaleState,
     count: torch.Tensor,
     indices: tuple[int, ...],
+    consensus: Consensus | None = None,
 ) -> tuple[
     list[torch.Tensor | None], list[torch.Tensor], list[Any], LossScaleState, torch.Tensor, Info
 ]:
@@ -304,9 +324,12 @@ def apply_updates(
 
     The pure core over flat lists of the leaves that have a gradient (``params[i]`` is None
     where the param is FP32 and so its own master; ``indices`` are their flat leaf indices).
-    This is what ``compile_step`` compiles.
+    This is what ``compile_step`` compiles. ``consensus``, when given, replaces this
+    process's ``(finite, grad_norm)`` by the one all processes agree on, before anything moves.
     """
     unscaled, finite, grad_norm = unscale_and_check(grads, loss_scale.scale)
+    if consensus is not None:
+        finite, grad_norm = consensus(finite, grad_norm)
     updates, new_states = optimizer.update(
         unscaled, leaf_states, masters, hyperparams, grad_norm, indices
     )
@@ -348,6 +371,7 @@ def apply_updates_(
     loss_scale: LossScaleState,
     count: torch.Tensor,
     indices: tuple[int, ...],
+    consensus: Consensus | None = None,
 ) -> Info:
     """Returns ``info`` after writing :func:`apply_updates`' results into its own inputs."""
     *new, info = apply_updates(
@@ -361,6 +385,7 @@ def apply_updates_(
         loss_scale,
         count,
         indices,
+        consensus,
     )
     old = (params, masters, leaf_states, loss_scale, count)
     optree.tree_map(lambda dst, src: dst.copy_(src), old, tuple(new))
@@ -419,6 +444,7 @@ def run_step(
         state.loss_scale,
         state.count,
         indices,
+        state.consensus,
     )
     with torch.no_grad():
         if inplace:

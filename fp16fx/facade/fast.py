@@ -252,6 +252,7 @@ class FastEngine:
             count=self.count,
             optimizer=multi_transform(self.transforms, labels=labels),
             policy=self.scaler.policy,
+            consensus=self.scaler.consensus,
         )
 
     def export(self) -> PerParamState:

@@ -55,9 +55,11 @@ class GenericEngine:
         and its state alone (apex left the previous step's master grad there).
         """
         with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
-        unscaled, finite, _ = unscale_and_check(
+        unscaled, finite, norm = unscale_and_check(
             [p.grad for p, _ in with_grad], self.scaler.state.scale
         )
+        if self.scaler.consensus is not None:  # every process skips or applies together
+            finite, _ = self.scaler.consensus(finite, norm)
         with torch.no_grad():
             for (p, master), grad in zip(with_grad, unscaled):
                 if master is p:

@@ -77,6 +77,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
       compiled: run the fast path's step through ``torch.compile`` (False: the same core,
         eagerly; for debugging).
       report_interval: read the device-side overflow counters and log every this many steps.
+      process_group: found-inf consensus across processes (:mod:`fp16fx.distributed`):
+        ``"auto"`` turns it on when torch.distributed is initialized with more than one
+        process, ``None`` turns it off, a process group scopes it to that group. With it,
+        every process skips or applies each step together, on the device.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         path: Path = "auto",
         compiled: bool = True,
         report_interval: int = 100,
+        process_group: Any = "auto",
     ) -> None:
         if isinstance(init_optimizer, FP16_Optimizer):
             raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
@@ -108,7 +113,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         check_trainable([p for params in trainable for p in params], self._names)
         device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
         stats = torch.zeros(2, dtype=torch.int64, device=device)
-        self._scaler = Scaler(policy, policy.init(device), stats)
+        # The one upward reference (layer distributed); consensus.py depends on torch alone.
+        from fp16fx.distributed.consensus import default_consensus
+
+        consensus = default_consensus(process_group)
+        self._scaler = Scaler(policy, policy.init(device), stats, consensus)
         self.optimizer = init_optimizer
         self.verbose = verbose
         self._init_hooks()

@@ -43,11 +43,14 @@ class Scaler:
     Shared by ``FP16_Optimizer`` and its engine (stateful). ``state``'s tensors never change
     identity (values are written in place); ``stats`` holds (skipped steps, floored
     back-offs) since the reporter last read it, added to on the device by each step.
+    ``consensus`` (None for one process) agrees each step's "finite" across processes
+    (:class:`fp16fx.distributed.Consensus`).
     """
 
     policy: FacadePolicy
     state: LossScaleState
     stats: torch.Tensor
+    consensus: Any = None
 
 
 _APEX_KEYS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")

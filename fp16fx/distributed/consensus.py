@@ -1,0 +1,92 @@
+"""Found-inf consensus: every process skips or applies a step together, decided on the device.
+
+Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed``; this module depends
+on nothing else of fp16fx, so the facade can pick it up when torch.distributed is initialized.
+
+Each process checks its own gradients (:func:`fp16fx.scaling.unscale_and_check`, the one
+definition of "unscale and check"), then one all-reduce of two float64 numbers combines::
+
+    replicated grads (DDP: every rank holds the same averaged grads)
+        bad  = max over ranks of (not finite)          # one rank's fault skips every rank
+        norm = max over ranks of the local norm        # equal on healthy ranks
+    sharded grads (each rank holds its own slice of the gradient)
+        bad  = sum over ranks of (not finite)
+        norm = sqrt(sum over ranks of local norm**2)   # the global L2 norm
+    finite = (bad == 0);  norm = inf where not finite
+
+It runs inside the step, after the check and before any state changes, so no rank reads a
+tensor on the host and the loss-scale state (moved by ``finite`` alone) stays identical on every
+rank. Non-finite local norms are replaced by 0 before the reduction, so a NaN on one rank
+cannot turn into a NaN norm that some backend reduces differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Consensus:
+    """Agrees ``(finite, grad_norm)`` across the processes of ``group`` (a static option).
+
+    Attributes:
+      group: the ``torch.distributed`` process group; ``None`` means the default (world) group.
+      sharded: the ranks hold *different* parts of the gradient (ZeRO-1 shards), so the global
+        norm is the root of the summed squares; False: they hold the same (replicated) grads.
+
+    Called as ``finite, norm = consensus(finite, norm)`` by :func:`fp16fx.step.apply_updates`.
+    Eagerly it is one ``dist.all_reduce``; under ``torch.compile(fullgraph=True)`` Dynamo
+    traces that call into a functional collective (checked on CPU/gloo with torch 2.14).
+    """
+
+    group: Any = None
+    sharded: bool = False
+
+    def __call__(
+        self, finite: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        local = torch.where(finite, norm.double(), torch.zeros_like(norm, dtype=torch.float64))
+        if self.sharded:
+            local = local * local
+        both = torch.stack([(~finite).double(), local])
+        op = dist.ReduceOp.SUM if self.sharded else dist.ReduceOp.MAX
+        dist.all_reduce(both, op=op, group=self.group)
+        agreed = both[0] == 0
+        total = torch.sqrt(both[1]) if self.sharded else both[1]
+        inf = torch.full_like(norm, float("inf"))
+        return agreed, torch.where(agreed, total.to(norm.dtype), inf)
+
+
+def world_size(group: Any = None) -> int:
+    """Returns the number of processes in ``group`` (the world group when None)."""
+    return dist.get_world_size(group)
+
+
+def rank(group: Any = None) -> int:
+    """Returns this process's rank within ``group`` (the world group when None)."""
+    return dist.get_rank(group)
+
+
+def default_consensus(process_group: Any = "auto") -> Consensus | None:
+    """Returns the consensus a replicated optimizer should use, or None for a single process.
+
+    ``process_group``: ``"auto"`` (the world group when torch.distributed is initialized and
+    has more than one process, else none), ``None``/``False`` (off), or a process group.
+    """
+    if process_group is None or process_group is False:
+        return None
+    if isinstance(process_group, str):
+        if process_group != "auto":
+            raise ValueError(
+                f"process_group must be 'auto', None or a group, got {process_group!r}"
+            )
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return Consensus()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a process_group was given but torch.distributed is not initialized")
+    return Consensus(group=process_group)

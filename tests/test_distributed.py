@@ -1,0 +1,258 @@
+"""Consensus and DDP on CPU/gloo: 2 processes on localhost, spawned by each test.
+
+Workers are module-level functions (``torch.multiprocessing.spawn`` pickles them by name); each
+writes what it saw to ``out/rank{r}.pt`` and the test compares the files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fp16fx
+import fp16fx.distributed as fdist
+from fp16fx.compile import compile_step
+from fp16fx.step import apply_updates_, run_step
+
+STEPS = 20
+BATCH = 8  # per rank
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, *args: Any, timeout_s: float = 30.0) -> None:
+    """Runs ``fn(rank, world, *args)`` in ``world`` gloo processes; raises if one fails."""
+    mp.spawn(_entry, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
+
+
+def results(out: Path, world: int) -> list[dict[str, Any]]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def make_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+
+def batch(step: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Returns rank ``rank``'s slice of step ``step``'s global batch (rank=None: all of it)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH * world, 8, generator=g).to(dtype)
+    y = torch.randn(BATCH * world, 4, generator=g).to(dtype)
+    if rank is None:
+        return x, y
+    part = slice(rank * BATCH, (rank + 1) * BATCH)
+    return x[part], y[part]
+
+
+def train_facade(
+    model: nn.Module,
+    rank: int | None,
+    world: int,
+    dtype: torch.dtype,
+    *,
+    fault: str | None = None,
+    process_group: Any = "auto",
+) -> dict[str, Any]:
+    """Trains ``model`` (maybe DDP-wrapped) with FP16_Optimizer(Adam); returns what it saw.
+
+    ``fault``: at step 5 rank 1's grads get an inf "before" DDP's all-reduce (a grad hook)
+    or "after" it (written into ``p.grad`` once backward returned).
+    """
+    params = list(model.parameters())
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.Adam(params, lr=1e-2),
+        dynamic_loss_scale=dtype == torch.float16,
+        verbose=False,
+        compiled=False,
+        process_group=process_group,
+    )
+    scales, views = [], True
+    for i in range(STEPS):
+        x, y = batch(i, rank, world, dtype)
+        opt.zero_grad()
+        handle = None
+        if fault == "before" and i == 5 and rank == 1:
+            handle = params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
+        loss = F.mse_loss(model(x).float(), y.float())
+        opt.backward(loss)
+        if handle is not None:
+            handle.remove()
+        if fault == "after" and i == 5 and rank == 1:
+            params[0].grad[0, 0] = float("inf")
+        opt.step()
+        scales.append(opt.loss_scale)
+        views = views and all(
+            p.grad is v for b in opt._engine.buckets for p, v in zip(b.params, b.grad_views)
+        )
+    return {
+        "params": [p.detach().clone() for p in params],
+        "masters": [m.detach().clone() for g in opt.param_groups for m in g["params"]],
+        "scales": torch.tensor(scales),
+        "skipped": opt.skipped_steps,
+        "grads_are_views": views,
+    }
+
+
+def functional(rank: int, world: int, compiled: bool) -> dict[str, Any]:
+    """DDP with the functional API: grads land (averaged) in the state's flat grad buffers;
+    at step 3 rank 0's grads get a NaN after DDP's all-reduce."""
+    ddp = DDP(make_model(torch.float16))
+    params = list(ddp.module.parameters())
+    state = fdist.init(params, fp16fx.adam(1e-2), buckets=True)
+    assert state.consensus is not None
+    grads = fp16fx.grad_buffers(state)
+    for p, g in zip(params, grads):
+        p.grad = g
+    if compiled:
+        step = compile_step(inplace=True)
+    else:
+
+        def step(state, grads):
+            return run_step(apply_updates_, state, grads, inplace=True)
+
+    finite = []
+    for i in range(6):
+        x, y = batch(i, rank, world, torch.float16)
+        for g in grads:
+            g.zero_()
+        loss = F.mse_loss(ddp(x).float(), y.float())
+        fp16fx.scale_loss(state, loss).backward()
+        if i == 3 and rank == 0:
+            grads[1][0] = float("nan")
+        state, info = step(state, grads)
+        finite.append(bool(info["finite"]))
+    return {"params": [p.detach().clone() for p in params], "finite": finite}
+
+
+def die(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 dies after backward, before its step's consensus all-reduce."""
+    model = DDP(make_model(torch.float16))
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), verbose=False, compiled=False
+    )
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "ddp_fp32": lambda r, w: train_facade(DDP(make_model(torch.float32)), r, w, torch.float32),
+    "ddp_fp16": lambda r, w: train_facade(DDP(make_model(torch.float16)), r, w, torch.float16),
+    "inf_before_ddp": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="before"
+    ),
+    "inf_after_ddp": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="after"
+    ),
+    "inf_after_ddp_no_consensus": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
+    ),
+    "functional_eager": lambda r, w: functional(r, w, compiled=False),
+    "functional_compiled": lambda r, w: functional(r, w, compiled=True),
+    "die": die,  # last: it breaks the group
+}
+
+
+def scenarios_worker(rank: int, world: int, out: str) -> None:
+    found = {}
+    for name, run in SCENARIOS.items():
+        found[name] = run(rank, world)
+        torch.save(found, Path(out) / f"rank{rank}.pt")  # "die" ends rank 1 before its save
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory) -> list[dict[str, Any]]:
+    """Every scenario above, run once by 2 gloo processes (one spawn: imports cost ~6 s)."""
+    out = tmp_path_factory.mktemp("replicated")
+    spawn(scenarios_worker, 2, str(out), timeout_s=5)
+    return results(out, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_ddp_facade_matches_single_process_over_the_whole_batch(replicated, dtype):
+    name = "ddp_fp32" if dtype == torch.float32 else "ddp_fp16"
+    r0, r1 = (r[name] for r in replicated)
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+    single = train_facade(make_model(dtype), None, 2, dtype, process_group=None)
+    # FP32: only the order of the batch sum differs. FP16: DDP averages FP16 grads (one
+    # rounding per step), so the masters agree to FP16 gradient precision.
+    atol = 1e-6 if dtype == torch.float32 else 2e-3
+    for a, b in zip(r0["masters"], single["masters"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    assert r0["skipped"] == single["skipped"] == 0
+    # DDP (gradient_as_bucket_view=False) copies its averaged grads into p.grad in place: the
+    # facade's flat grad buffer keeps being the grads, no extra copy.
+    assert r0["grads_are_views"]
+
+
+@pytest.mark.parametrize("name", ["inf_before_ddp", "inf_after_ddp"])
+def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
+    r0, r1 = (r[name] for r in replicated)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert torch.equal(r0["scales"], r1["scales"])
+    assert r0["scales"][5] == r0["scales"][4] / 2
+    for a, b in zip(r0["params"] + r0["masters"], r1["params"] + r1["masters"]):
+        assert torch.equal(a, b)
+
+
+def test_without_consensus_an_inf_after_ddp_splits_the_ranks(replicated):
+    r0, r1 = (r["inf_after_ddp_no_consensus"] for r in replicated)
+    assert (r0["skipped"], r1["skipped"]) == (0, 1)
+    assert not torch.equal(r0["scales"], r1["scales"])
+
+
+@pytest.mark.parametrize("name", ["functional_eager", "functional_compiled"])
+def test_functional_step_with_ddp_and_consensus(replicated, name):
+    """Compiled: Dynamo traces the consensus' all_reduce into the fullgraph step (gloo)."""
+    r0, r1 = (r[name] for r in replicated)
+    assert r0["finite"] == r1["finite"] == [True, True, True, False, True, True]
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_dead_rank_fails_the_others_within_the_timeout(replicated):
+    report = replicated[0]["die"]
+    assert report["message"] != "no error"
+    assert report["seconds"] < 30
