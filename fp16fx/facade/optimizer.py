@@ -17,13 +17,14 @@ from typing import Any, Literal
 import torch
 
 from fp16fx.facade import checkpoint
+from fp16fx.facade.closure import step_with_closure
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import check_trainable, param_names, replace_params
 from fp16fx.facade.policy import Scaler, policy_from_args
-from fp16fx.facade.reporting import OverflowReporter
-from fp16fx.scaling import DynamicLossScale, StaticLossScale
+from fp16fx.facade.reporting import OverflowReporter, describe
+from fp16fx.scaling import DynamicLossScale
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -232,24 +233,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
 
     def __repr__(self) -> str:
-        low = sum(p.numel() for ps in self._trainable for p in ps if p.dtype != torch.float32)
-        full = sum(p.numel() for ps in self._trainable for p in ps if p.dtype == torch.float32)
-        policy = self._scaler.policy
-        if isinstance(policy, StaticLossScale):
-            scaling = f"static loss scale {policy.scale:g}"
-        else:
-            scaling = (
-                f"dynamic loss scale {self.loss_scale:g} (x{policy.growth_factor:g} after "
-                f"{policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
-                f"{policy.hysteresis} overflow(s), in [{policy.min_scale:g}, {policy.max_scale:g}])"
-            )
-        how = "compiled" if getattr(self._engine, "compiled", False) else "eager"
-        where = f"fast path ({how})" if self.path == "fast" else "generic path"
-        return (
-            f"FP16_Optimizer({type(self.optimizer).__name__}, {where}, "
-            f"{len(self.param_groups)} param group(s), {low:,} FP16/BF16 values with FP32 "
-            f"masters, {full:,} FP32 values, {scaling})"
-        )
+        return describe(self)
 
     # -- apex's API ----------------------------------------------------------------------
 
@@ -292,7 +276,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         taken as grads of the scaled loss.
         """
         if closure is not None:
-            return self._step_with_closure(closure)
+            return step_with_closure(self, closure)
         self._check_frozen()
         self._overflow_loaded = None
         if isinstance(self._engine, FastEngine):
@@ -317,55 +301,6 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._processed = self._fresh_grads = False
         self._reporter.stepped(self._scaler.stats, self._scaler.state.scale)
         return result
-
-    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        if isinstance(self._engine, FastEngine):
-            while True:
-                with torch.enable_grad():
-                    loss = closure()
-                try:
-                    info = self._engine.step()
-                except Unsupported as err:
-                    self._handover(err)
-                    break
-                self._stepped(None)
-                finite, floored = torch.stack([info["finite"], info["loss_scale_floored"]])
-                if bool(finite):
-                    return loss
-                self._closure_overflowed(bool(floored))
-        engine = self._engine
-        assert isinstance(engine, GenericEngine)
-
-        def wrapped_closure() -> Any:
-            if self.first_closure_call_this_step:
-                self.first_closure_call_this_step = False
-            else:  # the wrapped optimizer may have moved the masters since the last call
-                engine.masters_to_model()
-            while True:
-                self._processed = False
-                loss = closure()
-                if not self._processed:
-                    engine.update_master_grads()
-                if engine.finite():
-                    return loss
-                self._closure_overflowed(engine.floored())
-
-        result = self.optimizer.step(wrapped_closure)
-        self.first_closure_call_this_step = True
-        engine.masters_to_model()
-        return self._stepped(result)
-
-    def _closure_overflowed(self, floored: bool) -> None:
-        if isinstance(self._scaler.policy, StaticLossScale) or floored:
-            where = "static" if not floored else "minimum"
-            raise FloatingPointError(
-                f"the closure's gradients are not finite at the {where} loss scale "
-                f"{self.loss_scale:g}: re-running it cannot help. The model produces inf/NaN; "
-                "lower the learning rate or the static loss scale, or use a dynamic one"
-            )
-        logger.debug(
-            "fp16fx: overflow within closure; re-running it at loss scale %g", self.loss_scale
-        )
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
         """Returns the total norm of the unscaled grads (-1 on overflow); clips to ``max_norm``.

@@ -16,8 +16,14 @@ and turns what happened since into at most two log lines on the ``fp16fx`` logge
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+from fp16fx.scaling import StaticLossScale
+
+if TYPE_CHECKING:
+    from fp16fx.facade.optimizer import FP16_Optimizer
 
 logger = logging.getLogger("fp16fx")
 
@@ -64,3 +70,26 @@ class OverflowReporter:
                 "loss scale now %g",
                 skipped, steps, now,
             )  # fmt: skip
+
+
+def describe(opt: FP16_Optimizer) -> str:
+    """Returns ``repr(opt)``: wrapped optimizer, path, groups, values trained, scaling (syncs)."""
+    params = [p for ps in opt._trainable for p in ps]
+    low = sum(p.numel() for p in params if p.dtype != torch.float32)
+    full = sum(p.numel() for p in params if p.dtype == torch.float32)
+    policy = opt._scaler.policy
+    if isinstance(policy, StaticLossScale):
+        scaling = f"static loss scale {policy.scale:g}"
+    else:
+        scaling = (
+            f"dynamic loss scale {opt.loss_scale:g} (x{policy.growth_factor:g} after "
+            f"{policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
+            f"{policy.hysteresis} overflow(s), in [{policy.min_scale:g}, {policy.max_scale:g}])"
+        )
+    how = "compiled" if getattr(opt._engine, "compiled", False) else "eager"
+    where = f"fast path ({how})" if opt.path == "fast" else "generic path"
+    return (
+        f"FP16_Optimizer({type(opt.optimizer).__name__}, {where}, "
+        f"{len(opt.param_groups)} param group(s), {low:,} FP16/BF16 values with FP32 "
+        f"masters, {full:,} FP32 values, {scaling})"
+    )
