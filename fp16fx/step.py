@@ -405,21 +405,13 @@ def run_step(
     lets ``core`` write them into ``state``'s tensors and returns ``state``).
 
     A bucketed state runs ``core`` on its flat buffers. Its grads are used in place when they
-    are views laid out like the bucket (as :func:`fp16fx.bind_grads` makes them); other grads
-    are first copied into a flat buffer, one extra pass over them. A ``None`` grad in a
-    bucketed state runs the step leaf by leaf on views (correct, slower; the result of a
-    pure step is then no longer bucketed).
+    are views laid out like the bucket (as :func:`grad_buffers` makes them); other grads are
+    first copied into a flat buffer, one extra pass over them.
     """
     grad_leaves = tree.check_grads(state.params, grads)
     layout = state.layout
-    if layout is not None and any(
-        grad_leaves[i] is None for bucket in layout.buckets for i in bucket.indices
-    ):
-        per_leaf = state.replace(
-            params=state.params, master=state.master, opt_state=state.opt_state, layout=None
-        )
-        new_state, info = run_step(core, per_leaf, grads, inplace=inplace)
-        return (state if inplace else new_state), info
+    if layout is not None:
+        _check_whole_buckets(layout, grad_leaves, tree.leaf_names(grads, root="grads"))
     if layout is None:
         params, treedef = tree.flatten(state.params)
         masters = treedef.flatten_up_to(state.master)
@@ -466,6 +458,24 @@ def run_step(
         count=count,
     )
     return new_state, info
+
+
+def _check_whole_buckets(
+    layout: Layout, grads: list[torch.Tensor | None], names: list[str]
+) -> None:
+    """Raises ValueError if a trained leaf of a bucketed state has no gradient.
+
+    A bucket keeps one step count for all its leaves, so it can only step as a whole: letting
+    one leaf sit out would still advance that leaf's count (torch.optim would not).
+    """
+    for bucket in layout.buckets:
+        for i in bucket.indices:
+            if grads[i] is None:
+                raise ValueError(
+                    f"{names[i]} is None, but a bucketed state (init(..., buckets=True)) steps "
+                    "whole buckets; pass a zero gradient, or use buckets=False for leaves that "
+                    "sometimes have no gradient"
+                )
 
 
 def _flat_grads(
