@@ -78,3 +78,15 @@ def test_resnet18_cifar10_example_has_the_three_fixes() -> None:
     assert "resnet18(weights=None, num_classes=10)" in code and "pretrained" not in code
     assert "optimizer.step()" in code and ".update()" not in code
     assert "download=True" not in code
+
+
+def test_functional_docs_example_runs_and_learns() -> None:
+    text = (EXAMPLES.parent / "docs" / "functional.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]  # "A complete example"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"accuracy (\d+\.\d)%, state: MixedPrecisionState", result.stdout)
+    assert match and float(match.group(1)) >= 95
+    assert "count=200" in result.stdout  # no step was skipped

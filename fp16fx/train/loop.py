@@ -171,14 +171,16 @@ def fit(
     history: History | None = None,
     progress: bool = False,
     on_epoch_end: Callable[[int, History], None] | None = None,
+    name: str = "",
 ) -> History:
     """Returns the history after training ``stepper`` up to ``epochs`` epochs in total.
 
     Training starts after the epochs already in ``history`` (a resumed run), sets the learning
     rate of every step from ``schedule``, evaluates on ``test`` after each epoch and then calls
     ``on_epoch_end(epochs_done, history)`` (where checkpoints are written). ``progress`` shows
-    a tqdm bar per epoch on stderr.
+    a tqdm bar per epoch on stderr; ``name`` (e.g. ``"FP32"``) prefixes bars and log lines.
     """
+    prefix = f"{name} " if name else ""
     history = history if history is not None else History()
     steps_per_epoch = len(train)
     total_steps = epochs * steps_per_epoch
@@ -186,7 +188,7 @@ def fit(
     for epoch in range(len(history.epochs), epochs):
         start = time.perf_counter()
         outputs: list[StepOutput] = []
-        bar = _progress_bar(steps_per_epoch, f"epoch {epoch + 1}/{epochs}", progress)
+        bar = _progress_bar(steps_per_epoch, f"{prefix}epoch {epoch + 1}/{epochs}", progress)
         with bar:
             for i, (images, labels) in enumerate(train):
                 global_step = epoch * steps_per_epoch + i
@@ -215,15 +217,19 @@ def fit(
             seconds=time.perf_counter() - start,
         )
         history.epochs.append(record)
+        scaling = (
+            ""
+            if math.isnan(record.loss_scale)
+            else f", loss scale {record.loss_scale:g}, {record.skipped} skipped steps"
+        )
         logger.info(
-            "epoch %d/%d: loss %.4f, test accuracy %.2f%%, loss scale %g, "
-            "%d skipped steps, %.0f images/s",
+            "%sepoch %d/%d: loss %.4f, test accuracy %.2f%%%s, %.0f images/s",
+            prefix,
             record.epoch,
             epochs,
             record.loss,
             100 * record.test_accuracy,
-            record.loss_scale,
-            record.skipped,
+            scaling,
             record.images / max(record.train_seconds, 1e-9),
         )
         if on_epoch_end is not None:

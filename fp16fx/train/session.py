@@ -175,6 +175,7 @@ def _run(
     resume_from: dict[str, Any] | None = None,
     save_to: str | None = None,
     announce: tuple[str, ...] = (),
+    name: str = "",
 ) -> History:
     """Returns the history of training ``stepper``, resumed from and saved to checkpoints.
 
@@ -218,6 +219,7 @@ def _run(
         history=history,
         progress=config.progress,
         on_epoch_end=save,
+        name=name,
     )
 
 
@@ -245,7 +247,8 @@ def train(config: TrainConfig) -> TrainResult:
     title = (
         f"fp16fx train: {config.model} on {config.dataset} "
         f"({len(data.train):,} train / {len(data.test):,} test images), {device.type}, "
-        f"{epochs} epochs of {len(data.train) // batch_size} steps x {batch_size}, "
+        f"{epochs} epoch{'' if epochs == 1 else 's'} of {len(data.train) // batch_size} steps "
+        f"x {batch_size}, "
         f"lr {lr:g} ({config.lr_schedule}), seed {config.seed}"
     )
     history = _run(
@@ -256,12 +259,15 @@ def train(config: TrainConfig) -> TrainResult:
         resume_from=ckpt,
         save_to=config.save,
         announce=(title, f"FP16: {stepper.label}"),
+        name="FP16" if config.compare_fp32 else "",
     )
     runs = [RunSummary("FP16", stepper.label, history)]
     if config.compare_fp32:
         torch.manual_seed(config.seed)  # the same initial weights as the FP16 run
         model = build_model(config.model, data.in_channels, data.num_classes).to(device)
         baseline = TorchStepper(model, lr=lr)
-        history = _run(baseline, data, config, device, announce=(f"FP32: {baseline.label}",))
+        history = _run(
+            baseline, data, config, device, announce=(f"FP32: {baseline.label}",), name="FP32"
+        )
         runs.append(RunSummary("FP32", baseline.label, history))
     return TrainResult(title, runs)

@@ -71,6 +71,9 @@ class StepOutput:
     loss_scale: torch.Tensor
 
 
+_FP16_MODEL = "FP16 model, BatchNorm FP32"
+
+
 def _describe_scale(loss_scale: LossScale) -> str:
     if loss_scale == "dynamic":
         return "dynamic loss scale"
@@ -141,7 +144,9 @@ class FacadeStepper(Stepper):
             scaling = {"static_loss_scale": float(loss_scale)}
         self.optimizer = fp16fx.FP16_Optimizer(adam, **scaling, verbose=False, compiled=compile)
         how = "compiled" if compile else "eager"
-        self.label = f"FP16, FP16_Optimizer(Adam) {how}, {_describe_scale(loss_scale)}"
+        self.label = (
+            f"fp16fx.FP16_Optimizer(Adam), {how}, {_describe_scale(loss_scale)}; {_FP16_MODEL}"
+        )
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         self.optimizer.zero_grad()
@@ -203,7 +208,10 @@ class FunctionalStepper(Stepper):
         self._step = fp16fx.compile_step(inplace=True) if compile else fp16fx.step
         self._grad = grad(self._scaled_loss, has_aux=True)
         how = "compile_step(inplace=True)" if compile else "step"
-        self.label = f"FP16, functional fp16fx.{how} (Adam), {_describe_scale(loss_scale)}"
+        self.label = (
+            f"fp16fx.{how} over fp16fx.adam, torch.func.grad of functional_call, "
+            f"{_describe_scale(loss_scale)}; {_FP16_MODEL}"
+        )
 
     def _scaled_loss(
         self,
@@ -289,7 +297,7 @@ def _check_like(name: str, src: Any, dst: torch.Tensor) -> None:
 class TorchStepper(Stepper):
     """Plain FP32 ``torch.optim.Adam``: the ``--compare-fp32`` baseline."""
 
-    label = "FP32, torch.optim.Adam"
+    label = "torch.optim.Adam; FP32 model"
 
     def __init__(self, model: nn.Module, lr: float) -> None:
         self.model = model
