@@ -5,11 +5,34 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
     import fp16fx.distributed as fdist
     state = fdist.init(params, fp16fx.adam(1e-3))               # replicated, with consensus
     state = fdist.init(params, fp16fx.adam(1e-3), shard=True)   # 1/d of masters and moments
+    grads = fdist.grad_buffers(state)                           # make them the params' .grad
+    state, info = fdist.sharded_step(state, grads)              # local grads in, in place
 
-See ``docs/distributed.md`` for torchrun commands, DDP interplay and memory.
+See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
 
 from fp16fx.distributed.api import init
+from fp16fx.distributed.checkpoint import consolidate, load_state_dict, load_unsharded, state_dict
 from fp16fx.distributed.consensus import Consensus, default_consensus
+from fp16fx.distributed.sharded import (
+    ShardedState,
+    grad_buffers,
+    init_sharded,
+    persistent_bytes,
+    sharded_step,
+)
 
-__all__ = ["Consensus", "default_consensus", "init"]
+__all__ = [
+    "Consensus",
+    "ShardedState",
+    "consolidate",
+    "default_consensus",
+    "grad_buffers",
+    "init",
+    "init_sharded",
+    "load_state_dict",
+    "load_unsharded",
+    "persistent_bytes",
+    "sharded_step",
+    "state_dict",
+]

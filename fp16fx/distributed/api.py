@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from fp16fx.distributed.consensus import default_consensus
+from fp16fx.distributed.sharded import init_sharded
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.step import init as _init_state
 from fp16fx.transforms import GradientTransformation
@@ -38,8 +39,8 @@ def init(
     """
     consensus = default_consensus(process_group)
     if shard:
-        from fp16fx.distributed.sharded import init_sharded
-
-        group = None if consensus is None else consensus.group
+        if consensus is None:
+            raise ValueError("shard=True needs torch.distributed initialized (or a process_group)")
+        group = consensus.group
         return init_sharded(params, optimizer, loss_scale, group=group)
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)

@@ -1,0 +1,235 @@
+"""Sharded (ZeRO-1 style) state: each of d ranks keeps 1/d of the FP32 masters and moments.
+
+Layer: ``distributed`` (DESIGN.md). No optimizer math and no loss-scale math here: the shard is
+an ordinary :class:`~fp16fx.step.MixedPrecisionState` over slices of flat buffers, stepped by
+the one core, :func:`fp16fx.step.apply_updates_`. One step, on every rank::
+
+    flat grad (FP16, padded to d * s)  /= d                  # as DDP pre-divides its buckets
+    shard grad (s values)  = reduce_scatter(flat grad)        # the averaged grads of my slice
+    shard step             = apply_updates_ on my slice       # finite + norm agreed by all ranks
+    flat param (FP16)      = all_gather(my slice)             # every rank gets the new params
+
+A bucket of n values is padded with zeros to d * ceil(n / d); the padding's params, grads,
+masters and moments stay 0 (an Adam or SGD update of a zero grad on a zero param is 0), so an
+uneven last shard needs no special case. The consensus is :class:`Consensus` with
+``sharded=True``: the global gradient norm is the root of the ranks' summed squares.
+
+Persistent bytes per param and rank, Adam: FP16 param 2 + FP16 grad 2 + (master 4 + m 4 +
+v 4) / d = 4 + 12/d.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fp16fx import buckets, tree
+from fp16fx.buckets import Layout
+from fp16fx.distributed.consensus import Consensus
+from fp16fx.scaling import LossScalePolicy
+from fp16fx.step import Info, MixedPrecisionState, apply_updates_, run_step
+from fp16fx.step import init as init_state
+from fp16fx.transforms import GradientTransformation
+
+#: An in-place step over a state and its grads, e.g. ``fp16fx.compile_step(inplace=True)``.
+InplaceStep = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
+
+
+class ShardedState:
+    """This rank's training state: full low-precision params, 1/d of the rest (stateful).
+
+    Attributes:
+      params: the params as given to :func:`fp16fx.distributed.init`, now views into
+        ``flat_params`` (so a model built on them trains in place).
+      flat_params: per bucket, the padded flat params (every rank holds all of them).
+      shard: the :class:`~fp16fx.step.MixedPrecisionState` of this rank's slice of each
+        bucket: its params are views into ``flat_params``, its FP32 masters and optimizer
+        moments exist only for the slice. Hyperparameters and the loss scale live here
+        (``fp16fx.set_hyperparams(state.shard, lr=..., inplace=True)``).
+      layout: the buckets' :class:`~fp16fx.buckets.Layout` (unpadded offsets).
+      shard_numel: per bucket, the length s of every rank's slice (d * s >= the bucket).
+      group, world_size, rank: the process group and this rank's place in it.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        flat_params: list[torch.Tensor],
+        shard: MixedPrecisionState,
+        layout: Layout,
+        shard_numel: tuple[int, ...],
+        group: Any,
+    ) -> None:
+        self.params = params
+        self.flat_params = flat_params
+        self.shard = shard
+        self.layout = layout
+        self.shard_numel = shard_numel
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.flat_grads: list[torch.Tensor] | None = None
+
+    def slice(self, b: int) -> slice:
+        """Returns this rank's range in bucket ``b``'s padded flat buffers."""
+        s = self.shard_numel[b]
+        return slice(self.rank * s, (self.rank + 1) * s)
+
+    def __repr__(self) -> str:
+        n = sum(b.numel for b in self.layout.buckets)
+        mine = sum(self.shard_numel)
+        return (
+            f"ShardedState({n:,} trained values, {mine:,} of them mastered here, "
+            f"rank {self.rank} of {self.world_size}, count={self.shard.count.tolist()})"
+        )
+
+
+def _reindexed(
+    optimizer: GradientTransformation, indices: tuple[int, ...]
+) -> GradientTransformation:
+    """Returns ``optimizer`` seen through a list whose item ``k`` stands for leaf ``indices[k]``.
+
+    The shard state is a list with one tensor per bucket; ``multi_transform`` picks a leaf's
+    transform by its index in the original tree, so the indices are translated back.
+    """
+    if optimizer.partition is None:
+        return optimizer
+
+    def init_leaf(param: torch.Tensor, k: int) -> Any:
+        return optimizer.init_leaf(param, indices[k])
+
+    def update(updates, leaf_states, params, hp, grad_norm, ks):
+        return optimizer.update(
+            updates, leaf_states, params, hp, grad_norm, [indices[k] for k in ks]
+        )
+
+    partition = tuple(optimizer.partition[i] for i in indices)
+    return GradientTransformation(optimizer.init_hyperparams, init_leaf, update, partition)
+
+
+def init_sharded(
+    params: Any,
+    optimizer: GradientTransformation,
+    loss_scale: LossScalePolicy | None = None,
+    *,
+    group: Any = None,
+) -> ShardedState:
+    """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
+
+    The params are moved into one padded flat buffer per dtype (and optimizer label) and each
+    given tensor is re-pointed at its view. Every rank must pass equal params (e.g. from the
+    same seed, or broadcast from rank 0 first).
+    """
+    leaves, treedef = tree.check_params(params)
+    layout = buckets.plan(leaves, treedef, keys=optimizer.partition)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat_params, slices, shard_numel = [], [], []
+    with torch.no_grad():
+        for bucket in layout.buckets:
+            first = leaves[bucket.indices[0]]
+            s = math.ceil(bucket.numel / world)
+            flat = torch.zeros(s * world, dtype=first.dtype, device=first.device)
+            for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
+                view.copy_(leaves[i])
+                leaves[i].data = view
+            flat_params.append(flat)
+            slices.append(flat[rank * s : (rank + 1) * s])
+            shard_numel.append(s)
+    shard = init_state(
+        slices,
+        _reindexed(optimizer, layout.first_indices),
+        loss_scale,
+        consensus=Consensus(group=group, sharded=True),
+    )
+    params = tree.unflatten(treedef, leaves)
+    return ShardedState(params, flat_params, shard, layout, tuple(shard_numel), group)
+
+
+def grad_buffers(state: ShardedState) -> Any:
+    """Returns zeroed grads structured like ``state.params``: views into padded flat buffers.
+
+    Make them the model params' ``.grad`` (autograd accumulates into them); a step then reads
+    them without a copy. :func:`sharded_step` divides them by d in place (they are spent).
+    """
+    leaves, treedef = tree.flatten(state.params)
+    grads: list[torch.Tensor | None] = [None] * len(leaves)
+    state.flat_grads = [torch.zeros_like(flat) for flat in state.flat_params]
+    for bucket, flat in zip(state.layout.buckets, state.flat_grads):
+        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
+            grads[i] = view
+    return tree.unflatten(treedef, grads)
+
+
+def _padded_flat_grad(
+    state: ShardedState, b: int, grads: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """Returns bucket ``b``'s grads as one padded flat tensor: the grad buffer itself when the
+    grads are its views, else a new one (one copy)."""
+    bucket, flat_params = state.layout.buckets[b], state.flat_params[b]
+    view = buckets.flat_view(bucket, grads)
+    if view is not None and state.flat_grads is not None:
+        own = state.flat_grads[b]
+        if view.data_ptr() == own.data_ptr():
+            return own
+    flat = torch.zeros_like(flat_params)
+    for i, v in zip(bucket.indices, buckets.views(bucket, flat)):
+        grad = grads[i]
+        if grad is None:
+            raise ValueError(
+                f"sharded_step needs a gradient for every param; leaf {i} has none (give it "
+                "zeros: a sharded state keeps one step count per bucket slice)"
+            )
+        v.copy_(grad)
+    return flat
+
+
+def _default_step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:
+    return run_step(apply_updates_, state, grads, inplace=True)
+
+
+def sharded_step(
+    state: ShardedState, grads: Any, *, step: InplaceStep = _default_step
+) -> tuple[ShardedState, Info]:
+    """Returns ``(state, info)`` after one step on every rank, written into ``state`` in place.
+
+    ``grads`` are this rank's *local* gradients of the scaled loss (not averaged: do not wrap
+    the model in DDP), structured like ``state.params``; the grads of
+    :func:`grad_buffers` are used without a copy (and divided by d in place). Collectives:
+    one reduce-scatter of the grads, the consensus all-reduce, one all-gather of the params.
+    ``step`` runs the shard's in-place step: eager by default, or
+    ``fp16fx.compile_step(inplace=True)``. ``info`` is the shard step's (its ``finite`` and
+    ``grad_norm`` are global).
+    """
+    grad_leaves = tree.check_grads(state.params, grads)
+    world = state.world_size
+    shard_grads = []
+    with torch.no_grad():
+        for b in range(len(state.layout.buckets)):
+            flat = _padded_flat_grad(state, b, grad_leaves)
+            flat.div_(world)  # as DDP: exact for a power-of-two d, and no FP16 overflow in the sum
+            shard = torch.empty(state.shard_numel[b], dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(shard, flat, group=state.group)
+            shard_grads.append(shard)
+    _, info = step(state.shard, shard_grads)
+    with torch.no_grad():
+        for b, flat in enumerate(state.flat_params):
+            mine = flat[state.slice(b)].clone()  # the collective's input must not alias its output
+            dist.all_gather_into_tensor(flat, mine, group=state.group)
+    return state, info
+
+
+def persistent_bytes(state: ShardedState | MixedPrecisionState, grads: Any = None) -> int:
+    """Returns the bytes of every distinct tensor storage the state (and ``grads``) hold."""
+    if isinstance(state, ShardedState):
+        found = [*state.flat_params, *optree.tree_leaves(state.shard.children())]
+        found += state.flat_grads or []
+    else:
+        found = optree.tree_leaves(state.children())
+    found += [g for g in optree.tree_leaves(grads) if g is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    return sum(storages.values())
