@@ -90,6 +90,21 @@ def checkpoint_run(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {k: v.clone() for k, v in state.params.items()}
 
 
+def compiled_vs_eager(rank: int, world: int) -> dict[str, Any]:
+    """The shard's step compiled (the consensus all-reduce traced into it) vs eager."""
+    runs = {}
+    for how, step in (("eager", eager), ("compiled", fp16fx.compile_step(inplace=True))):
+        state = fdist.init(make_params(), OPTIMIZERS["adam"](), shard=True)
+        for i in range(4):
+            grads = local_grads(i, rank, state.shard.loss_scale.scale)
+            if i == 2 and rank == 0:
+                grads["a"][0, 0] = float("nan")
+            fdist.sharded_step(state, grads, step=step)
+        runs[how] = {k: v.clone() for k, v in state.params.items()}
+        runs[how + "_count"] = int(state.shard.count)
+    return runs
+
+
 def memory(rank: int, world: int) -> dict[str, int]:
     """Persistent bytes of a sharded Adam state with its grad buffers, on this rank."""
     params = {"w": torch.zeros(1 << 20, dtype=torch.float16)}
@@ -102,6 +117,8 @@ def worker(rank: int, world: int, out: str) -> None:
     out = Path(out)
     found: dict[str, Any] = {name: sharded_vs_replicated(rank, world, name) for name in OPTIMIZERS}
     found["checkpoint"] = checkpoint_run(rank, world, out)
+    if world == 2:
+        found["compiled"] = compiled_vs_eager(rank, world)
     found["memory"] = memory(rank, world)
     torch.save(found, out / f"rank{rank}.pt")
 
@@ -131,6 +148,14 @@ def test_sharded_equals_replicated(runs, world, name):
             torch.testing.assert_close(got["sharded"][k], got["replicated"][k], **tol)
         for k in SHAPES:  # every rank holds the same params
             assert torch.equal(got["sharded"][k], runs[world][0][name]["sharded"][k])
+
+
+def test_compiled_shard_step_matches_eager(runs):
+    for r in runs[2]:
+        got = r["compiled"]
+        assert got["eager_count"] == got["compiled_count"] == 3  # the NaN step was skipped
+        for k in SHAPES:
+            torch.testing.assert_close(got["compiled"][k], got["eager"][k], rtol=1e-3, atol=1e-4)
 
 
 def uninterrupted() -> dict[str, torch.Tensor]:
