@@ -40,7 +40,10 @@ def init(
     consensus = default_consensus(process_group)
     if shard:
         if consensus is None:
-            raise ValueError("shard=True needs torch.distributed initialized (or a process_group)")
+            raise ValueError(
+                "shard=True needs torch.distributed initialized with more than one process "
+                "(or a process_group): there is nothing to shard across"
+            )
         group = consensus.group
         return init_sharded(params, optimizer, loss_scale, group=group)
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)

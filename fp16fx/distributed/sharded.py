@@ -36,6 +36,10 @@ from fp16fx.step import Info, MixedPrecisionState, apply_updates_, run_step
 from fp16fx.step import init as init_state
 from fp16fx.transforms import GradientTransformation
 
+# torch >= 2.14 renamed the flat collectives (the old names warn); torch 2.6 has only the old.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: An in-place step over a state and its grads, e.g. ``fp16fx.compile_step(inplace=True)``.
 InplaceStep = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
 
@@ -213,13 +217,13 @@ def sharded_step(
             flat = _padded_flat_grad(state, b, grad_leaves)
             flat.div_(world)  # as DDP: exact for a power-of-two d, and no FP16 overflow in the sum
             shard = torch.empty(state.shard_numel[b], dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(shard, flat, group=state.group)
+            _reduce_scatter(shard, flat, group=state.group)
             shard_grads.append(shard)
     _, info = step(state.shard, shard_grads)
     with torch.no_grad():
         for b, flat in enumerate(state.flat_params):
             mine = flat[state.slice(b)].clone()  # the collective's input must not alias its output
-            dist.all_gather_into_tensor(flat, mine, group=state.group)
+            _all_gather(flat, mine, group=state.group)
     return state, info
 
 
