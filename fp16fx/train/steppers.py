@@ -14,8 +14,9 @@ rate, and a checkpointable state dict. Three implementations:
 
 None of them holds optimizer or loss-scale logic: that is fp16fx's job.
 
-Every step returns 0-d tensors on the model's device (no host sync); the loop decides when to
-look at them.
+Every step reports 0-d tensors on the model's device; the loop decides when to look at them.
+The functional stepper never syncs with the device; the facade stepper reads the public
+``optimizer.overflow`` and ``optimizer.loss_scale``, each a host sync, after every step.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class Stepper(abc.ABC):
     Attributes:
       model: the ``nn.Module`` (for the functional API: the structure only, called through
         ``functional_call`` with the state's params).
-      label: a short description for reports, e.g. ``"FP16, FP16_Optimizer (facade)"``.
+      label: a short description for reports, e.g.
+        ``"fp16fx.FP16_Optimizer(Adam), eager, dynamic loss scale; FP16 model, BatchNorm FP32"``.
     """
 
     model: nn.Module
