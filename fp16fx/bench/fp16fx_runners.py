@@ -1,7 +1,8 @@
 """fp16fx's own contenders for ``fp16fx bench``, written against fp16fx's public API.
 
-* ``fp16fx-compiled`` — ``fp16fx.compile_step(inplace=True)`` over the state of
-  ``fp16fx.init(params, fp16fx.adam(lr), fp16fx.StaticLossScale(scale))``.
+* ``fp16fx-compiled`` — ``fp16fx.compile_step(inplace=True)`` over the bucketed state of
+  ``fp16fx.init(params, fp16fx.adam(lr), fp16fx.StaticLossScale(scale), buckets=True)``, grads
+  in ``fp16fx.grad_buffers(state)``; ``fp16fx-compiled-leaves`` is the same over separate leaves.
 * ``fp16fx-facade`` — ``fp16fx.FP16_Optimizer(torch.optim.Adam(params), static_loss_scale=…)``
   with grads in ``p.grad``; ``opt.step()`` takes the facade's fast (compiled) path.
 * ``fp16fx-eager`` — the pure, uncompiled ``fp16fx.step(state, grads)``.
@@ -24,7 +25,12 @@ from torch import Tensor
 
 from fp16fx.bench.runner import Runner, register_runner, tensors_in
 
-__all__ = ["Fp16fxCompiledRunner", "Fp16fxEagerRunner", "Fp16fxFacadeRunner"]
+__all__ = [
+    "Fp16fxCompiledLeavesRunner",
+    "Fp16fxCompiledRunner",
+    "Fp16fxEagerRunner",
+    "Fp16fxFacadeRunner",
+]
 
 
 def _fp16fx() -> Any:
@@ -54,26 +60,15 @@ class _FunctionalRunner(Runner):
         del device
         return _missing(cls.api)
 
-    def trees(self, params: list[Tensor], grads: list[Tensor]) -> tuple[Any, Any]:
-        """Return the ``(params, grads)`` pytrees handed to fp16fx: the hook for layouts.
-
-        Default: the plain lists of leaves. HOOK (flat buckets): when fp16fx offers params
-        and grads as views into contiguous per-dtype buffers — the layout its docs
-        recommend for speed — return those views' pytrees here (or register a subclass,
-        e.g. ``fp16fx-compiled-flat``, overriding this method). The harness times only
-        ``step``, so building buckets here costs nothing in the table.
-        """
-        return params, grads
-
     def make_transform(self) -> Any:
         """Return the fp16fx optimizer transform: ``fp16fx.adam(lr)`` (default betas/eps)."""
         return _fp16fx().adam(lr=self.config.lr)
 
     def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
         fp16fx = _fp16fx()
-        params_tree, self.grad_tree = self.trees(params, grads)
+        self.grad_tree = grads
         self.state = fp16fx.init(
-            params_tree, self.make_transform(), fp16fx.StaticLossScale(self.config.loss_scale)
+            params, self.make_transform(), fp16fx.StaticLossScale(self.config.loss_scale)
         )
         self.info: Any = None
         self._step = self.make_step()
@@ -94,12 +89,44 @@ class _FunctionalRunner(Runner):
 
 @register_runner
 class Fp16fxCompiledRunner(_FunctionalRunner):
-    """fp16fx's compiled functional step, in place: ``fp16fx.compile_step(inplace=True)``."""
+    """fp16fx's compiled functional step as its docs recommend for speed: a bucketed state
+    (``init(..., buckets=True)``), grads in ``grad_buffers(state)``, stepped in place."""
 
     name = "fp16fx-compiled"
-    label = "fp16fx compile_step(inplace)"
+    label = "fp16fx compile_step(inplace), buckets"
     order = 10
     compiled = True
+    api = (*_FunctionalRunner.api, "compile_step", "grad_buffers")
+
+    def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        fp16fx = _fp16fx()
+        self.state = fp16fx.init(
+            params,
+            self.make_transform(),
+            fp16fx.StaticLossScale(self.config.loss_scale),
+            buckets=True,
+        )
+        self.grad_tree = fp16fx.grad_buffers(self.state)
+        with torch.no_grad():
+            for view, grad in zip(self.grad_tree, grads, strict=True):
+                view.copy_(grad)
+        self.info = None
+        self._step = self.make_step()
+
+    def make_step(self) -> Callable[[Any, Any], tuple[Any, Any]]:
+        return _fp16fx().compile_step(inplace=True)
+
+
+@register_runner
+class Fp16fxCompiledLeavesRunner(_FunctionalRunner):
+    """The same compiled step over separate leaves (no buckets): one kernel per leaf and
+    a longer compile. Not in the default set (``--only fp16fx-compiled-leaves``)."""
+
+    name = "fp16fx-compiled-leaves"
+    label = "fp16fx compile_step(inplace), leaves"
+    order = 12
+    compiled = True
+    default = False
     api = (*_FunctionalRunner.api, "compile_step")
 
     def make_step(self) -> Callable[[Any, Any], tuple[Any, Any]]:

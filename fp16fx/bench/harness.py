@@ -144,13 +144,13 @@ class BenchOptions:
 
 
 def select_runners(only: Sequence[str] | None) -> list[type[Runner]]:
-    """Return the registered runners named in ``only`` (all of them if None), in table order.
+    """Return the registered runners named in ``only`` (the default ones if None), in order.
 
     ``"roofline"`` is accepted and ignored (the roofline row is always reported).
     """
     classes = runner_classes()
     if only is None:
-        return classes
+        return [cls for cls in classes if cls.default]
     known = {cls.name for cls in classes}
     unknown = sorted(set(only) - known - {ROOFLINE})
     if unknown:

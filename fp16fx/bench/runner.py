@@ -76,6 +76,7 @@ class Runner(abc.ABC):
             measures cold and warm compile time and counts recompiles).
         baseline: whether this is one of the reference baselines users would pick instead
             of fp16fx (as opposed to fp16fx's own runners).
+        default: whether a run without ``--only`` includes it.
     """
 
     name: ClassVar[str]
@@ -83,6 +84,7 @@ class Runner(abc.ABC):
     order: ClassVar[int] = 100
     compiled: ClassVar[bool] = False
     baseline: ClassVar[bool] = False
+    default: ClassVar[bool] = True
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
