@@ -177,6 +177,35 @@ def die(rank: int, world: int) -> dict[str, Any]:
     return {"message": message, "seconds": time.monotonic() - start}
 
 
+def hang(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 hangs (stays alive, never steps); rank 0's step fails after the gloo timeout.
+
+    Runs on its own process group, so the world group stays usable afterwards."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
+    model = DDP(make_model(torch.float16))
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        verbose=False,
+        compiled=False,
+        process_group=group,
+    )
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(HANG_TIMEOUT_S + 3)
+        return {}
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+HANG_TIMEOUT_S = 3
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "ddp_fp32": lambda r, w: train_facade(DDP(make_model(torch.float32)), r, w, torch.float32),
     "ddp_fp16": lambda r, w: train_facade(DDP(make_model(torch.float16)), r, w, torch.float16),
@@ -194,6 +223,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     ),
     "functional_eager": lambda r, w: functional(r, w, compiled=False),
     "functional_compiled": lambda r, w: functional(r, w, compiled=True),
+    "hang": hang,
     "die": die,  # last: it breaks the group
 }
 
@@ -266,7 +296,13 @@ def test_functional_step_with_ddp_and_consensus(replicated, name):
         assert torch.equal(a, b)
 
 
-def test_a_dead_rank_fails_the_others_within_the_timeout(replicated):
+def test_a_dead_rank_fails_the_others_at_once(replicated):
     report = replicated[0]["die"]
-    assert report["message"] != "no error"
+    assert "Connection reset by peer" in report["message"] or "closed" in report["message"]
     assert report["seconds"] < 30
+
+
+def test_a_hung_rank_fails_the_others_after_the_timeout(replicated):
+    report = replicated[0]["hang"]
+    assert "imed out" in report["message"] or "imeout" in report["message"], report["message"]
+    assert HANG_TIMEOUT_S - 0.5 < report["seconds"] < HANG_TIMEOUT_S + 20
