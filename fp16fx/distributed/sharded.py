@@ -126,8 +126,8 @@ def init_sharded(
     """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
 
     The params are moved into one padded flat buffer per dtype (and optimizer label) and each
-    given tensor is re-pointed at its view. Every rank must pass equal params (e.g. from the
-    same seed, or broadcast from rank 0 first).
+    given tensor is re-pointed at its view. The params are then broadcast from the group's
+    first rank (as DDP does), so every rank starts from the same values.
     """
     leaves, treedef = tree.check_params(params)
     layout = buckets.plan(leaves, treedef, keys=optimizer.partition)
@@ -141,6 +141,7 @@ def init_sharded(
             for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
                 view.copy_(leaves[i])
                 leaves[i].data = view
+            dist.broadcast(flat, src=_first_rank(group), group=group)
             flat_params.append(flat)
             slices.append(flat[rank * s : (rank + 1) * s])
             shard_numel.append(s)
@@ -152,6 +153,11 @@ def init_sharded(
     )
     params = tree.unflatten(treedef, leaves)
     return ShardedState(params, flat_params, shard, layout, tuple(shard_numel), group)
+
+
+def _first_rank(group: Any) -> int:
+    """Returns the global rank of ``group``'s rank 0 (the world's when None)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 def grad_buffers(state: ShardedState) -> Any:
