@@ -298,11 +298,13 @@ def test_functional_step_with_ddp_and_consensus(replicated, name):
 
 def test_a_dead_rank_fails_the_others_at_once(replicated):
     report = replicated[0]["die"]
+    assert "fp16fx: the found-inf consensus of a step failed on rank 0 of 2" in report["message"]
     assert "Connection reset by peer" in report["message"] or "closed" in report["message"]
     assert report["seconds"] < 30
 
 
 def test_a_hung_rank_fails_the_others_after_the_timeout(replicated):
     report = replicated[0]["hang"]
+    assert "found-inf consensus" in report["message"]
     assert "imed out" in report["message"] or "imeout" in report["message"], report["message"]
     assert HANG_TIMEOUT_S - 0.5 < report["seconds"] < HANG_TIMEOUT_S + 20

@@ -54,21 +54,31 @@ class Consensus:
             local = local * local
         both = torch.stack([(~finite).double(), local])
         op = dist.ReduceOp.SUM if self.sharded else dist.ReduceOp.MAX
-        dist.all_reduce(both, op=op, group=self.group)
+        _all_reduce(both, op, self.group, "the found-inf consensus of a step")
         agreed = both[0] == 0
         total = torch.sqrt(both[1]) if self.sharded else both[1]
         inf = torch.full_like(norm, float("inf"))
         return agreed, torch.where(agreed, total.to(norm.dtype), inf)
 
 
-def world_size(group: Any = None) -> int:
-    """Returns the number of processes in ``group`` (the world group when None)."""
-    return dist.get_world_size(group)
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, what: str) -> None:
+    """``dist.all_reduce``; eagerly, a failure is re-raised naming ``what`` and the rank."""
+    if torch.compiler.is_compiling():  # traced into the graph: no Python around it at run time
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as err:
+        raise collective_error(what, err) from err
 
 
-def rank(group: Any = None) -> int:
-    """Returns this process's rank within ``group`` (the world group when None)."""
-    return dist.get_rank(group)
+def collective_error(what: str, err: Exception) -> RuntimeError:
+    """Returns the error for a failed collective: which one, on which rank, and why likely."""
+    return RuntimeError(
+        f"fp16fx: {what} failed on rank {dist.get_rank()} of {dist.get_world_size()}: another "
+        "process died, or did not reach the same step within the process group's timeout "
+        f"(init_process_group(timeout=...)). Backend error: {err}"
+    )
 
 
 def default_consensus(process_group: Any = "auto") -> Consensus | None:

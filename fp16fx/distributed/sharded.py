@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fp16fx import buckets, tree
 from fp16fx.buckets import Layout
-from fp16fx.distributed.consensus import Consensus
+from fp16fx.distributed.consensus import Consensus, collective_error
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.step import Info, MixedPrecisionState, apply_updates_, run_step
 from fp16fx.step import init as init_state
@@ -223,13 +223,19 @@ def sharded_step(
             flat = _padded_flat_grad(state, b, grad_leaves)
             flat.div_(world)  # as DDP: exact for a power-of-two d, and no FP16 overflow in the sum
             shard = torch.empty(state.shard_numel[b], dtype=flat.dtype, device=flat.device)
-            _reduce_scatter(shard, flat, group=state.group)
+            try:
+                _reduce_scatter(shard, flat, group=state.group)
+            except RuntimeError as err:
+                raise collective_error("the gradients' reduce-scatter", err) from err
             shard_grads.append(shard)
     _, info = step(state.shard, shard_grads)
     with torch.no_grad():
         for b, flat in enumerate(state.flat_params):
             mine = flat[state.slice(b)].clone()  # the collective's input must not alias its output
-            _all_gather(flat, mine, group=state.group)
+            try:
+                _all_gather(flat, mine, group=state.group)
+            except RuntimeError as err:
+                raise collective_error("the params' all-gather", err) from err
     return state, info
 
 
