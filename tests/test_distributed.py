@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,6 +86,7 @@ def train_facade(
     fault: str | None = None,
     process_group: Any = "auto",
     compiled: bool = False,
+    path: str = "auto",
 ) -> dict[str, Any]:
     """Trains ``model`` (maybe DDP-wrapped) with FP16_Optimizer(Adam); returns what it saw.
 
@@ -98,6 +100,7 @@ def train_facade(
         verbose=False,
         compiled=compiled,
         process_group=process_group,
+        path=path,
     )
     scales, views = [], []
     for i in range(STEPS):
@@ -107,13 +110,18 @@ def train_facade(
         if fault == "before" and i == 5 and rank == 1:
             handle = params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
         loss = F.mse_loss(model(x).float(), y.float())
-        opt.backward(loss)
+        opt.backward(loss, update_master_grads=False)
         if handle is not None:
             handle.remove()
         if fault == "after" and i == 5 and rank == 1:
             params[0].grad[0, 0] = float("inf")
+        opt.update_master_grads()
         views.append(  # after backward: are the grads still the facade's flat views?
-            all(p.grad is v for b in opt._engine.buckets for p, v in zip(b.params, b.grad_views))
+            all(
+                p.grad is v
+                for b in getattr(opt._engine, "buckets", [])  # the generic path has none
+                for p, v in zip(b.params, b.grad_views)
+            )
         )
         opt.step()
         scales.append(opt.loss_scale)
@@ -218,6 +226,9 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "inf_after_ddp": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", compiled=True
     ),
+    "inf_after_ddp_generic": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", path="generic"
+    ),
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
@@ -270,9 +281,10 @@ def test_ddp_gradient_as_bucket_view_costs_a_copy_but_not_correctness(replicated
     assert not any(views["grads_are_views"])
 
 
-@pytest.mark.parametrize("name", ["inf_before_ddp", "inf_after_ddp"])
+@pytest.mark.parametrize("name", ["inf_before_ddp", "inf_after_ddp", "inf_after_ddp_generic"])
 def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
-    """inf_after_ddp runs the facade's compiled step: the consensus is traced into it."""
+    """inf_after_ddp runs the facade's compiled step (the consensus is traced into it);
+    inf_after_ddp_generic the generic path (torch's Adam on the masters)."""
     r0, r1 = (r[name] for r in replicated)
     assert r0["skipped"] == r1["skipped"] == 1
     assert torch.equal(r0["scales"], r1["scales"])
@@ -308,3 +320,26 @@ def test_a_hung_rank_fails_the_others_after_the_timeout(replicated):
     assert "found-inf consensus" in report["message"]
     assert "imed out" in report["message"] or "imeout" in report["message"], report["message"]
     assert HANG_TIMEOUT_S - 0.5 < report["seconds"] < HANG_TIMEOUT_S + 20
+
+
+def test_a_state_keeps_its_consensus_through_flatten_and_unflatten():
+    consensus = fdist.Consensus(sharded=True)
+    state = fp16fx.init({"w": torch.ones(3, dtype=torch.float16)}, fp16fx.sgd(0.1))
+    state = state.replace(consensus=consensus)
+    leaves, spec = optree.tree_flatten(state)
+    again = optree.tree_unflatten(spec, leaves)
+    assert again.consensus == consensus and hash(again.consensus) == hash(consensus)
+    assert state.replace(count=state.count).consensus is consensus
+
+
+def test_without_torch_distributed_there_is_no_consensus():
+    assert not dist.is_initialized()
+    assert fdist.default_consensus("auto") is None
+    assert fdist.default_consensus(None) is None
+    assert fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1)).consensus is None
+    with pytest.raises(ValueError, match="'auto', None or a group"):
+        fdist.default_consensus("world")
+    with pytest.raises(RuntimeError, match="not initialized"):
+        fdist.default_consensus(object())
+    with pytest.raises(ValueError, match="nothing to shard across"):
+        fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
