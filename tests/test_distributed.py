@@ -134,11 +134,14 @@ def train_facade(
     }
 
 
-def functional(rank: int, world: int, compiled: bool) -> dict[str, Any]:
+def functional(rank: int, world: int, compiled: bool, ddp: bool = True) -> dict[str, Any]:
     """DDP with the functional API: grads land (averaged) in the state's flat grad buffers;
-    at step 3 rank 0's grads get a NaN after DDP's all-reduce."""
-    ddp = DDP(make_model(torch.float16))
-    params = list(ddp.module.parameters())
+    at step 3 rank 0's grads get a NaN after DDP's all-reduce. ``ddp=False``: no DDP, the
+    grads are averaged by ``fdist.average_grads`` (one all-reduce per flat buffer)."""
+    model = make_model(torch.float16)
+    params = list(model.parameters())
+    if ddp:
+        model = DDP(model)
     state = fdist.init(params, fp16fx.adam(1e-2), buckets=True)
     assert state.consensus is not None
     grads = fp16fx.grad_buffers(state)
@@ -156,8 +159,10 @@ def functional(rank: int, world: int, compiled: bool) -> dict[str, Any]:
         x, y = batch(i, rank, world, torch.float16)
         for g in grads:
             g.zero_()
-        loss = F.mse_loss(ddp(x).float(), y.float())
+        loss = F.mse_loss(model(x).float(), y.float())
         fp16fx.scale_loss(state, loss).backward()
+        if not ddp:
+            fdist.average_grads(grads)
         if i == 3 and rank == 0:
             grads[1][0] = float("nan")
         state, info = step(state, grads)
@@ -234,6 +239,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     ),
     "functional_eager": lambda r, w: functional(r, w, compiled=False),
     "functional_compiled": lambda r, w: functional(r, w, compiled=True),
+    "functional_average_grads": lambda r, w: functional(r, w, compiled=False, ddp=False),
     "hang": hang,
     "die": die,  # last: it breaks the group
 }
@@ -308,6 +314,15 @@ def test_functional_step_with_ddp_and_consensus(replicated, name):
         assert torch.equal(a, b)
 
 
+def test_average_grads_without_ddp_equals_ddp(replicated):
+    """One all-reduce of fp16fx's flat grad buffer does what DDP does, without its buckets."""
+    for r in replicated:
+        ddp, own = r["functional_eager"], r["functional_average_grads"]
+        assert own["finite"] == ddp["finite"]
+        for a, b in zip(own["params"], ddp["params"]):
+            assert torch.equal(a, b)
+
+
 def test_a_dead_rank_fails_the_others_at_once(replicated):
     report = replicated[0]["die"]
     assert "fp16fx: the found-inf consensus of a step failed on rank 0 of 2" in report["message"]
@@ -343,3 +358,14 @@ def test_without_torch_distributed_there_is_no_consensus():
         fdist.default_consensus(object())
     with pytest.raises(ValueError, match="nothing to shard across"):
         fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
+
+
+def test_average_grads_sees_a_flat_buffer_as_one_tensor():
+    from fp16fx.distributed.api import _whole_storage
+
+    params = {"a": torch.ones(3, 2, dtype=torch.float16), "b": torch.ones(5, dtype=torch.float16)}
+    grads = fp16fx.grad_buffers(fp16fx.init(params, fp16fx.sgd(0.1), buckets=True))
+    whole = _whole_storage(list(grads.values()))
+    assert whole is not None and whole.shape == (11,)
+    assert _whole_storage([grads["a"]]) is None  # part of a buffer: reduced on its own
+    assert _whole_storage([torch.ones(2), torch.ones(2)]) is None

@@ -11,7 +11,7 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
 See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
 
-from fp16fx.distributed.api import init
+from fp16fx.distributed.api import average_grads, init
 from fp16fx.distributed.checkpoint import consolidate, load_state_dict, load_unsharded, state_dict
 from fp16fx.distributed.consensus import Consensus, default_consensus
 from fp16fx.distributed.sharded import (
@@ -25,6 +25,7 @@ from fp16fx.distributed.sharded import (
 __all__ = [
     "Consensus",
     "ShardedState",
+    "average_grads",
     "consolidate",
     "default_consensus",
     "grad_buffers",

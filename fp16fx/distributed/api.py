@@ -1,11 +1,17 @@
-"""``fp16fx.distributed.init``: the functional state, replicated (with consensus) or sharded.
+"""``init``: the functional state, replicated (with consensus) or sharded; ``average_grads``:
+data parallelism without DDP, one all-reduce per flat grad buffer.
 
 Layer: ``distributed`` (DESIGN.md).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
 
 from fp16fx.distributed.consensus import default_consensus
 from fp16fx.distributed.sharded import init_sharded
@@ -29,7 +35,7 @@ def init(
       params, optimizer, loss_scale, buckets: as for :func:`fp16fx.init`.
       process_group: ``"auto"`` (the world group when torch.distributed is initialized with
         more than one process), ``None`` (no consensus: a single-process state), or a group.
-      shard: keep only this rank's 1/d of the FP32 masters and optimizer moments
+      shard: keep only this rank's 1/d (always bucketed) of the FP32 masters and optimizer moments
         (:class:`fp16fx.distributed.ShardedState`; step it with
         :func:`fp16fx.distributed.sharded_step`). Needs a process group.
 
@@ -47,3 +53,37 @@ def init(
         group = consensus.group
         return init_sharded(params, optimizer, loss_scale, group=group)
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)
+
+
+def average_grads(grads: Any, group: Any = None) -> None:
+    """Replaces ``grads`` (any pytree of tensors) by their mean over the processes of ``group``.
+
+    What DDP does after backward, without DDP's own gradient buffers: grads that together fill
+    one storage exactly (the flat buffers of ``fp16fx.grad_buffers`` or of ``FP16_Optimizer``'s
+    fast path) are divided by d and all-reduced as *one* tensor, in place -- no copy; any other
+    grad is all-reduced on its own. Unlike DDP it does not overlap communication with backward.
+    """
+    world = dist.get_world_size(group)
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for g in optree.tree_leaves(grads):
+        if g is not None:
+            by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(g)
+    with torch.no_grad():
+        for tensors in by_storage.values():
+            whole = _whole_storage(tensors)
+            for t in [whole] if whole is not None else tensors:
+                t.div_(world)  # first, as DDP: exact for d = 2**k, no overflow in the sum
+                dist.all_reduce(t, group=group)
+
+
+def _whole_storage(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Returns one flat tensor over the storage ``tensors`` exactly tile, or None."""
+    first = tensors[0]
+    if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
+        return None
+    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
+    n = first.untyped_storage().nbytes() // first.element_size()
+    tiled = spans[0][0] == 0 and spans[-1][1] == n
+    if not tiled or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+        return None
+    return first.detach().as_strided((n,), (1,), 0)
