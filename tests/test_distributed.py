@@ -87,6 +87,7 @@ def train_facade(
     process_group: Any = "auto",
     compiled: bool = False,
     path: str = "auto",
+    average: bool = False,
 ) -> dict[str, Any]:
     """Trains ``model`` (maybe DDP-wrapped) with FP16_Optimizer(Adam); returns what it saw.
 
@@ -115,6 +116,8 @@ def train_facade(
             handle.remove()
         if fault == "after" and i == 5 and rank == 1:
             params[0].grad[0, 0] = float("inf")
+        if average:  # data parallel without DDP
+            fdist.average_grads([p.grad for p in params])
         opt.update_master_grads()
         views.append(  # after backward: are the grads still the facade's flat views?
             all(
@@ -222,6 +225,9 @@ HANG_TIMEOUT_S = 3
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "ddp_fp32": lambda r, w: train_facade(DDP(make_model(torch.float32)), r, w, torch.float32),
     "ddp_fp16": lambda r, w: train_facade(DDP(make_model(torch.float16)), r, w, torch.float16),
+    "facade_average_grads": lambda r, w: train_facade(
+        make_model(torch.float16), r, w, torch.float16, average=True
+    ),
     "ddp_fp16_bucket_view": lambda r, w: train_facade(
         DDP(make_model(torch.float16), gradient_as_bucket_view=True), r, w, torch.float16
     ),
@@ -321,6 +327,14 @@ def test_average_grads_without_ddp_equals_ddp(replicated):
         assert own["finite"] == ddp["finite"]
         for a, b in zip(own["params"], ddp["params"]):
             assert torch.equal(a, b)
+
+
+def test_average_grads_with_the_facade_equals_ddp(replicated):
+    for r in replicated:
+        ddp, own = r["ddp_fp16"], r["facade_average_grads"]
+        for a, b in zip(own["masters"] + own["params"], ddp["masters"] + ddp["params"]):
+            assert torch.equal(a, b)
+        assert all(own["grads_are_views"])  # the facade's flat buffers, reduced in place
 
 
 def test_a_dead_rank_fails_the_others_at_once(replicated):
