@@ -109,6 +109,19 @@ def compiled_vs_eager(rank: int, world: int) -> dict[str, Any]:
     return runs
 
 
+def missing_grad(rank: int, world: int) -> dict[str, Any]:
+    """A None grad is refused before any collective; the next step works on every rank."""
+    state = fdist.init(make_params(), OPTIMIZERS["adam"](), shard=True)
+    grads = local_grads(0, None, state.shard.loss_scale.scale)
+    message = "no error"
+    try:
+        fdist.sharded_step(state, {**grads, "b": None})
+    except ValueError as err:
+        message = str(err)
+    fdist.sharded_step(state, grads)
+    return {"message": message, "count": int(state.shard.count)}
+
+
 def memory(rank: int, world: int) -> dict[str, int]:
     """Persistent bytes of a sharded Adam state with its grad buffers, on this rank."""
     params = {"w": torch.zeros(1 << 20, dtype=torch.float16)}
@@ -121,6 +134,7 @@ def worker(rank: int, world: int, out: str) -> None:
     out = Path(out)
     found: dict[str, Any] = {name: sharded_vs_replicated(rank, world, name) for name in OPTIMIZERS}
     found["checkpoint"] = checkpoint_run(rank, world, out)
+    found["missing_grad"] = missing_grad(rank, world)
     if world == 2:
         found["compiled"] = compiled_vs_eager(rank, world)
     found["memory"] = memory(rank, world)
@@ -191,6 +205,12 @@ def test_a_checkpoint_missing_a_rank_is_refused(runs):
     with pytest.raises(ValueError, match="needs all their dicts"):
         fdist.load_unsharded(state, [saved])
     assert all(torch.equal(a, b) for a, b in zip(before, state.children()[1]))
+
+
+def test_a_missing_grad_is_refused_before_any_collective(runs):
+    for r in runs[2]:
+        assert "params['b'] has none" in r["missing_grad"]["message"]
+        assert r["missing_grad"]["count"] == 1
 
 
 def test_persistent_memory_is_4_plus_12_over_d_bytes_per_param(runs):

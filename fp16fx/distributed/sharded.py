@@ -188,13 +188,7 @@ def _padded_flat_grad(
             return own
     flat = torch.zeros_like(flat_params)
     for i, v in zip(bucket.indices, buckets.views(bucket, flat)):
-        grad = grads[i]
-        if grad is None:
-            raise ValueError(
-                f"sharded_step needs a gradient for every param; leaf {i} has none (give it "
-                "zeros: a sharded state keeps one step count per bucket slice)"
-            )
-        v.copy_(grad)
+        v.copy_(grads[i])
     return flat
 
 
@@ -216,6 +210,13 @@ def sharded_step(
     ``grad_norm`` are global).
     """
     grad_leaves = tree.check_grads(state.params, grads)
+    missing = [i for b in state.layout.buckets for i in b.indices if grad_leaves[i] is None]
+    if missing:  # before any collective: the other ranks must not be left waiting mid-step
+        names = tree.leaf_names(state.params)
+        raise ValueError(
+            f"sharded_step needs a gradient for every param; {names[missing[0]]} has none "
+            "(give it zeros: a sharded state keeps one step count per bucket slice)"
+        )
     world = state.world_size
     shard_grads = []
     with torch.no_grad():
