@@ -7,6 +7,7 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
     state = fdist.init(params, fp16fx.adam(1e-3), shard=True)   # 1/d of masters and moments
     grads = fdist.grad_buffers(state)                           # make them the params' .grad
     state, info = fdist.sharded_step(state, grads)              # local grads in, in place
+    fdist.average_grads(grads)                                  # DDP's average, without DDP
 
 See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
