@@ -145,6 +145,9 @@ def functional(rank: int, world: int, compiled: bool, ddp: bool = True) -> dict[
     params = list(model.parameters())
     if ddp:
         model = DDP(model)
+    elif rank == 1:  # fdist.init broadcasts rank 0's params, as DDP(model) does
+        with torch.no_grad():
+            params[0].add_(1)
     state = fdist.init(params, fp16fx.adam(1e-2), buckets=True)
     assert state.consensus is not None
     grads = fp16fx.grad_buffers(state)

@@ -39,9 +39,10 @@ def init(
         (:class:`fp16fx.distributed.ShardedState`; step it with
         :func:`fp16fx.distributed.sharded_step`). Needs a process group.
 
-    Without ``shard`` this is :func:`fp16fx.init` with a :class:`Consensus`: the usual
+    Without ``shard`` this is :func:`fp16fx.init` with a :class:`Consensus`, after
+    broadcasting the params from the group's first rank (as DDP does): the usual
     ``fp16fx.step`` / ``compile_step`` then skip or apply on every process together. Give it
-    the grads DDP averaged (or any grads the ranks already agree on).
+    the grads DDP averaged, or average them with :func:`average_grads`.
     """
     consensus = default_consensus(process_group)
     if shard:
@@ -52,6 +53,11 @@ def init(
             )
         group = consensus.group
         return init_sharded(params, optimizer, loss_scale, group=group)
+    if consensus is not None:
+        first = 0 if consensus.group is None else dist.get_global_rank(consensus.group, 0)
+        with torch.no_grad():
+            for p in optree.tree_leaves(params):
+                dist.broadcast(p, src=first, group=consensus.group)
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)
 
 
