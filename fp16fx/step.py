@@ -346,7 +346,7 @@ def apply_updates(
     new_loss_scale, floored = policy.adjust(loss_scale, finite)
     info = {
         "finite": finite,
-        "loss_scale": loss_scale.scale,
+        "loss_scale": loss_scale.scale.clone(),  # an in-place step overwrites the state's
         "grad_norm": grad_norm,
         "loss_scale_floored": floored,
     }

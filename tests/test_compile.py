@@ -40,7 +40,7 @@ def test_compiled_step_gives_the_numbers_of_step(params, opt, seed):
     torch._dynamo.reset()
     policy = fp16fx.DynamicLossScale(init_scale=2.0**8, growth_interval=2)
     seeds = [seed + i for i in range(4)]
-    eager, _eager_infos = _steps(
+    eager, eager_infos = _steps(
         fp16fx.init(_fresh(params), OPTIMIZERS[opt](), policy), fp16fx.step, seeds, {2}
     )
     for inplace in (False, True):
@@ -48,6 +48,9 @@ def test_compiled_step_gives_the_numbers_of_step(params, opt, seed):
         compiled, infos = _steps(state, fp16fx.compile_step(inplace=inplace), seeds, {2})
         assert (compiled is state) == inplace
         assert [i["finite"].item() for i in infos] == [True, True, False, True]
+        assert [i["loss_scale"].item() for i in infos] == [
+            i["loss_scale"].item() for i in eager_infos
+        ]
         assert bitwise_equal(compiled.loss_scale, eager.loss_scale)
         assert bitwise_equal(compiled.count, eager.count)
         if opt == "sgd":
