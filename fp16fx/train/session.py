@@ -37,9 +37,10 @@ class TrainConfig:
     Attributes mirror the ``fp16fx train`` flags: ``model``, ``dataset``, ``data_dir``,
     ``api`` (``"facade"`` or ``"functional"``), ``device`` (None: CUDA when available),
     ``epochs``, ``batch_size``, ``lr``, ``lr_schedule``, ``seed``, ``loss_scale``
-    (``"dynamic"`` or a number), ``compile`` (functional API: use ``compile_step``; None: on
-    CUDA only), ``limit`` (use only the first N train and test images), ``compare_fp32``,
-    ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars) and ``plot``.
+    (``"dynamic"`` or a number), ``compile`` (the facade's compiled path or ``compile_step``;
+    None: on CUDA only), ``limit`` (use only the first N train and test images),
+    ``compare_fp32``, ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars) and
+    ``plot``.
     """
 
     model: str = "cnn"
