@@ -142,17 +142,25 @@ def worker(rank: int, world: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
+def runs(tmp_path_factory) -> dict[Any, Any]:
+    """The d=2 run (it writes the checkpoint the d=4 run loads); d=4 is added on demand, so
+    that no single test pays for both spawns (each takes ~10-35 s on two cores)."""
     out = tmp_path_factory.mktemp("sharded")
-    spawn(worker, 2, str(out))  # writes the d=2 checkpoint the d=4 run loads
-    two = results(out, 2)
-    spawn(worker, 4, str(out))
-    return {2: two, 4: results(out, 4), "dir": out}
+    spawn(worker, 2, str(out))
+    return {2: results(out, 2), "dir": out}
+
+
+@pytest.fixture(scope="module")
+def runs_4(runs) -> dict[Any, Any]:
+    spawn(worker, 4, str(runs["dir"]))
+    runs[4] = results(runs["dir"], 4)
+    return runs
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_equals_replicated(runs, world, name):
+def test_sharded_equals_replicated(request, world, name):
+    runs = request.getfixturevalue("runs" if world == 2 else "runs_4")
     for r in runs[world]:
         got = r[name]
         assert got["finite"] == [(i != INF_AT, i != INF_AT) for i in range(STEPS)]
@@ -182,7 +190,8 @@ def uninterrupted() -> dict[str, torch.Tensor]:
     return state.params
 
 
-def test_checkpoint_saved_at_2_loads_at_4_and_1(runs):
+def test_checkpoint_saved_at_2_loads_at_4_and_1(runs_4):
+    runs = runs_4
     expected = uninterrupted()
     for world in (2, 4):
         for r in runs[world]:
@@ -213,7 +222,8 @@ def test_a_missing_grad_is_refused_before_any_collective(runs):
         assert r["missing_grad"]["count"] == 1
 
 
-def test_persistent_memory_is_4_plus_12_over_d_bytes_per_param(runs):
+def test_persistent_memory_is_4_plus_12_over_d_bytes_per_param(runs_4):
+    runs = runs_4
     for world in (2, 4):
         for r in runs[world]:
             per_param = r["memory"]["bytes"] / r["memory"]["params"]
