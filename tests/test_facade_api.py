@@ -75,9 +75,9 @@ def snapshot(opt) -> list[torch.Tensor]:
     return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
 
 
-def close(a, b):
+def close(a, b, rtol=1e-5, atol=1e-6):
     for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
 # -- construction ------------------------------------------------------------------------
@@ -522,4 +522,6 @@ def test_changing_a_structural_option_rebuilds_or_hands_over_and_stays_correct(c
         train(model, opt, 2)
         assert opt.path == ("generic" if change == "maximize on" else path)
         masters[path] = snapshot(opt)
-    close(masters["fast"], masters["generic"])
+    # The paths round differently (torch's CPU kernels fuse multiply-adds, the compiled step
+    # does not); through FP16 forwards over a mid-run change that grows to ~1e-5 relative.
+    close(masters["fast"], masters["generic"], rtol=1e-4, atol=1e-5)

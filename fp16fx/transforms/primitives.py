@@ -119,7 +119,7 @@ def scale_by_adam(
 
     With ``t`` the leaf's step count after this step::
 
-        m <- m + (1 - beta1) * (u - m)
+        m <- lerp(m, u, 1 - beta1)              (torch.lerp, as torch.optim.Adam)
         v <- beta2 * v + (1 - beta2) * u * u
         v_hat <- max(v_max, v) if amsgrad else v
         u <- m / (1 - beta1**t) / (sqrt(v_hat) / sqrt(1 - beta2**t) + eps)
@@ -149,7 +149,7 @@ def scale_by_adam(
             weight1, decay2, weight2, inv_correction1, inv_correction2_sqrt, eps = scalars(
                 1 - b1, b2, 1 - b2, 1 / (1 - b1**count), torch.rsqrt(1 - b2**count), hp["eps"]
             )
-            mu = state.mu + weight1 * (u - state.mu)  # torch.lerp's formula for weight < 0.5
+            mu = torch.lerp(state.mu, u, weight1)
             nu = state.nu * decay2 + weight2 * u * u
             nu_max = torch.maximum(state.nu_max, nu) if amsgrad else state.nu_max
             denom = torch.sqrt(nu_max if amsgrad else nu) * inv_correction2_sqrt + eps
