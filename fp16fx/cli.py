@@ -2,8 +2,8 @@
 
 Each subcommand's module provides ``add_parser(subparsers)``, which adds its parser and sets
 ``handler`` (a ``(args) -> int`` function) as a default. This file holds no library logic: to
-add a subcommand, add its module to :data:`SUBCOMMANDS`. A module that cannot be imported
-(not written yet, or an optional dependency missing) is left out of the command's listing.
+add a subcommand, add its module to :data:`SUBCOMMANDS`. Subcommand modules import their
+optional dependencies lazily, so every subcommand is always listed.
 """
 
 from __future__ import annotations
@@ -19,17 +19,13 @@ SUBCOMMANDS: tuple[str, ...] = ("fp16fx.train", "fp16fx.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the ``fp16fx`` argument parser with every importable subcommand registered."""
+    """Return the ``fp16fx`` argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="fp16fx", description="Mixed-precision FP16 optimizers for PyTorch."
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        module.add_parser(subparsers)
+        importlib.import_module(module_name).add_parser(subparsers)
     return parser
 
 
