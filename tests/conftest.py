@@ -12,6 +12,8 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# HYPOTHESIS_PROFILE=thorough: many more examples, for a soak before a release.
+settings.register_profile("thorough", parent=settings.get_profile("fp16fx"), max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fp16fx"))
 
 
