@@ -119,7 +119,7 @@ def scale_by_adam(
 
     With ``t`` the leaf's step count after this step::
 
-        m <- lerp(m, u, 1 - beta1)              (torch.lerp, as torch.optim.Adam)
+        m <- beta1 * m + (1 - beta1) * u
         v <- beta2 * v + (1 - beta2) * u * u
         v_hat <- max(v_max, v) if amsgrad else v
         u <- m / (1 - beta1**t) / (sqrt(v_hat) / sqrt(1 - beta2**t) + eps)
@@ -146,10 +146,16 @@ def scale_by_adam(
         for u, state in zip(updates, leaf_states):
             count = state.count + 1
             # Reciprocals turn two of three divisions per element into multiplications.
-            weight1, decay2, weight2, inv_correction1, inv_correction2_sqrt, eps = scalars(
-                1 - b1, b2, 1 - b2, 1 / (1 - b1**count), torch.rsqrt(1 - b2**count), hp["eps"]
+            decay1, weight1, decay2, weight2, inv_correction1, inv_correction2_sqrt, eps = scalars(
+                b1,
+                1 - b1,
+                b2,
+                1 - b2,
+                1 / (1 - b1**count),
+                torch.rsqrt(1 - b2**count),
+                hp["eps"],
             )
-            mu = torch.lerp(state.mu, u, weight1)
+            mu = state.mu * decay1 + weight1 * u  # no blend of lerp's two formulas
             nu = state.nu * decay2 + weight2 * u * u
             nu_max = torch.maximum(state.nu_max, nu) if amsgrad else state.nu_max
             denom = torch.sqrt(nu_max if amsgrad else nu) * inv_correction2_sqrt + eps
