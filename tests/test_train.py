@@ -185,6 +185,13 @@ def test_plot_without_matplotlib_fails_before_training(capsys, monkeypatch) -> N
     assert_one_line_error(code, err, "--plot needs matplotlib", "pip install 'fp16fx[plot]'")
 
 
+def test_without_the_train_extra_the_error_says_how_to_install_it(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now fails
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    code, _, err = train_cli(capsys)
+    assert_one_line_error(code, err, "'sklearn' module is missing", "pip install 'fp16fx[train]'")
+
+
 def test_plot_is_written_after_a_run(capsys, tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
     path = tmp_path / "curves.png"

@@ -22,6 +22,9 @@ from fp16fx.train.steppers import APIS, LossScale, StateMismatchError
 
 __all__ = ["USER_ERRORS", "add_arguments", "add_parser", "config_from_args", "main", "run"]
 
+#: Top-level modules of the ``train`` extra, imported lazily when a run needs them.
+TRAIN_EXTRA_MODULES = frozenset({"sklearn", "torchvision", "tqdm"})
+
 #: Errors caused by the user's flags or files: reported as one line, no traceback.
 USER_ERRORS = (
     CheckpointError,
@@ -199,6 +202,14 @@ def run(args: argparse.Namespace) -> int:
             result = train(config)
         except USER_ERRORS as exc:
             return _fail(str(exc))
+        except ModuleNotFoundError as exc:
+            module = (exc.name or "").partition(".")[0]
+            if module not in TRAIN_EXTRA_MODULES:
+                raise
+            return _fail(
+                f"the '{module}' module is missing: fp16fx train needs the 'train' extra "
+                "(pip install 'fp16fx[train]')"
+            )
         except KeyboardInterrupt:
             where = f"; the last checkpoint is {config.save}" if config.save else ""
             print(f"\nfp16fx train: interrupted{where}", file=sys.stderr)
