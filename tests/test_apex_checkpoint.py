@@ -7,70 +7,29 @@ Fixtures are written with fake ``apex.*`` modules registered in ``sys.modules`` 
 from __future__ import annotations
 
 import builtins
-import contextlib
-import importlib.util
 import io
 import os
 import pickle
 import re
 import subprocess
-import sys
-import types
 
 import pytest
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict, load_apex_checkpoint
-
-APEX_MODULES = (
-    "apex",
-    "apex.amp",
-    "apex.amp.scaler",
-    "apex.fp16_utils",
-    "apex.fp16_utils.loss_scaler",
+from tests.apex_fixtures import (
+    AMP_SCALER,
+    LEGACY_DYNAMIC,
+    LEGACY_STATIC,
+    NOT_A_SCALER,
+    instance,
+    save,
 )
-
-
-def apex_class(module: str, name: str) -> type:
-    return type(name, (), {"__module__": module, "__qualname__": name})
-
-
-AmpLossScaler = apex_class("apex.amp.scaler", "LossScaler")
-LegacyDynamic = apex_class("apex.fp16_utils.loss_scaler", "DynamicLossScaler")
-LegacyStatic = apex_class("apex.fp16_utils.loss_scaler", "LossScaler")
-NotAScaler = apex_class("apex.amp.scaler", "Evil")
-
-
-def instance(cls: type, **attrs) -> object:
-    obj = object.__new__(cls)
-    obj.__dict__.update(attrs)
-    return obj
-
-
-@contextlib.contextmanager
-def fake_apex():
-    """Makes the fake apex classes picklable by their apex paths, for the duration only."""
-    assert not any(name in sys.modules for name in APEX_MODULES)
-    modules = {name: types.ModuleType(name) for name in APEX_MODULES}
-    for cls in (AmpLossScaler, LegacyDynamic, LegacyStatic, NotAScaler):
-        setattr(modules[cls.__module__], cls.__qualname__, cls)
-    sys.modules.update(modules)
-    try:
-        yield
-    finally:
-        for name in APEX_MODULES:
-            del sys.modules[name]
-    assert importlib.util.find_spec("apex") is None
-
-
-def save(obj, path) -> None:
-    with fake_apex():
-        torch.save(obj, path)
 
 
 def amp_scaler() -> object:
     return instance(
-        AmpLossScaler, _loss_scale=2.0**13, dynamic=True, _unskipped=17, _scale_seq_len=2000,
+        AMP_SCALER, _loss_scale=2.0**13, dynamic=True, _unskipped=17, _scale_seq_len=2000,
         _max_loss_scale=2.0**24, _min_loss_scale=None, _has_overflow=False,
         _overflow_buf=torch.zeros(1, dtype=torch.int32),
     )  # fmt: skip
@@ -125,7 +84,7 @@ def test_amp_era_checkpoint_loads_with_scaler_as_plain_dict(tmp_path):
 
 def test_legacy_dynamic_checkpoint_loads(tmp_path):
     scaler = instance(
-        LegacyDynamic, cur_scale=2.0**20, cur_iter=4321, last_overflow_iter=4000,
+        LEGACY_DYNAMIC, cur_scale=2.0**20, cur_iter=4321, last_overflow_iter=4000,
         scale_factor=2.0, scale_window=1000,
     )  # fmt: skip
     original = apex_state_dict(scaler)
@@ -144,7 +103,7 @@ def test_legacy_dynamic_checkpoint_loads(tmp_path):
 
 
 def test_legacy_static_checkpoint_loads_from_a_file_object():
-    original = apex_state_dict(instance(LegacyStatic, cur_scale=128))
+    original = apex_state_dict(instance(LEGACY_STATIC, cur_scale=128))
     original["dynamic_loss_scale"] = False
     buffer = io.BytesIO()
     save(original, buffer)
@@ -171,7 +130,7 @@ def test_scalers_nested_in_a_training_checkpoint_are_converted(tmp_path):
 def test_loading_leaves_torch_safe_globals_unchanged(tmp_path):
     before = torch.serialization.get_safe_globals()
     save(apex_state_dict(amp_scaler()), tmp_path / "ok.pt")
-    save({"loss_scaler": instance(NotAScaler)}, tmp_path / "bad.pt")
+    save({"loss_scaler": instance(NOT_A_SCALER)}, tmp_path / "bad.pt")
     load_apex_checkpoint(tmp_path / "ok.pt")
     with pytest.raises(ApexCheckpointError):
         load_apex_checkpoint(tmp_path / "bad.pt")
@@ -222,7 +181,7 @@ class Unrelated:
     ("obj", "name"),
     [
         (Unrelated(), f"{Unrelated.__module__}.Unrelated"),
-        (instance(NotAScaler), "apex.amp.scaler.Evil"),
+        (instance(NOT_A_SCALER), "apex.amp.scaler.Evil"),
     ],
 )
 def test_unrelated_class_is_refused_by_name(tmp_path, obj, name):
@@ -244,28 +203,28 @@ def test_a_non_dict_checkpoint_is_refused(tmp_path):
 
 
 def test_scaler_state_with_dunder_attributes_is_refused(tmp_path):
-    AmpLossScaler.__getstate__ = lambda self: {"__class__": "x", "_loss_scale": 1.0}
+    AMP_SCALER.__getstate__ = lambda self: {"__class__": "x", "_loss_scale": 1.0}
     try:
-        save({"loss_scaler": instance(AmpLossScaler)}, tmp_path / "dunder.pt")
+        save({"loss_scaler": instance(AMP_SCALER)}, tmp_path / "dunder.pt")
     finally:
-        del AmpLossScaler.__getstate__
+        del AMP_SCALER.__getstate__
     with pytest.raises(ApexCheckpointError, match="not an apex FP16_Optimizer checkpoint"):
         load_apex_checkpoint(tmp_path / "dunder.pt")
 
 
 def test_scaler_to_dict_reports_missing_or_bad_attributes():
     with pytest.raises(ApexCheckpointError, match="'last_overflow_iter'"):
-        apex_scaler_to_dict(instance(LegacyDynamic, cur_scale=2.0, cur_iter=1))
+        apex_scaler_to_dict(instance(LEGACY_DYNAMIC, cur_scale=2.0, cur_iter=1))
     with pytest.raises(ApexCheckpointError, match="not a positive scale"):
-        apex_scaler_to_dict(instance(LegacyStatic, cur_scale=0.0))
+        apex_scaler_to_dict(instance(LEGACY_STATIC, cur_scale=0.0))
     with pytest.raises(ApexCheckpointError, match="not a number"):
-        apex_scaler_to_dict(instance(LegacyStatic, cur_scale="big"))
+        apex_scaler_to_dict(instance(LEGACY_STATIC, cur_scale="big"))
     with pytest.raises(ApexCheckpointError, match="not an apex loss scaler"):
         apex_scaler_to_dict(Unrelated())
 
 
 def test_scaler_to_dict_accepts_real_apex_classes_and_tensor_values():
-    scaler = instance(LegacyStatic, cur_scale=torch.tensor(64.0))
+    scaler = instance(LEGACY_STATIC, cur_scale=torch.tensor(64.0))
     assert apex_scaler_to_dict(scaler) == {
         "format": "apex.fp16_utils.static",
         "loss_scale": 64.0,

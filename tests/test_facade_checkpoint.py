@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 import math
-import sys
-import types
 
 import optree
 import pytest
@@ -19,6 +16,7 @@ from torch import nn
 
 import fp16fx
 from fp16fx.fp16_utils import FP16_Optimizer
+from tests.apex_fixtures import AMP_SCALER, LEGACY_DYNAMIC, LEGACY_STATIC, fake_apex, instance
 
 PATHS = ["fast", "generic"]
 APEX_KEYS = {
@@ -282,43 +280,6 @@ def test_bad_hyperparameters_are_refused_before_loading_on_the_fast_path():
 
 # -- apex checkpoints ------------------------------------------------------------------------
 
-APEX_MODULES = (
-    "apex",
-    "apex.amp",
-    "apex.amp.scaler",
-    "apex.fp16_utils",
-    "apex.fp16_utils.loss_scaler",
-)
-
-
-def apex_class(module: str, name: str) -> type:
-    return type(name, (), {"__module__": module, "__qualname__": name})
-
-
-AMP_SCALER = apex_class("apex.amp.scaler", "LossScaler")
-LEGACY_DYNAMIC = apex_class("apex.fp16_utils.loss_scaler", "DynamicLossScaler")
-LEGACY_STATIC = apex_class("apex.fp16_utils.loss_scaler", "LossScaler")
-
-
-def scaler(cls: type, **attrs) -> object:
-    obj = object.__new__(cls)
-    obj.__dict__.update(attrs)
-    return obj
-
-
-@contextlib.contextmanager
-def fake_apex():
-    """Makes the apex scaler classes picklable under their apex paths while saving."""
-    modules = {name: types.ModuleType(name) for name in APEX_MODULES}
-    for cls in (AMP_SCALER, LEGACY_DYNAMIC, LEGACY_STATIC):
-        setattr(modules[cls.__module__], cls.__qualname__, cls)
-    sys.modules.update(modules)
-    try:
-        yield
-    finally:
-        for name in APEX_MODULES:
-            del sys.modules[name]
-
 
 def apex_state_dict(model, loss_scaler, dynamic=True) -> dict:
     """What apex's FP16_Optimizer(SGD(momentum=0.9)).state_dict() holds after one step."""
@@ -351,17 +312,17 @@ def load_apex(tmp_path, sd) -> dict:
 
 APEX_SCALERS = {
     "amp": (
-        scaler(AMP_SCALER, _loss_scale=2.0**13, dynamic=True, _unskipped=1, _scale_seq_len=3,
+        instance(AMP_SCALER, _loss_scale=2.0**13, dynamic=True, _unskipped=1, _scale_seq_len=3,
                _max_loss_scale=2.0**24, _min_loss_scale=None, _has_overflow=False,
                _overflow_buf=torch.zeros(1, dtype=torch.int32)),
         [2.0**13, 2.0**13, 2.0**14, 2.0**14],  # 1 of 3 clean steps done: grows after 2 more
     ),
     "legacy dynamic": (
-        scaler(LEGACY_DYNAMIC, cur_scale=2.0**12, cur_iter=12, last_overflow_iter=9,
+        instance(LEGACY_DYNAMIC, cur_scale=2.0**12, cur_iter=12, last_overflow_iter=9,
                scale_factor=2.0, scale_window=5),
         [2.0**12, 2.0**12, 2.0**12, 2.0**13],  # grows at iteration 14: (14 - 9) % 5 == 0
     ),
-    "legacy static": (scaler(LEGACY_STATIC, cur_scale=128.0), [128.0] * 4),
+    "legacy static": (instance(LEGACY_STATIC, cur_scale=128.0), [128.0] * 4),
 }  # fmt: skip
 
 
