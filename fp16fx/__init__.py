@@ -18,14 +18,8 @@ from fp16fx.scaling import (
     StaticLossScale,
     unscale_and_check,
 )
-from fp16fx.step import (
-    MixedPrecisionState,
-    grad_buffers,
-    init,
-    scale_loss,
-    set_hyperparams,
-    step,
-)
+from fp16fx.state import MixedPrecisionState, grad_buffers, init
+from fp16fx.step import scale_loss, set_hyperparams, step
 from fp16fx.transforms import (
     GradientTransformation,
     TransformState,

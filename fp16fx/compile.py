@@ -16,7 +16,8 @@ import optree
 import torch
 import torch._dynamo
 
-from fp16fx.step import Info, MixedPrecisionState, apply_updates, apply_updates_, run_step
+from fp16fx.state import MixedPrecisionState
+from fp16fx.step import Info, apply_updates, apply_updates_, run_step
 
 StepFn = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
 

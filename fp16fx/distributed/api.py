@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fp16fx.distributed.consensus import default_consensus
 from fp16fx.distributed.sharded import init_sharded
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.step import init as _init_state
+from fp16fx.state import init as _init_state
 from fp16fx.transforms import GradientTransformation
 
 

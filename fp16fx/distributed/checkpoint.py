@@ -20,7 +20,7 @@ import optree
 import torch
 
 from fp16fx.distributed.sharded import ShardedState
-from fp16fx.step import MixedPrecisionState
+from fp16fx.state import MixedPrecisionState
 
 FORMAT = "fp16fx.sharded/1"
 ShardDict = dict[str, Any]

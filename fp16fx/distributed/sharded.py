@@ -1,7 +1,7 @@
 """Sharded (ZeRO-1 style) state: each of d ranks keeps 1/d of the FP32 masters and moments.
 
 Layer: ``distributed`` (DESIGN.md). No optimizer math and no loss-scale math here: the shard is
-an ordinary :class:`~fp16fx.step.MixedPrecisionState` over slices of flat buffers, stepped by
+an ordinary :class:`~fp16fx.state.MixedPrecisionState` over slices of flat buffers, stepped by
 the one core, :func:`fp16fx.step.apply_updates_`. One step, on every rank::
 
     flat grad (FP16, padded to d * s)  /= d                  # as DDP pre-divides its buckets
@@ -32,8 +32,9 @@ from fp16fx import buckets, tree
 from fp16fx.buckets import Layout
 from fp16fx.distributed.consensus import Consensus, collective_error
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.step import Info, MixedPrecisionState, apply_updates_, run_step
-from fp16fx.step import init as init_state
+from fp16fx.state import MixedPrecisionState
+from fp16fx.state import init as init_state
+from fp16fx.step import Info, apply_updates_, run_step
 from fp16fx.transforms import GradientTransformation
 
 # torch >= 2.14 renamed the flat collectives (the old names warn); torch 2.6 has only the old.
@@ -51,7 +52,7 @@ class ShardedState:
       params: the params as given to :func:`fp16fx.distributed.init`, now views into
         ``flat_params`` (so a model built on them trains in place).
       flat_params: per bucket, the padded flat params (every rank holds all of them).
-      shard: the :class:`~fp16fx.step.MixedPrecisionState` of this rank's slice of each
+      shard: the :class:`~fp16fx.state.MixedPrecisionState` of this rank's slice of each
         bucket: its params are views into ``flat_params``, its FP32 masters and optimizer
         moments exist only for the slice. Hyperparameters and the loss scale live here
         (``fp16fx.set_hyperparams(state.shard, lr=..., inplace=True)``).

@@ -38,7 +38,8 @@ from fp16fx.facade.groups import (
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState, Segment
 from fp16fx.scaling import unscale_and_check
-from fp16fx.step import Info, MixedPrecisionState, apply_updates_, init, run_step
+from fp16fx.state import MixedPrecisionState, init
+from fp16fx.step import Info, apply_updates_, run_step
 from fp16fx.transforms import GradientTransformation, TransformState, multi_transform
 from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
 
