@@ -116,3 +116,25 @@ def test_inplace_step_refuses_bad_grads_before_touching_anything():
 def test_cuda_graph_mode_needs_inplace():
     with pytest.raises(ValueError, match="needs inplace=True"):
         fp16fx.compile_step(cuda_graph=True)
+
+
+def test_a_thousand_bucketed_steps_with_a_schedule_and_overflows_compile_once():
+    torch._dynamo.reset()
+    params = {"w": torch.randn(8, 4).half(), "b": torch.randn(4).half()}
+    policy = fp16fx.DynamicLossScale(init_scale=2.0**4, growth_interval=10)
+    state = fp16fx.init(params, fp16fx.adam(1e-3), policy, buckets=True)
+    grads = fp16fx.grad_buffers(state)
+    step = fp16fx.compile_step(inplace=True)
+    state, _ = step(state, grads)  # the one compile (zero grads)
+    skipped = torch.zeros((), dtype=torch.int64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(1000):
+            fp16fx.set_hyperparams(state, inplace=True, lr=1e-3 * (1 - i / 1000))
+            for g in optree.tree_leaves(grads):
+                g.copy_(torch.randn(g.shape) * 0.01 * state.loss_scale.scale)
+            if i % 37 == 0:
+                grads["w"][0, 0] = float("inf")
+            state, info = step(state, grads)
+            skipped += ~info["finite"]
+    assert skipped.item() >= 1000 // 37 and state.count.item() == 1001 - skipped.item()
+    assert state.loss_scale.scale.item() > 2.0**4  # it grew between overflows
