@@ -128,7 +128,34 @@ class Stepper(abc.ABC):
             ) from None
 
 
-class FacadeStepper(Stepper):
+class OptimizerStepper(Stepper):
+    """A stepper around a stateful optimizer object (``torch.optim`` or ``FP16_Optimizer``):
+    the model is called directly, the lr lives in ``param_groups``, both have state dicts."""
+
+    optimizer: torch.optim.Optimizer
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def set_lr(self, lr: float) -> None:
+        # Both read hyperparameters from param_groups at every step.
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_model(state["model"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+            raise StateMismatchError(
+                f"the optimizer state does not fit this optimizer: {exc}"
+            ) from None
+
+
+class FacadeStepper(OptimizerStepper):
     """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on an FP16 model, the apex way.
 
     ``compile`` picks the facade's compiled fast path (``compiled=True``, its default) or the
@@ -162,26 +189,6 @@ class FacadeStepper(Stepper):
                 self.optimizer.loss_scale, dtype=torch.float32, device=loss.device
             ).clone(),
         )
-
-    def logits(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
-
-    def set_lr(self, lr: float) -> None:
-        # The facade reads hyperparameters from param_groups at every step.
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_model(state["model"])
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
-            raise StateMismatchError(
-                f"the optimizer state does not fit this optimizer: {exc}"
-            ) from None
 
 
 class FunctionalStepper(Stepper):
@@ -296,7 +303,7 @@ def _check_like(name: str, src: Any, dst: torch.Tensor) -> None:
         )
 
 
-class TorchStepper(Stepper):
+class TorchStepper(OptimizerStepper):
     """Plain FP32 ``torch.optim.Adam``: the ``--compare-fp32`` baseline."""
 
     label = "torch.optim.Adam; FP32 model"
@@ -315,23 +322,6 @@ class TorchStepper(Stepper):
             skipped=torch.zeros((), dtype=torch.bool, device=loss.device),
             loss_scale=torch.full((), math.nan, device=loss.device),
         )
-
-    def logits(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_model(state["model"])
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise StateMismatchError(f"the optimizer state does not fit: {exc}") from None
 
 
 def make_stepper(
