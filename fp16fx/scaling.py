@@ -61,12 +61,8 @@ def _require_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class NoLossScale:
-    """No loss scaling: the scale is 1 for ever (the usual choice for BF16)."""
-
-    def init(self, device: torch.device | str | None = None) -> LossScaleState:
-        return _state(1.0, device)
+class _FixedLossScale:
+    """A scale that never moves: ``adjust`` returns the state as it is, never floored."""
 
     def adjust(
         self, state: LossScaleState, finite: torch.Tensor
@@ -75,7 +71,15 @@ class NoLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class NoLossScale(_FixedLossScale):
+    """No loss scaling: the scale is 1 for ever (the usual choice for BF16)."""
+
+    def init(self, device: torch.device | str | None = None) -> LossScaleState:
+        return _state(1.0, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale(_FixedLossScale):
     """A fixed loss scale. Non-finite steps are still skipped; the scale never moves.
 
     A power of two keeps scaling and unscaling exact; other values are accepted (apex scripts
@@ -89,11 +93,6 @@ class StaticLossScale:
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         return _state(float(self.scale), device)
-
-    def adjust(
-        self, state: LossScaleState, finite: torch.Tensor
-    ) -> tuple[LossScaleState, torch.Tensor]:
-        return state, torch.zeros_like(finite)
 
 
 @dataclasses.dataclass(frozen=True)
