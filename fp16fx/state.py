@@ -7,7 +7,7 @@ static pytree metadata, so they travel with it and never become graph inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -15,13 +15,9 @@ import torch
 
 from fp16fx import buckets, tree
 from fp16fx.buckets import Layout
+from fp16fx.consensus import Consensus
 from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
 from fp16fx.transforms import GradientTransformation, TransformState
-
-#: Combines this process's ``(finite, grad_norm)`` with other processes' (see
-#: :class:`fp16fx.distributed.Consensus`): returns the ``(finite, grad_norm)`` every process
-#: then acts on, so all of them skip or apply together. Static, hashable pytree metadata.
-Consensus = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class MixedPrecisionState:
@@ -34,8 +30,8 @@ class MixedPrecisionState:
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
       count: applied (not skipped) steps, a 0-d int64 tensor.
       optimizer, policy: the transform and the loss-scale policy (pytree metadata, not leaves).
-      consensus: ``None``, or a :data:`Consensus` agreeing ``finite`` and the gradient norm
-        with other processes before any state changes (pytree metadata).
+      consensus: ``None``, or a :class:`~fp16fx.consensus.Consensus` agreeing ``finite`` and
+        the gradient norm with other processes before any state changes (pytree metadata).
       layout: ``None``, or the :class:`~fp16fx.buckets.Layout` of a bucketed state, whose
         pytree leaves are a few flat buffers; ``params``, ``master`` and ``opt_state`` then
         present views into them, structured as the params were given.
@@ -183,7 +179,7 @@ def init(
         the number of leaves. The given tensors are re-pointed (``tensor.data = view``) at
         their place in the buffer, so a model built on them keeps training in place.
       consensus: agree "finite" and the gradient norm with other processes every step
-        (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.distributed.Consensus`).
+        (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.consensus.Consensus`).
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(

@@ -24,8 +24,9 @@ import torch
 
 from fp16fx import buckets, tree
 from fp16fx.buckets import Layout
+from fp16fx.consensus import Consensus
 from fp16fx.scaling import LossScalePolicy, LossScaleState, unscale_and_check
-from fp16fx.state import Consensus, MixedPrecisionState
+from fp16fx.state import MixedPrecisionState
 from fp16fx.transforms import GradientTransformation, replace_hyperparams
 
 Info = dict[str, torch.Tensor]

@@ -12,9 +12,9 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
 See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
 
+from fp16fx.consensus import Consensus, default_consensus
 from fp16fx.distributed.api import average_grads, init
 from fp16fx.distributed.checkpoint import consolidate, load_state_dict, load_unsharded, state_dict
-from fp16fx.distributed.consensus import Consensus, default_consensus
 from fp16fx.distributed.sharded import (
     ShardedState,
     grad_buffers,

@@ -13,7 +13,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fp16fx.distributed.consensus import default_consensus
+from fp16fx.consensus import default_consensus
 from fp16fx.distributed.sharded import init_sharded
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import init as _init_state

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fp16fx import buckets, tree
 from fp16fx.buckets import Layout
-from fp16fx.distributed.consensus import Consensus, collective_error
+from fp16fx.consensus import Consensus, collective_error
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import MixedPrecisionState
 from fp16fx.state import init as init_state

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint
 from fp16fx.facade.closure import step_with_closure
 from fp16fx.facade.fast import FastEngine
@@ -114,9 +115,6 @@ class FP16_Optimizer(torch.optim.Optimizer):
         check_trainable([p for params in trainable for p in params], self._names)
         device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
         stats = torch.zeros(2, dtype=torch.int64, device=device)
-        # The one upward reference (layer distributed); consensus.py depends on torch alone.
-        from fp16fx.distributed.consensus import default_consensus
-
         consensus = default_consensus(process_group)
         self._scaler = Scaler(policy, policy.init(device), stats, consensus)
         self.optimizer = init_optimizer

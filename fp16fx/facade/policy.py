@@ -44,7 +44,7 @@ class Scaler:
     identity (values are written in place); ``stats`` holds (skipped steps, floored
     back-offs) since the reporter last read it, added to on the device by each step.
     ``consensus`` (None for one process) agrees each step's "finite" across processes
-    (:class:`fp16fx.distributed.Consensus`).
+    (:class:`fp16fx.consensus.Consensus`).
     """
 
     policy: FacadePolicy

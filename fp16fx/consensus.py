@@ -1,7 +1,8 @@
 """Found-inf consensus: every process skips or applies a step together, decided on the device.
 
-Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed``; this module depends
-on nothing else of fp16fx, so the facade can pick it up when torch.distributed is initialized.
+Layer: ``step`` (DESIGN.md), beside the step that calls it: both the functional state and the
+facade hold one, so it sits below both (the ``distributed`` layer re-exports it). The
+transport is ``torch.distributed`` alone; this module depends on nothing else of fp16fx.
 
 Each process checks its own gradients (:func:`fp16fx.scaling.unscale_and_check`, the one
 definition of "unscale and check"), then one all-reduce of two float64 numbers combines::

@@ -1,0 +1,63 @@
+"""The layer table of docs/design.md holds: no module imports from a layer below its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fp16fx"
+
+#: docs/design.md's table, top to bottom: a module may import from its own row and rows above.
+LAYERS = [
+    ("tree", ["tree", "buckets"]),
+    ("scaling", ["scaling"]),
+    ("transforms", ["transforms"]),
+    ("step", ["consensus", "state", "step"]),
+    ("compile", ["compile"]),
+    ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),
+    ("distributed", ["distributed"]),
+    ("cli", ["cli", "train", "bench", "__main__"]),
+]
+RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
+
+
+def _layer_of(module: str) -> int:
+    """Returns the row of ``fp16fx.<top>...``'s layer."""
+    top = module.split(".")[1]
+    if top not in RANK:
+        raise AssertionError(f"fp16fx.{top} is in no layer of docs/design.md's table")
+    return RANK[top]
+
+
+def _fp16fx_imports(path: Path) -> set[str]:
+    """Returns the ``fp16fx.*`` modules ``path`` imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("fp16fx.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "fp16fx":  # from fp16fx import tree, buckets
+                found |= {f"fp16fx.{a.name}" for a in node.names}
+            elif node.module.startswith("fp16fx."):
+                found.add(node.module)
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_from_a_layer_below_it(path):
+    name = "fp16fx." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    own = _layer_of(name)
+    upward = sorted(m for m in _fp16fx_imports(path) if _layer_of(m) > own)
+    assert not upward, f"{name} ({LAYERS[own][0]}) imports from a lower layer: {upward}"
+
+
+def test_the_table_matches_the_docs():
+    table = (PACKAGE.parent / "docs" / "design.md").read_text()
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+    layers = [r for r in rows if r not in ("layer", "---")]
+    assert [name.split(" /")[0] for name in layers] == [name for name, _ in LAYERS]
