@@ -16,8 +16,8 @@ LAYERS = [
     ("transforms", ["transforms"]),
     ("step", ["consensus", "state", "step"]),
     ("compile", ["compile"]),
-    ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),
     ("distributed", ["distributed"]),
+    ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),
     ("cli", ["cli", "train", "bench", "__main__"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
