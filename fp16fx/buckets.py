@@ -86,14 +86,14 @@ def flat_view(bucket: Bucket, leaves: Sequence[torch.Tensor | None]) -> torch.Te
     check reads addresses only (no data) and costs about a microsecond per leaf.
     """
     first = leaves[bucket.indices[0]]
-    if first is None or not first.is_contiguous():
+    if not isinstance(first, torch.Tensor) or not first.is_contiguous():
         return None
     start = first.data_ptr()
     size = first.element_size()
     for i, offset, shape in zip(bucket.indices, bucket.offsets, bucket.shapes):
         leaf = leaves[i]
         if (
-            leaf is None
+            not isinstance(leaf, torch.Tensor)
             or leaf.dtype != first.dtype
             or leaf.data_ptr() != start + offset * size
             or tuple(leaf.shape) != shape

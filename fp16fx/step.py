@@ -86,10 +86,10 @@ def apply_updates(
         return torch.where(finite, new, old)
 
     new_masters = [keep_if_skipped(m + u, m) for m, u in zip(masters, updates)]
-    new_params = [
-        None if p is None else keep_if_skipped(m.to(p.dtype), p)
-        for p, m in zip(params, new_masters)
-    ]
+    # A param is always its master rounded (``init`` makes it so and every step keeps it so),
+    # so rounding the selected master writes an unchanged param on a skip without reading the
+    # old one: 2 of the fused pass's 32 bytes per param.
+    new_params = [None if p is None else m.to(p.dtype) for p, m in zip(params, new_masters)]
     new_states = optree.tree_map(keep_if_skipped, new_states, leaf_states)
     new_loss_scale, floored = policy.adjust(loss_scale, finite)
     info = {
@@ -156,11 +156,9 @@ def run_step(
     are views laid out like the bucket (as :func:`grad_buffers` makes them); other grads are
     first copied into a flat buffer, one extra pass over them.
     """
-    grad_leaves = tree.check_grads(state.params, grads)
     layout = state.layout
-    if layout is not None:
-        _check_whole_buckets(layout, grad_leaves, tree.leaf_names(grads, root="grads"))
     if layout is None:
+        grad_leaves = tree.check_grads(state.params, grads)
         params, treedef = tree.flatten(state.params)
         masters = treedef.flatten_up_to(state.master)
         leaf_states = treedef.flatten_up_to(state.opt_state.leaves)
@@ -171,7 +169,7 @@ def run_step(
         params, masters = list(state.children()[0]), list(state.children()[1])
         leaf_states = list(state.children()[2].leaves)
         active = list(range(len(layout.buckets)))
-        grad_list = [_flat_grads(b, grad_leaves, p.dtype) for b, p in zip(layout.buckets, params)]
+        grad_list = _bucket_grads(state, grads)
         indices = layout.first_indices
     args = (
         state.optimizer,
@@ -208,9 +206,38 @@ def run_step(
     return new_state, info
 
 
-def _check_whole_buckets(
-    layout: Layout, grads: list[torch.Tensor | None], names: list[str]
-) -> None:
+def _bucket_grads(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor]:
+    """Returns one flat grad per bucket of ``state``, after checking ``grads`` fit it.
+
+    Grads laid out like the buckets (``grad_buffers``) prove themselves valid by their layout:
+    one address check per leaf. Any other grads get the full check, leaf by leaf, and are
+    packed into new flat buffers.
+    """
+    layout, params = state.layout, state.children()[0]
+    leaves, treedef = tree.flatten(grads)
+    if treedef == layout.treedef:
+        flats = [buckets.flat_view(bucket, leaves) for bucket in layout.buckets]
+        # flat_view checked shapes and that each bucket's grads share one storage (so one
+        # device and dtype); untrained (None) params must have None grads.
+        trained = sum(len(bucket.indices) for bucket in layout.buckets)
+        if (
+            all(
+                f is not None and f.dtype == p.dtype and f.device == p.device
+                for f, p in zip(flats, params)
+            )
+            and sum(g is not None for g in leaves) == trained
+        ):
+            return flats
+    leaves = tree.check_grads(state.params, grads)
+    _check_whole_buckets(layout, leaves, grads)
+    flats = []
+    for bucket, param in zip(layout.buckets, params):
+        flat = buckets.flat_view(bucket, leaves)
+        flats.append(buckets.pack(bucket, leaves, param.dtype) if flat is None else flat)
+    return flats
+
+
+def _check_whole_buckets(layout: Layout, leaves: list[torch.Tensor | None], grads: Any) -> None:
     """Raises ValueError if a trained leaf of a bucketed state has no gradient.
 
     A bucket keeps one step count for all its leaves, so it can only step as a whole: letting
@@ -218,19 +245,12 @@ def _check_whole_buckets(
     """
     for bucket in layout.buckets:
         for i in bucket.indices:
-            if grads[i] is None:
+            if leaves[i] is None:
                 raise ValueError(
-                    f"{names[i]} is None, but a bucketed state (init(..., buckets=True)) steps "
-                    "whole buckets; pass a zero gradient, or use buckets=False for leaves that "
-                    "sometimes have no gradient"
+                    f"{tree.leaf_names(grads, root='grads')[i]} is None, but a bucketed state "
+                    "(init(..., buckets=True)) steps whole buckets; pass a zero gradient, or "
+                    "use buckets=False for leaves that sometimes have no gradient"
                 )
-
-
-def _flat_grads(
-    bucket: buckets.Bucket, grads: list[torch.Tensor | None], dtype: torch.dtype
-) -> torch.Tensor:
-    flat = buckets.flat_view(bucket, grads)
-    return buckets.pack(bucket, grads, dtype) if flat is None else flat
 
 
 def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:

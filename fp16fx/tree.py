@@ -89,20 +89,29 @@ def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:
             "grads do not have the structure of params:\n"
             f"  params: {param_def}\n  grads:  {grad_def}"
         )
-    names = leaf_names(grads, root="grads")
-    for name, param, grad in zip(names, param_leaves, grad_leaves):
+    for i, (param, grad) in enumerate(zip(param_leaves, grad_leaves)):
         if grad is None:
             continue
-        if param is None:
-            raise ValueError(f"{name} is a gradient for a None (untrained) param")
-        if not isinstance(grad, torch.Tensor):
-            raise TypeError(f"{name} is a {type(grad).__name__}, not a tensor")
-        if grad.shape != param.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(grad.shape)}, its param {tuple(param.shape)}"
-            )
-        if grad.dtype != param.dtype:
-            raise TypeError(f"{name} has dtype {grad.dtype}, its param {param.dtype}")
-        if grad.device != param.device:
-            raise TypeError(f"{name} is on {grad.device}, its param on {param.device}")
+        problem = _grad_problem(param, grad)
+        if problem is not None:
+            error, message = problem
+            raise error(f"{leaf_names(grads, root='grads')[i]} {message}")
     return grad_leaves
+
+
+def _grad_problem(param: Any, grad: Any) -> tuple[type[Exception], str] | None:
+    """Returns ``(error type, message)`` if ``grad`` cannot be ``param``'s gradient, else None.
+
+    The leaf's name is left to the caller: naming every leaf costs more than checking it.
+    """
+    if param is None:
+        return ValueError, "is a gradient for a None (untrained) param"
+    if not isinstance(grad, torch.Tensor):
+        return TypeError, f"is a {type(grad).__name__}, not a tensor"
+    if grad.shape != param.shape:
+        return ValueError, f"has shape {tuple(grad.shape)}, its param {tuple(param.shape)}"
+    if grad.dtype != param.dtype:
+        return TypeError, f"has dtype {grad.dtype}, its param {param.dtype}"
+    if grad.device != param.device:
+        return TypeError, f"is on {grad.device}, its param on {param.device}"
+    return None

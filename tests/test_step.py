@@ -222,18 +222,31 @@ def test_init_refuses_a_non_transform_optimizer():
         ({"w": 1.0, "b": torch.ones(2).half()}, TypeError, r"grads\['w'\] is a float"),
     ],
 )
-def test_step_refuses_grads_that_do_not_fit_and_changes_nothing(grads, error, message):
-    state = fp16fx.init(GOOD, fp16fx.adam(), fp16fx.DynamicLossScale())
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_step_refuses_grads_that_do_not_fit_and_changes_nothing(grads, error, message, bucketed):
+    params = {k: v.clone() for k, v in GOOD.items()}
+    state = fp16fx.init(params, fp16fx.adam(), fp16fx.DynamicLossScale(), buckets=bucketed)
     before = snapshot(state)
     with pytest.raises(error, match=message):
         fp16fx.step(state, grads)
     assert bitwise_equal(before, snapshot(state))
 
 
-def test_a_grad_for_an_untrained_leaf_is_refused():
-    state = fp16fx.init({"w": torch.ones(2).half(), "n": None}, fp16fx.sgd(0.1))
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_a_grad_for_an_untrained_leaf_is_refused(bucketed):
+    params = {"w": torch.ones(2).half(), "n": None}
+    state = fp16fx.init(params, fp16fx.sgd(0.1), buckets=bucketed)
+    grads = fp16fx.grad_buffers(state)  # laid out like the buckets, when there are buckets
+    grads["n"] = torch.ones(2).half()
     with pytest.raises(ValueError, match=r"grads\['n'\] is a gradient for a None"):
-        fp16fx.step(state, {"w": torch.ones(2).half(), "n": torch.ones(2).half()})
+        fp16fx.step(state, grads)
+
+
+def test_grads_laid_out_like_the_buckets_but_of_another_dtype_are_refused():
+    state = fp16fx.init({k: v.clone() for k, v in GOOD.items()}, fp16fx.sgd(0.1), buckets=True)
+    other = fp16fx.init({k: v.bfloat16() for k, v in GOOD.items()}, fp16fx.sgd(0.1), buckets=True)
+    with pytest.raises(TypeError, match=r"grads\['b'\] has dtype torch.bfloat16"):
+        fp16fx.step(state, fp16fx.grad_buffers(other))
 
 
 def test_params_on_several_devices_are_refused():
