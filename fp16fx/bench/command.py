@@ -14,6 +14,12 @@ import torch
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
 from fp16fx.bench.report import format_report, to_json
+from fp16fx.bench.sharded import (
+    ShardedOptions,
+    format_sharded_report,
+    run_sharded,
+    sharded_to_json,
+)
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
 
@@ -65,7 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: torch's current setting)",
+        help="torch intra-op threads (default: torch's current setting); with --world-sizes: "
+        "the cores the d processes share (default: all available)",
+    )
+    parser.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        metavar="D,D,...",
+        help="instead of the contenders: the sharded (ZeRO-1) Adam step of "
+        "fp16fx.distributed in D local gloo processes per size, per rank (ms/step, persistent "
+        "bytes/param vs 4 + 12/d); d=1, the unsharded state, is always included. E.g. 2,4",
     )
     parser.add_argument(
         "--no-compile-times",
@@ -102,6 +117,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _world_sizes(text: str) -> list[int]:
+    """Parse ``--world-sizes``: comma-separated process counts, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,4, got {text!r}") from None
+    if any(d < 1 for d in sizes):
+        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
+    return sizes
+
+
 def _presets(args: argparse.Namespace) -> list[Preset]:
     if (args.params is None) != (args.leaves is None):
         raise SystemExit("fp16fx bench: --params and --leaves go together")
@@ -129,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         print(_list_contenders())
         return 0
+    if args.world_sizes is not None:
+        return _run_sharded(args)
     opts = BenchOptions(
         presets=_presets(args),
         only=args.only,
@@ -141,14 +169,41 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
 
-    def progress(message: str) -> None:
-        print(f"fp16fx bench: {message}", file=sys.stderr, flush=True)
-
     try:
-        result = run_bench(opts, None if args.quiet else progress)
+        result = run_bench(opts, None if args.quiet else _progress)
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"fp16fx bench: {exc}") from None
     sys.stdout.write(to_json(result) + "\n" if args.json else format_report(result))
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"fp16fx bench: {message}", file=sys.stderr, flush=True)
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """Run ``fp16fx bench --world-sizes``; print its table or JSON; return 0."""
+    if args.only:
+        raise SystemExit(
+            "fp16fx bench: --world-sizes measures fp16fx's sharded step only; drop --only"
+        )
+    if args.device != "cpu":
+        raise SystemExit("fp16fx bench: --world-sizes runs on CPU with gloo only for now")
+    opts = ShardedOptions(
+        presets=_presets(args),
+        world_sizes=sorted({1, *args.world_sizes}),
+        steps=args.steps,
+        warmup=args.warmup,
+        time_budget_s=args.time_budget if args.time_budget > 0 else None,
+        seed=args.seed,
+        cores=args.threads,
+    )
+    try:
+        result = run_sharded(opts, None if args.quiet else _progress)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"fp16fx bench: {exc}") from None
+    out = sharded_to_json(result) + "\n" if args.json else format_sharded_report(result)
+    sys.stdout.write(out)
     return 0
 
 

@@ -317,7 +317,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
     if opts.steps < 1 or opts.warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got {opts.steps}, {opts.warmup}")
     runners = select_runners(opts.only)
-    load_start = _load_avg()
+    load_start = measure.load_average()
     say(f"measuring copy bandwidth on {device} ({torch.get_num_threads()} threads)")
     bandwidth = measure.copy_bandwidth(device, opts.copy_buffer_bytes)
     say(f"copy bandwidth {bandwidth.gbps:.1f} GB/s")
@@ -327,7 +327,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         say("warming up the compiler (imports, worker pool)")
         measure.warm_up_compiler(device)
     presets = [_run_preset(p, runners, opts, device, bandwidth, say) for p in opts.presets]
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else measure.cpu_name()
+    )
     return BenchResult(
         device=str(device),
         device_name=device_name,
@@ -341,28 +343,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         copy_buffer_bytes=bandwidth.buffer_bytes,
         roofline_bytes_per_param=measure.ROOFLINE_BYTES_PER_PARAM,
         load_avg_start=load_start,
-        load_avg_end=_load_avg(),
+        load_avg_end=measure.load_average(),
         cpu_count=os.cpu_count(),
         presets=presets,
     )
-
-
-def _load_avg() -> float | None:
-    """Return the 1-minute load average (other work on the machine skews timings)."""
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"

@@ -26,8 +26,10 @@ __all__ = [
     "StepTimer",
     "compile_cache",
     "copy_bandwidth",
+    "cpu_name",
     "forget_compiled",
     "graphs_compiled",
+    "load_average",
     "release_memory",
     "roofline_bytes",
     "synchronize",
@@ -292,3 +294,25 @@ def warm_up_compiler(device: torch.device) -> None:
         fn(torch.ones(8, device=device))
         synchronize(device)
     forget_compiled()
+
+
+def load_average() -> float | None:
+    """Return the 1-minute load average (other work on the machine skews timings)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def cpu_name() -> str:
+    """Return the CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

@@ -25,7 +25,15 @@ from collections.abc import Callable, Sequence
 
 from fp16fx.bench.harness import BenchResult, ContenderResult, PresetResult
 
-__all__ = ["JSON_SCHEMA_VERSION", "format_report", "format_table", "to_json", "to_jsonable"]
+__all__ = [
+    "JSON_SCHEMA_VERSION",
+    "align",
+    "format_number",
+    "format_report",
+    "format_table",
+    "to_json",
+    "to_jsonable",
+]
 
 #: Bumped when the JSON document's fields change meaning.
 JSON_SCHEMA_VERSION = 1
@@ -33,7 +41,8 @@ JSON_SCHEMA_VERSION = 1
 Cell = Callable[[ContenderResult], str]
 
 
-def _num(value: float | None, fmt: str) -> str:
+def format_number(value: float | None, fmt: str) -> str:
+    """Return ``value`` formatted with ``fmt``, or ``-`` for a missing value."""
     return "-" if value is None else format(value, fmt)
 
 
@@ -50,18 +59,39 @@ def _mb(value: int | None) -> str:
 
 
 COLUMNS: Sequence[tuple[str, Cell]] = (
-    ("ms/step", lambda r: _num(r.ms_per_step, ".2f")),
-    ("min ms", lambda r: _num(r.min_ms, ".2f")),
-    ("GB/s", lambda r: _num(r.gbps, ".1f")),
+    ("ms/step", lambda r: format_number(r.ms_per_step, ".2f")),
+    ("min ms", lambda r: format_number(r.min_ms, ".2f")),
+    ("GB/s", lambda r: format_number(r.gbps, ".1f")),
     ("roof", lambda r: _percent(r.fraction_of_roofline)),
     ("×torch", lambda r: _times(r.speedup_vs_torch_fused)),
     ("×apex", lambda r: _times(r.speedup_vs_apex_style)),
-    ("cold s", lambda r: _num(r.cold_compile_s, ".1f")),
-    ("warm s", lambda r: _num(r.warm_compile_s, ".1f")),
+    ("cold s", lambda r: format_number(r.cold_compile_s, ".1f")),
+    ("warm s", lambda r: format_number(r.warm_compile_s, ".1f")),
     ("recomp", lambda r: "-" if r.recompiles is None else str(r.recompiles)),
     ("peak MB", lambda r: _mb(r.peak_mem_bytes)),
-    ("B/param", lambda r: _num(r.persistent_bytes_per_param, ".1f")),
+    ("B/param", lambda r: format_number(r.persistent_bytes_per_param, ".1f")),
 )
+
+
+def align(names: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Return a header line, a rule and one line per row, in aligned columns.
+
+    The first column is left-aligned, the others right-aligned. A row with fewer cells than
+    ``names`` (an unavailable or failed entry) prints its second cell as free text after the
+    first, and does not widen the columns.
+    """
+    full_rows = [r for r in rows if len(r) == len(names)]
+    widths = [max(len(name), *(len(r[i]) for r in full_rows)) for i, name in enumerate(names)]
+    widths[0] = max(widths[0], *(len(r[0]) for r in rows))
+
+    def line(cells: Sequence[str]) -> str:
+        if len(cells) != len(names):
+            return f"{cells[0]:<{widths[0]}}  {cells[1]}"
+        first = f"{cells[0]:<{widths[0]}}"
+        rest = (f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest])
+
+    return [line(names), "-" * len(line(names)), *(line(r) for r in rows)]
 
 
 def format_table(preset: PresetResult, bench: BenchResult) -> str:
@@ -89,19 +119,7 @@ def format_table(preset: PresetResult, bench: BenchResult) -> str:
             cells[6:] = ["-"] * (len(cells) - 6)
         rows.append([label, *cells])
         notes += [f"{result.name}: {note}" for note in result.notes]
-    full_rows = [r for r in rows if len(r) == len(names)]
-    widths = [max(len(name), *(len(r[i]) for r in full_rows)) for i, name in enumerate(names)]
-    widths[0] = max(widths[0], *(len(r[0]) for r in rows))
-
-    def line(cells: list[str]) -> str:
-        if len(cells) != len(names):  # unavailable/error: free text after the label
-            return f"{cells[0]:<{widths[0]}}  {cells[1]}"
-        first = f"{cells[0]:<{widths[0]}}"
-        rest = (f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    rule = "-" * len(line(names))
-    body = [line(names), rule, *(line(r) for r in rows)]
+    body = align(names, rows)
     footer = [f"note: {n}" for n in notes]
     return "\n".join([*header, "", *body, *footer])
 

@@ -1,0 +1,80 @@
+"""Tests of ``fp16fx bench --world-sizes``: the sharded step measured per rank in gloo workers.
+
+Speed is never asserted. The one spawning test runs two processes on a tiny preset (~10-20 s on
+two cores, most of it starting the processes and compiling the shard's step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import fp16fx
+import fp16fx.distributed as fdist
+from fp16fx.bench import command
+from fp16fx.bench.presets import Preset, custom_shapes, make_param_set
+from fp16fx.bench.runner import BenchConfig
+from fp16fx.bench.sharded import (
+    ShardedOptions,
+    format_sharded_report,
+    run_sharded,
+    sharded_to_json,
+)
+
+# 1,001 params: at d = 2 a slice is 501 values, so the flat buffers carry one value of padding.
+TINY = Preset("tiny", tuple(custom_shapes(1001, 3)))
+
+
+def _scalar_bytes() -> int:
+    """Return the bytes of an Adam state's 0-d tensors (hyperparameters, loss scale, counts).
+
+    Taken from the unsharded state, whose other tensors are exactly 16 B/param; the sharded
+    state's slice holds the same scalars.
+    """
+    cfg = BenchConfig()
+    params, _ = make_param_set(TINY.shapes, loss_scale=cfg.loss_scale)
+    state = fp16fx.init(
+        params, fp16fx.adam(lr=cfg.lr), fp16fx.StaticLossScale(cfg.loss_scale), buckets=True
+    )
+    grads = fp16fx.grad_buffers(state)
+    return fdist.persistent_bytes(state, grads) - 16 * TINY.num_params
+
+
+def test_bytes_per_param_per_rank_are_the_measured_tensors_at_d2() -> None:
+    d, n = 2, TINY.num_params
+    opts = ShardedOptions([TINY], world_sizes=[d], steps=3, warmup=1, timeout_s=60.0)
+    result = run_sharded(opts)
+
+    (preset,) = result.presets
+    assert [(r.world_size, r.rank) for r in preset.ranks] == [(d, 0), (d, 1)]
+    s = math.ceil(n / d)  # every rank's slice; the flat FP16 buffers hold d * s values
+    expected = 2 * d * s + 2 * d * s + (4 + 4 + 4) * s + _scalar_bytes()
+    for r in preset.ranks:
+        assert r.sharded and r.step == "compiled" and r.threads >= 1
+        assert r.steps == 3 and 0 < r.min_ms <= r.ms_per_step
+        assert r.comm_ms is not None and r.comm_ms > 0
+        assert r.persistent_bytes == expected
+        assert r.bytes_per_param == expected / n == pytest.approx(4 + 12 / d, abs=0.1)
+        assert r.formula_bytes_per_param == 4 + 12 / d
+    table = format_sharded_report(result)
+    assert f"{expected / n:.2f}" in table and "10.00" in table
+    doc = json.loads(sharded_to_json(result))
+    assert doc["benchmark"] == "sharded"
+    assert doc["presets"][0]["ranks"][1]["persistent_bytes"] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-sizes", "0,2"], None),
+        (["--world-sizes", "2", "--only", "torch-fused"], "--only"),
+        (["--world-sizes", "2", "--device", "cuda"], "CPU"),
+    ],
+)
+def test_cli_rejects_bad_world_size_requests_before_spawning(argv, message) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        command.main([*argv, "--params", "1000", "--leaves", "2"])
+    if message is not None:
+        assert message in str(excinfo.value)
