@@ -14,7 +14,7 @@ SCRIPTS = dict(re.findall(r"<!-- torchrun: (\S+) -->\n```python\n(.*?)```", DOC.
 
 
 def test_the_doc_has_its_scripts():
-    assert set(SCRIPTS) == {"ddp_facade.py", "sharded.py"}
+    assert set(SCRIPTS) == {"ddp_facade.py", "facade_sharded.py", "sharded.py"}
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

@@ -13,17 +13,28 @@ rebuilt from the masters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 
-from fp16fx.distributed.sharded import ShardedState
+from fp16fx.distributed.sharded import ShardedState, Sharding
 from fp16fx.state import MixedPrecisionState
 
 FORMAT = "fp16fx.sharded/1"
 ShardDict = dict[str, Any]
+
+
+def shard_meta(sharding: Sharding, numels: Sequence[int]) -> ShardDict:
+    """Returns the metadata that lets a rank's slices be joined with the other ranks': world
+    size, rank, each buffer's unpadded length (``numels``) and slice length."""
+    return {
+        "world_size": sharding.world_size,
+        "rank": sharding.rank,
+        "numels": list(numels),
+        "shard_numel": list(sharding.shard_numel),
+    }
 
 
 def state_dict(state: ShardedState) -> ShardDict:
@@ -32,16 +43,46 @@ def state_dict(state: ShardedState) -> ShardDict:
     masters, opt_state = shard.children()[1], shard.children()[2]
     return {
         "format": FORMAT,
-        "world_size": state.world_size,
-        "rank": state.rank,
-        "numels": [b.numel for b in state.layout.buckets],
-        "shard_numel": list(state.shard_numel),
+        **shard_meta(state, [b.numel for b in state.layout.buckets]),
         "master": [m.detach().clone() for m in masters],
         "opt_state": [[t.clone() for t in optree.tree_leaves(leaf)] for leaf in opt_state.leaves],
         "hyperparams": [t.clone() for t in optree.tree_leaves(opt_state.hyperparams)],
         "loss_scale": [t.clone() for t in shard.loss_scale],
         "count": shard.count.clone(),
     }
+
+
+def check_complete(shards: Sequence[ShardDict], fmt: str) -> list[ShardDict]:
+    """Returns ``shards`` in rank order after checking they are one whole checkpoint.
+
+    Raises:
+      ValueError: not all of format ``fmt``, a rank missing or twice, or dicts with different
+        buffer layouts (from another run).
+    """
+    if not isinstance(shards, Sequence) or not all(isinstance(d, Mapping) for d in shards):
+        raise ValueError(f"expected the list of every rank's {fmt!r} dict")
+    shards = sorted(shards, key=lambda d: d.get("rank", -1))
+    if not shards or any(d.get("format") != fmt for d in shards):
+        raise ValueError(f"expected the per-rank dicts of an {fmt!r} checkpoint")
+    world = shards[0]["world_size"]
+    if [d["rank"] for d in shards] != list(range(world)):
+        raise ValueError(
+            f"a checkpoint saved by {world} ranks needs all their dicts; got ranks "
+            f"{[d['rank'] for d in shards]}"
+        )
+    first = shards[0]
+    for d in shards:
+        if d["numels"] != first["numels"] or d["shard_numel"] != first["shard_numel"]:
+            raise ValueError(f"rank {d['rank']}'s dict has another bucket layout than rank 0's")
+    return shards
+
+
+def join(parts: Sequence[torch.Tensor], numel: int, shard_numel: int) -> torch.Tensor:
+    """Returns a buffer's ``numel`` values from its ranks' slices ``parts`` (padding dropped);
+    a tensor that is not a slice (a 0-d count) is equal on every rank: rank 0's."""
+    if all(p.ndim == 1 and p.shape[0] == shard_numel for p in parts):
+        return torch.cat(list(parts))[:numel]
+    return parts[0]
 
 
 def consolidate(shards: Sequence[ShardDict]) -> ShardDict:
@@ -54,32 +95,18 @@ def consolidate(shards: Sequence[ShardDict]) -> ShardDict:
       ValueError: the dicts are not one complete sharded checkpoint (a rank missing, twice,
         or from another run's layout).
     """
-    shards = sorted(shards, key=lambda d: d.get("rank", -1))
-    if not shards or any(d.get("format") != FORMAT for d in shards):
-        raise ValueError(f"expected the per-rank dicts of an {FORMAT!r} checkpoint")
-    world = shards[0]["world_size"]
-    if [d["rank"] for d in shards] != list(range(world)):
-        raise ValueError(
-            f"a checkpoint saved by {world} ranks needs all their dicts; got ranks "
-            f"{[d['rank'] for d in shards]}"
-        )
+    shards = check_complete(shards, FORMAT)
     first = shards[0]
-    for d in shards:
-        if d["numels"] != first["numels"] or d["shard_numel"] != first["shard_numel"]:
-            raise ValueError(f"rank {d['rank']}'s dict has another bucket layout than rank 0's")
 
-    def join(b: int, parts: list[torch.Tensor]) -> torch.Tensor:
-        s = first["shard_numel"][b]
-        if all(p.ndim == 1 and p.shape[0] == s for p in parts):
-            return torch.cat(parts)[: first["numels"][b]]
-        return parts[0]
+    def joined(b: int, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return join(parts, first["numels"][b], first["shard_numel"][b])
 
     n_buckets = len(first["numels"])
     return {
         "numels": first["numels"],
-        "master": [join(b, [d["master"][b] for d in shards]) for b in range(n_buckets)],
+        "master": [joined(b, [d["master"][b] for d in shards]) for b in range(n_buckets)],
         "opt_state": [
-            [join(b, list(parts)) for parts in zip(*(d["opt_state"][b] for d in shards))]
+            [joined(b, parts) for parts in zip(*(d["opt_state"][b] for d in shards))]
             for b in range(n_buckets)
         ],
         "hyperparams": first["hyperparams"],
@@ -124,9 +151,9 @@ def load_state_dict(state: ShardedState, shards: Sequence[ShardDict]) -> None:
             flat.zero_()
             flat[:n].copy_(full["master"][b])  # params are their masters cast down
             if not _same_storage(masters[b], flat):  # an FP32 bucket's master is its param
-                masters[b].copy_(_cut(full["master"][b], mine))
+                masters[b].copy_(cut(full["master"][b], mine))
             for dst, src in zip(optree.tree_leaves(opt_state.leaves[b]), full["opt_state"][b]):
-                dst.copy_(_cut(src, mine) if dst.ndim == 1 and src.ndim == 1 else src)
+                dst.copy_(cut(src, mine) if dst.ndim == 1 and src.ndim == 1 else src)
         _load_common(shard, full)
 
 
@@ -134,7 +161,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _cut(full: torch.Tensor, mine: slice) -> torch.Tensor:
+def cut(full: torch.Tensor, mine: slice) -> torch.Tensor:
     """Returns ``full[mine]``, zero-padded where ``mine`` runs past its end."""
     if full.shape[0] == 0:
         return full

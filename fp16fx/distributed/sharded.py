@@ -13,6 +13,8 @@ A bucket of n values is padded with zeros to d * ceil(n / d); the padding's para
 masters and moments stay 0 (an Adam or SGD update of a zero grad on a zero param is 0), so an
 uneven last shard needs no special case. The consensus is :class:`Consensus` with
 ``sharded=True``: the global gradient norm is the root of the ranks' summed squares.
+:class:`Sharding` is the one place that slices, reduce-scatters and all-gathers; the functional
+:func:`sharded_step` and ``FP16_Optimizer(shard=True)`` both step through it.
 
 Persistent bytes per param and rank, Adam: FP16 param 2 + FP16 grad 2 + (master 4 + m 4 +
 v 4) / d = 4 + 12/d.
@@ -21,7 +23,7 @@ v 4) / d = 4 + 12/d.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -45,8 +47,81 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 InplaceStep = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
 
 
-class ShardedState:
+def padded_numel(numel: int, world: int) -> int:
+    """Returns d * ceil(n / d): the length of a flat buffer of ``numel`` values shared by
+    ``world`` ranks, each owning one slice of ceil(n / d)."""
+    return world * math.ceil(numel / world)
+
+
+class Sharding:
+    """Which slice of each padded flat buffer this rank owns, and the collectives over them.
+
+    One definition of ZeRO-1's data movement, used by :class:`ShardedState` (the functional
+    API) and by ``FP16_Optimizer(shard=True)``. Holds numbers and a group, no tensors.
+
+    Attributes:
+      shard_numel: per buffer, the length s of every rank's slice (the buffer holds d * s).
+      group, world_size, rank: the process group and this rank's place in it.
+    """
+
+    def __init__(self, shard_numel: Sequence[int], group: Any) -> None:
+        self.shard_numel = tuple(shard_numel)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    @classmethod
+    def of(cls, flat_params: Sequence[torch.Tensor], group: Any) -> Sharding:
+        """Returns the sharding of ``flat_params`` (padded to :func:`padded_numel`) over
+        ``group``, after broadcasting them from the group's first rank (as DDP does), so that
+        every rank starts from the same values."""
+        world = dist.get_world_size(group)
+        with torch.no_grad():
+            for flat in flat_params:
+                if flat.numel() % world:
+                    raise ValueError(f"a flat buffer of {flat.numel()} values is not padded")
+                dist.broadcast(flat, src=_first_rank(group), group=group)
+        return cls([flat.numel() // world for flat in flat_params], group)
+
+    def slice(self, b: int) -> slice:
+        """Returns this rank's range in buffer ``b``."""
+        s = self.shard_numel[b]
+        return slice(self.rank * s, (self.rank + 1) * s)
+
+    def reduce_scatter(self, flat_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Returns, per buffer, this rank's slice of the mean of every rank's ``flat_grads``.
+
+        The grads are divided by d in place first (they are spent): as DDP pre-divides, exact
+        for a power-of-two d, and the FP16 sum cannot overflow where the mean would not.
+        """
+        shards = []
+        with torch.no_grad():
+            for flat, s in zip(flat_grads, self.shard_numel):
+                flat.div_(self.world_size)
+                shard = torch.empty(s, dtype=flat.dtype, device=flat.device)
+                try:
+                    _reduce_scatter(shard, flat, group=self.group)
+                except RuntimeError as err:
+                    raise collective_error("the gradients' reduce-scatter", err) from err
+                shards.append(shard)
+        return shards
+
+    def all_gather(self, flat_params: Sequence[torch.Tensor]) -> None:
+        """Writes every rank's slice of each of ``flat_params`` into all ranks' buffers."""
+        with torch.no_grad():
+            for b, flat in enumerate(flat_params):
+                mine = flat[self.slice(b)].clone()  # a collective's input must not alias its output
+                try:
+                    _all_gather(flat, mine, group=self.group)
+                except RuntimeError as err:
+                    raise collective_error("the params' all-gather", err) from err
+
+
+class ShardedState(Sharding):
     """This rank's training state: full low-precision params, 1/d of the rest (stateful).
+
+    A :class:`Sharding` of its flat buffers (``shard_numel``, ``group``, ``world_size``,
+    ``rank``, ``slice``) with the state over its slices.
 
     Attributes:
       params: the params as given to :func:`fp16fx.distributed.init`, now views into
@@ -57,8 +132,6 @@ class ShardedState:
         moments exist only for the slice. Hyperparameters and the loss scale live here
         (``fp16fx.set_hyperparams(state.shard, lr=..., inplace=True)``).
       layout: the buckets' :class:`~fp16fx.buckets.Layout` (unpadded offsets).
-      shard_numel: per bucket, the length s of every rank's slice (d * s >= the bucket).
-      group, world_size, rank: the process group and this rank's place in it.
     """
 
     def __init__(
@@ -67,23 +140,14 @@ class ShardedState:
         flat_params: list[torch.Tensor],
         shard: MixedPrecisionState,
         layout: Layout,
-        shard_numel: tuple[int, ...],
-        group: Any,
+        sharding: Sharding,
     ) -> None:
+        super().__init__(sharding.shard_numel, sharding.group)
         self.params = params
         self.flat_params = flat_params
         self.shard = shard
         self.layout = layout
-        self.shard_numel = shard_numel
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.flat_grads: list[torch.Tensor] | None = None
-
-    def slice(self, b: int) -> slice:
-        """Returns this rank's range in bucket ``b``'s padded flat buffers."""
-        s = self.shard_numel[b]
-        return slice(self.rank * s, (self.rank + 1) * s)
 
     def __repr__(self) -> str:
         n = sum(b.numel for b in self.layout.buckets)
@@ -132,20 +196,18 @@ def init_sharded(
     """
     leaves, treedef = tree.check_params(params)
     layout = buckets.plan(leaves, treedef, keys=optimizer.partition)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flat_params, slices, shard_numel = [], [], []
+    world = dist.get_world_size(group)
+    flat_params = []
     with torch.no_grad():
         for bucket in layout.buckets:
             first = leaves[bucket.indices[0]]
-            s = math.ceil(bucket.numel / world)
-            flat = torch.zeros(s * world, dtype=first.dtype, device=first.device)
+            flat = first.new_zeros(padded_numel(bucket.numel, world))
             for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
                 view.copy_(leaves[i])
                 leaves[i].data = view
-            dist.broadcast(flat, src=_first_rank(group), group=group)
             flat_params.append(flat)
-            slices.append(flat[rank * s : (rank + 1) * s])
-            shard_numel.append(s)
+    sharding = Sharding.of(flat_params, group)
+    slices = [flat[sharding.slice(b)] for b, flat in enumerate(flat_params)]
     shard = init_state(
         slices,
         _reindexed(optimizer, layout.first_indices),
@@ -153,7 +215,7 @@ def init_sharded(
         consensus=Consensus(group=group, sharded=True),
     )
     params = tree.unflatten(treedef, leaves)
-    return ShardedState(params, flat_params, shard, layout, tuple(shard_numel), group)
+    return ShardedState(params, flat_params, shard, layout, sharding)
 
 
 def _first_rank(group: Any) -> int:
@@ -218,26 +280,11 @@ def sharded_step(
             f"sharded_step needs a gradient for every param; {names[missing[0]]} has none "
             "(give it zeros: a sharded state keeps one step count per bucket slice)"
         )
-    world = state.world_size
-    shard_grads = []
     with torch.no_grad():
-        for b in range(len(state.layout.buckets)):
-            flat = _padded_flat_grad(state, b, grad_leaves)
-            flat.div_(world)  # as DDP: exact for a power-of-two d, and no FP16 overflow in the sum
-            shard = torch.empty(state.shard_numel[b], dtype=flat.dtype, device=flat.device)
-            try:
-                _reduce_scatter(shard, flat, group=state.group)
-            except RuntimeError as err:
-                raise collective_error("the gradients' reduce-scatter", err) from err
-            shard_grads.append(shard)
+        flats = [_padded_flat_grad(state, b, grad_leaves) for b in range(len(state.flat_params))]
+    shard_grads = state.reduce_scatter(flats)
     _, info = step(state.shard, shard_grads)
-    with torch.no_grad():
-        for b, flat in enumerate(state.flat_params):
-            mine = flat[state.slice(b)].clone()  # the collective's input must not alias its output
-            try:
-                _all_gather(flat, mine, group=state.group)
-            except RuntimeError as err:
-                raise collective_error("the params' all-gather", err) from err
+    state.all_gather(state.flat_params)
     return state, info
 
 

@@ -6,5 +6,6 @@ docs/migration.md.
 """
 
 from fp16fx.facade.optimizer import FP16_Optimizer
+from fp16fx.facade.sharded_checkpoint import consolidate_state_dict
 
-__all__ = ["FP16_Optimizer"]
+__all__ = ["FP16_Optimizer", "consolidate_state_dict"]

@@ -16,6 +16,7 @@ buffer and re-binds ``p.grad`` to its view: one extra read and write of that gra
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -29,12 +30,13 @@ class FlatBucket:
     Attributes:
       group: the index of the param group the params belong to.
       params: the model's params (their ``.data`` are views of ``param_buffer``).
-      param_buffer, grad_buffer: flat 1-D tensors of the params' dtype.
+      param_buffer, grad_buffer: flat 1-D tensors of the params' dtype, zero-padded to a
+        multiple of ``multiple`` values (a sharded optimizer's d slices; the padding stays 0).
       offsets: ``params[i]`` occupies ``[offsets[i], offsets[i + 1])`` of each buffer.
       grad_views: ``grad_views[i]`` is ``params[i]``'s view of ``grad_buffer``.
     """
 
-    def __init__(self, group: int, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, group: int, params: Sequence[torch.Tensor], multiple: int = 1) -> None:
         if not params:
             raise ValueError("a FlatBucket needs at least one param")
         self.group = group
@@ -45,7 +47,9 @@ class FlatBucket:
         (layout,) = buckets.plan(leaves, treedef).buckets  # one dtype: one bucket
         self.offsets = [*layout.offsets, layout.numel]
         with torch.no_grad():
-            self.param_buffer = buckets.pack(layout, leaves, self.dtype)
+            self.param_buffer = leaves[0].new_zeros(math.ceil(layout.numel / multiple) * multiple)
+            for view, p in zip(buckets.views(layout, self.param_buffer), self.params):
+                view.copy_(p)
             self.grad_buffer = torch.zeros_like(self.param_buffer)
             self.grad_views = buckets.views(layout, self.grad_buffer)
             for p, view, grad_view in zip(

@@ -62,18 +62,26 @@ def _added(state: dict[torch.Tensor, Any], extra: dict[torch.Tensor, Any]) -> It
             state.pop(key, None)
 
 
-def state_dict(opt: FP16_Optimizer) -> dict[str, Any]:
-    """Returns ``opt``'s checkpoint dict (see the module docstring)."""
-    inner, engine = opt.optimizer, opt._engine
-    extra = engine.export() if isinstance(engine, FastEngine) else {}
-    with _added(inner.state, extra):
-        osd = inner.state_dict()
+def scaler_entries(opt: FP16_Optimizer) -> dict[str, Any]:
+    """Returns the entries beside the optimizer state: ``loss_scaler`` (a plain dict),
+    ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` (one sync)."""
     scale, good_steps, overflows = torch.stack([t.double() for t in opt._scaler.state]).tolist()
     return {
         "loss_scaler": scaler_to_dict(opt._scaler.policy, (scale, good_steps, overflows)),
         "dynamic_loss_scale": opt.dynamic_loss_scale,
         "overflow": opt.overflow,
         "first_closure_call_this_step": opt.first_closure_call_this_step,
+    }
+
+
+def state_dict(opt: FP16_Optimizer) -> dict[str, Any]:
+    """Returns ``opt``'s checkpoint dict (see the module docstring)."""
+    inner, engine = opt.optimizer, opt._engine
+    extra = engine.export() if isinstance(engine, FastEngine) else {}
+    with _added(inner.state, extra):
+        osd = inner.state_dict()
+    return {
+        **scaler_entries(opt),
         "optimizer_state_dict": osd,
         "fp32_from_fp16": [
             [m for p, m in zip(params, masters) if m is not p]
@@ -83,11 +91,14 @@ def state_dict(opt: FP16_Optimizer) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class _Plan:
+class Plan:
+    """A checked state dict: what loading it will write."""
+
     policy: FacadePolicy
     values: ScaleValues
     osd: Mapping[str, Any]
-    masters: list[tuple[torch.Tensor, torch.Tensor]]  # (current master, saved value)
+    groups: list[dict[str, Any]]  # the param groups as they will be after loading
+    masters: list[tuple[torch.Tensor, torch.Tensor]]  # (FP16/BF16 param, its saved FP32 master)
     specs: list[GroupSpec] | None  # the fast path's group structures after loading; None: generic
     first_closure_call: bool
 
@@ -179,10 +190,7 @@ def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
 
 
 def _parse_masters(opt: FP16_Optimizer, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    current = [
-        [m for p, m in zip(params, masters) if m is not p]
-        for params, masters in zip(opt._trainable, opt._masters)
-    ]
+    current = [[p for p in params if p.dtype != torch.float32] for params in opt._trainable]
     if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
         n = len(saved) if isinstance(saved, (list, tuple)) else saved
         raise _fail(f"fp32_from_fp16 has {n} group(s), this optimizer {len(current)}")
@@ -194,15 +202,19 @@ def _parse_masters(opt: FP16_Optimizer, saved: Any) -> list[tuple[torch.Tensor, 
                 f"fp32_from_fp16[{k}] has {n} master(s); this optimizer's group {k} has "
                 f"{len(mine)} FP16/BF16 params"
             )
-        for i, (master, value) in enumerate(zip(mine, theirs)):
-            _check_tensor(f"fp32_from_fp16[{k}][{i}]", value, master, torch.float32)
-            pairs.append((master, value))
+        for i, (param, value) in enumerate(zip(mine, theirs)):
+            _check_tensor(f"fp32_from_fp16[{k}][{i}]", value, param, torch.float32)
+            pairs.append((param, value))
     return pairs
 
 
-def _parse(opt: FP16_Optimizer, sd: Any) -> _Plan:
+def parse(opt: FP16_Optimizer, sd: Any) -> Plan:
+    """Returns the plan for loading ``sd`` into ``opt``; raises naming what does not fit."""
     if not isinstance(sd, Mapping):
-        raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
+        raise TypeError(
+            "load_state_dict expects a dict (or the list of a sharded optimizer's per-rank "
+            f"dicts), got {type(sd).__name__}"
+        )
     missing = [key for key in _REQUIRED if key not in sd]
     if missing:
         raise _fail(
@@ -226,15 +238,15 @@ def _parse(opt: FP16_Optimizer, sd: Any) -> _Plan:
                 build_transform(spec, group_values(spec, groups[k]))
             except (ValueError, TypeError, KeyError) as err:
                 raise _fail(f"param group {k}: {err}") from None
-    return _Plan(
-        policy, values, sd["optimizer_state_dict"], masters, specs,
+    return Plan(
+        policy, values, sd["optimizer_state_dict"], groups, masters, specs,
         sd.get("first_closure_call_this_step", True),
     )  # fmt: skip
 
 
 def load_state_dict(opt: FP16_Optimizer, sd: Any) -> None:
     """Loads ``sd`` into ``opt``, or raises having changed nothing (see the module docstring)."""
-    plan = _parse(opt, sd)
+    plan = parse(opt, sd)
     inner, scaler = opt.optimizer, opt._scaler
     saved = (inner.state, inner.param_groups, scaler.policy)
     try:
@@ -255,8 +267,11 @@ def load_state_dict(opt: FP16_Optimizer, sd: Any) -> None:
     with torch.no_grad():
         for dst, value in zip(scaler.state, plan.values):
             dst.fill_(value)
-        for master, value in plan.masters:
-            master.copy_(value)
+        master_of = {
+            id(p): m for ps, ms in zip(opt._trainable, opt._masters) for p, m in zip(ps, ms)
+        }
+        for param, value in plan.masters:
+            master_of[id(param)].copy_(value)
         for params, masters in zip(opt._trainable, opt._masters):
             for p, master in zip(params, masters):
                 if master is not p:

@@ -47,7 +47,7 @@ logger = logging.getLogger("fp16fx")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _apply_and_count(*args: Any) -> Info:
+def apply_and_count(*args: Any) -> Info:
     """:func:`apply_updates_`, then adds this step's (skipped, floored) to ``args[-1]``."""
     *core_args, stats = args
     info = apply_updates_(*core_args)
@@ -55,7 +55,8 @@ def _apply_and_count(*args: Any) -> Info:
     return info
 
 
-def _finite_and_norm(grads: list[torch.Tensor], scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def finite_and_norm(grads: list[torch.Tensor], scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Returns ``(finite, norm)`` of ``grads`` unscaled by ``scale`` (no consensus)."""
     _, finite, norm = unscale_and_check(grads, scale)
     return finite, norm
 
@@ -124,18 +125,26 @@ class FastEngine:
         self._clip_written = NO_CLIP
         self.last_info: Info | None = None
         self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._build(trainable, specs)
+
+    # -- building ------------------------------------------------------------------------
+
+    def _build(self, trainable: Sequence[Sequence[torch.Tensor]], specs: list[GroupSpec]) -> None:
+        """Moves the params into flat buckets and makes their masters and core state."""
         for k, params in enumerate(trainable):
             self._add_group(k, params, specs[k])
         self.rebuild({})
 
-    # -- building ------------------------------------------------------------------------
-
-    def _add_group(self, k: int, params: Sequence[torch.Tensor], spec: GroupSpec) -> None:
+    def _add_spec(self, k: int, spec: GroupSpec) -> None:
+        """Makes param group ``k``'s transform and hyperparameter tensors."""
         group = self.optimizer.param_groups[k]
         self.specs.append(spec)
         self.transforms.append(build_transform(spec, group_values(spec, group)))
         self.hyperparams.append(self.transforms[k].init_hyperparams(self.device))
         self._written.append(group_values(spec, group))
+
+    def _add_group(self, k: int, params: Sequence[torch.Tensor], spec: GroupSpec) -> None:
+        self._add_spec(k, spec)
         new = [
             FlatBucket(k, [p for p in params if p.dtype == dtype])
             for dtype in (*_LOW_PRECISION, torch.float32)
@@ -333,7 +342,7 @@ class FastEngine:
         grads = self.gather()
 
         def core(*args: Any) -> Info:
-            return self._call(_apply_and_count, *args, self.scaler.stats)
+            return self._call(apply_and_count, *args, self.scaler.stats)
 
         _, info = run_step(core, self.state, grads, inplace=True)
         self.last_info, self._checked, self.max_norm = info, None, NO_CLIP
@@ -343,8 +352,12 @@ class FastEngine:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached."""
         if self._checked is None:
             grads = [g for g in self.gather() if g is not None]
-            self._checked = self._call(_finite_and_norm, grads, self.scaler.state.scale)
+            self._checked = self._call(finite_and_norm, grads, self.scaler.state.scale)
         return self._checked
+
+    def local_check(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns :meth:`check`: with replicated grads, this rank's check is every rank's."""
+        return self.check()
 
     def forget_check(self) -> None:
         self._checked = None

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
 from fp16fx.consensus import default_consensus
-from fp16fx.facade import checkpoint
+from fp16fx.facade import checkpoint, sharded_checkpoint
 from fp16fx.facade.closure import step_with_closure
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
@@ -25,6 +25,7 @@ from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import check_trainable, param_names, replace_params
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
+from fp16fx.facade.sharded import ShardedEngine, shard_group
 from fp16fx.scaling import DynamicLossScale
 
 logger = logging.getLogger("fp16fx")
@@ -83,6 +84,19 @@ class FP16_Optimizer(torch.optim.Optimizer):
         ``"auto"`` turns it on when torch.distributed is initialized with more than one
         process, ``None`` turns it off, a process group scopes it to that group. With it,
         every process skips or applies each step together, on the device.
+      shard: ``True`` (the world group) or a process group: ZeRO-1 sharding
+        (:mod:`fp16fx.facade.sharded`; docs/distributed.md). Each of d ranks keeps the whole
+        FP16 params and grads but only its 1/d of the FP32 masters and moments (Adam: 4 + 12/d
+        bytes per param instead of 16). Do not wrap the model in DDP: ``step()`` averages the
+        ranks' grads itself (reduce-scatter), steps its slice with the same compiled core
+        (skip and global norm agreed by all ranks) and all-gathers the params, so every rank
+        ends with the same params; they are broadcast from the first rank when it is built.
+        Fast path only (SGD/Adam/AdamW). ``clip_master_grads`` is then a collective (every
+        rank calls it); every trained param needs a gradient in every step; ``state`` and
+        ``inspect_master_grad_data()`` raise (no rank holds them whole); ``param_groups``
+        keep the model's params; ``state_dict()`` is this rank's shard, and
+        ``load_state_dict`` takes every rank's dicts (any world size) or an apex-format dict
+        (:func:`fp16fx.facade.consolidate_state_dict` makes one).
     """
 
     def __init__(
@@ -97,6 +111,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         compiled: bool = True,
         report_interval: int = 100,
         process_group: Any = "auto",
+        shard: Any = False,
     ) -> None:
         if isinstance(init_optimizer, FP16_Optimizer):
             raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
@@ -107,6 +122,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             )
         if path not in ("auto", "fast", "generic"):
             raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
+        sharded, shard_over = shard_group(shard, process_group, path)
         policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
         self._names = param_names(init_optimizer)
@@ -115,14 +131,19 @@ class FP16_Optimizer(torch.optim.Optimizer):
         check_trainable([p for params in trainable for p in params], self._names)
         device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
         stats = torch.zeros(2, dtype=torch.int64, device=device)
-        consensus = default_consensus(process_group)
+        consensus = None if sharded else default_consensus(process_group)  # the engine's
         self._scaler = Scaler(policy, policy.init(device), stats, consensus)
         self.optimizer = init_optimizer
         self.verbose = verbose
         self._init_hooks()
 
         engine: FastEngine | GenericEngine | None = None
-        if path != "generic":
+        if sharded:
+            engine = ShardedEngine(
+                init_optimizer, trainable, self._scaler, shard_over,
+                compiled=compiled, names=self._names,
+            )  # fmt: skip
+        elif path != "generic":
             try:
                 engine = FastEngine(init_optimizer, trainable, self._scaler, compiled=compiled)
             except Unsupported as err:
@@ -181,6 +202,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
         On the fast path this is a snapshot built from the compiled state (moments are views
         of the live buffers); on the generic path the wrapped optimizer's own ``state``.
+        A sharded optimizer raises RuntimeError: each rank holds 1/d of every bucket's state.
         """
         if isinstance(self._engine, FastEngine):
             return {**self.optimizer.state, **self._engine.export()}
@@ -190,6 +212,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
     def path(self) -> str:
         """``"fast"`` (compiled core over flat buffers) or ``"generic"`` (wrapped optimizer)."""
         return "fast" if isinstance(self._engine, FastEngine) else "generic"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank keeps only its 1/d of the masters and moments (``shard=...``)."""
+        return isinstance(self._engine, ShardedEngine)
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -215,7 +242,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if isinstance(engine, GenericEngine):  # as in apex: the last update_master_grads' check
             return not engine.finite()
         if self._fresh_grads:
-            return not bool(engine.check()[0])
+            return not bool(engine.local_check()[0])
         return engine.last_info is not None and not bool(engine.last_info["finite"])
 
     @overflow.setter
@@ -318,6 +345,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     return -1.0
                 self._engine.max_norm = float(max_norm)
                 return norm
+            if self.sharded:
+                raise ValueError("a sharded FP16_Optimizer clips by the L2 norm (norm_type=2) only")
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
@@ -348,6 +377,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Returns per param group the unscaled FP32 grad of each param (None: no grad).
 
         Returns None (and logs a warning) when the current grads overflowed, as apex did.
+        A sharded optimizer raises RuntimeError: the averaged grads exist only as slices.
         """
         if self.overflow:
             logger.warning(
@@ -404,18 +434,29 @@ class FP16_Optimizer(torch.optim.Optimizer):
         params), ``fp32_from_fp16`` (per group, the FP32 masters), ``loss_scaler`` (a plain
         dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
         ``overflow``, ``first_closure_call_this_step``. Tensors are references to the live
-        state, as in torch.optim: save or copy the dict before stepping again.
+        state, as in torch.optim: save or copy the dict before stepping again. A sharded
+        optimizer returns this rank's shard instead (:mod:`fp16fx.facade.sharded_checkpoint`).
         """
+        if self.sharded:
+            return sharded_checkpoint.state_dict(self)
         return checkpoint.state_dict(self)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Loads a dict from :meth:`state_dict`, from apex's ``FP16_Optimizer.state_dict()``
-        (as ``fp16fx.load_apex_checkpoint`` returns it, or with apex scaler objects), or
+        (as ``fp16fx.load_apex_checkpoint`` returns it, or with apex scaler objects), or the
+        list of every rank's dicts of a sharded optimizer (saved at any world size), or
         raises ValueError/TypeError naming the entry that does not fit -- then nothing changed.
 
         The FP16/BF16 model params are set from the loaded masters.
         """
-        checkpoint.load_state_dict(self, state_dict)
+        if isinstance(state_dict, (list, tuple)) and all(
+            isinstance(d, Mapping) for d in state_dict
+        ):  # every rank's dict of a sharded run
+            state_dict = sharded_checkpoint.consolidate_state_dict(state_dict)
+        if self.sharded:
+            sharded_checkpoint.load_state_dict(self, state_dict)
+        else:
+            checkpoint.load_state_dict(self, state_dict)
         self._processed = self._fresh_grads = False
         self._overflow_loaded = state_dict.get("overflow")
 

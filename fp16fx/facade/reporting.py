@@ -88,6 +88,8 @@ def describe(opt: FP16_Optimizer) -> str:
         )
     how = "compiled" if getattr(opt._engine, "compiled", False) else "eager"
     where = f"fast path ({how})" if opt.path == "fast" else "generic path"
+    if opt.sharded:
+        where += f", sharded over {opt._engine.sharding.world_size} ranks"  # type: ignore[union-attr]
     return (
         f"FP16_Optimizer({type(opt.optimizer).__name__}, {where}, "
         f"{len(opt.param_groups)} param group(s), {low:,} FP16/BF16 values with FP32 "

@@ -59,7 +59,8 @@ def stateful(leaf: Any) -> TraceState | ScaleByAdamState | None:
     return next((x for x in found if isinstance(x, _STATEFUL)), None)
 
 
-def _tensors(inner: TraceState | ScaleByAdamState) -> dict[str, torch.Tensor]:
+def named_tensors(inner: TraceState | ScaleByAdamState) -> dict[str, torch.Tensor]:
+    """Returns the leaf state's flat tensors under torch.optim's names (some may be empty)."""
     if isinstance(inner, TraceState):
         return {"momentum_buffer": inner.momentum_buffer}
     return {"exp_avg": inner.mu, "exp_avg_sq": inner.nu, "max_exp_avg_sq": inner.nu_max}
@@ -106,7 +107,7 @@ def fill(
         return
     with torch.no_grad():
         inner.count.fill_(count)
-        for key, flat in _tensors(inner).items():
+        for key, flat in named_tensors(inner).items():
             if flat.numel() == 0:
                 continue
             for (a, z), state in zip(spans, saved):
@@ -132,7 +133,7 @@ def export(
     inner = stateful(leaf)
     if inner is None or count == 0:
         return {}
-    tensors = _tensors(inner)
+    tensors = named_tensors(inner)
     out: PerParamState = {}
     for (a, z), entry in zip(spans, entries):
         state: dict[str, Any] = {}

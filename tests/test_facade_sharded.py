@@ -1,0 +1,256 @@
+"""``FP16_Optimizer(shard=True)`` on CPU/gloo: 2 and 4 processes, uneven last slices, an inf on
+one rank, an LR scheduler, checkpoints saved at d=2 and loaded at d=4 and unsharded, memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fp16fx.distributed as fdist
+from fp16fx.facade import FP16_Optimizer, consolidate_state_dict
+from tests.test_distributed import results, spawn
+
+STEPS, SAVE_AT, INF_AT, BATCH = 20, 10, 7, 4
+LR = {"adam": 1e-2, "sgd": 0.02}
+
+
+class Net(nn.Module):
+    """63 FP16 values and 3 FP32 ones: uneven slices at d = 2 and d = 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).half()
+        self.gain = nn.Parameter(torch.ones(3))  # FP32: its own master
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.half()).float() * self.gain
+
+
+def make_optimizer(model: nn.Module, name: str, **kwargs: Any) -> FP16_Optimizer:
+    if name == "adam":
+        inner = torch.optim.Adam(model.parameters(), lr=LR[name], weight_decay=1e-3)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=LR[name], momentum=0.9, nesterov=True)
+    # A rank's grads (of a quarter batch) overflow at a higher scale than the whole batch's:
+    # start low, so that only the injected inf skips a step, on every run alike.
+    options = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**10}}
+    options = {**options, "verbose": False, "compiled": False, **kwargs}
+    return FP16_Optimizer(inner, **options)
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(model, opt, steps, rank, world, *, inf=False, schedule=False) -> dict[str, Any]:
+    """Trains on rank ``rank``'s part of each global batch (None: all of it; "same": every
+    rank the whole batch). ``inf``: rank 1 (and the reference) get an inf at INF_AT."""
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if schedule else None
+    seen: dict[str, Any] = {"scales": [], "norms": []}
+    for i in steps:
+        g = torch.Generator().manual_seed(1000 + i)
+        x, y = (
+            torch.randn(BATCH * world, 8, generator=g),
+            torch.randn(BATCH * world, 3, generator=g),
+        )
+        if isinstance(rank, int):
+            x, y = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+        opt.zero_grad()
+        opt.backward(F.mse_loss(model(x), y))
+        if inf and i == INF_AT and rank in (None, 1):
+            model.body[0].weight.grad[0, 0] = float("inf")
+        before = params_of(model)
+        seen["norms"].append(opt.clip_master_grads(0.5))  # a collective when sharded
+        opt.step()
+        if i == INF_AT:
+            seen["unchanged"] = all(map(torch.equal, before, params_of(model)))
+        seen["scales"].append(opt.loss_scale)
+        if scheduler is not None:
+            scheduler.step()
+    seen["params"] = params_of(model)
+    seen["lr"] = opt.param_groups[0]["lr"]
+    return seen
+
+
+def versus_unsharded(rank: int, world: int, name: str, compiled: bool = False) -> dict:
+    model = Net()
+    opt = make_optimizer(model, name, shard=True, compiled=compiled)
+    return train(model, opt, range(STEPS), rank, world, inf=name == "adam", schedule=True)
+
+
+def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
+    """d=2 saves at SAVE_AT and runs on; d=4 loads the d=2 files and runs on."""
+    model = Net()
+    opt = make_optimizer(model, "adam", shard=True)
+    if world == 2:
+        train(model, opt, range(SAVE_AT), "same", 1)
+        torch.save(opt.state_dict(), out / f"opt_rank{rank}.pt")
+        torch.save(model.state_dict(), out / "model.pt")  # FP32 params are model state
+    else:
+        model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+        opt.load_state_dict(
+            [torch.load(out / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+        )
+    return train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"]
+
+
+def kept_bytes(opt: FP16_Optimizer) -> int:
+    """Returns the bytes of every tensor the facade keeps between steps."""
+    engine = opt._engine
+    buffers = [t for b in engine.buckets for t in (b.param_buffer, b.grad_buffer)]
+    return fdist.persistent_bytes(engine.state, buffers)
+
+
+def memory(shard: bool) -> float:
+    model = nn.Linear(1024, 1024).half()
+    opt = FP16_Optimizer(torch.optim.Adam(model.parameters()), compiled=False, shard=shard)
+    opt.backward(model(torch.randn(2, 1024).half()).float().sum())
+    opt.step()
+    return kept_bytes(opt) / sum(p.numel() for p in model.parameters())
+
+
+def refusals(rank: int, world: int) -> dict[str, Any]:
+    model = Net()
+    where = [p.data_ptr() for p in model.parameters()]
+    found = {}
+    try:
+        FP16_Optimizer(torch.optim.RMSprop(model.parameters()), shard=True)
+    except ValueError as err:
+        found["rmsprop"] = str(err)
+    solo = dist.new_group([0])  # every rank takes part in making it
+    if rank == 0:
+        try:
+            FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
+        except ValueError as err:
+            found["solo"] = str(err)
+    found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
+    opt = make_optimizer(model, "adam", shard=True)
+    for what in ("state", "inspect_master_grad_data"):
+        try:
+            getattr(opt, what)() if what != "state" else opt.state
+        except RuntimeError as err:
+            found[what] = str(err)
+    return found
+
+
+def worker(rank: int, world: int, out: str) -> None:
+    found: dict[str, Any] = {name: versus_unsharded(rank, world, name) for name in ("adam", "sgd")}
+    found["checkpoint"] = checkpoint_run(rank, world, Path(out))
+    found["memory"] = memory(shard=True)
+    if world == 2:
+        found["compiled"] = versus_unsharded(rank, world, "adam", compiled=True)
+        found["refusals"] = refusals(rank, world)
+    torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[Any, Any]:
+    """The d=2 run (it writes the checkpoint the d=4 run loads); d=4 is added on demand."""
+    out = tmp_path_factory.mktemp("facade_sharded")
+    spawn(worker, 2, str(out), timeout_s=60)
+    return {2: results(out, 2), "dir": out}
+
+
+@pytest.fixture(scope="module")
+def runs_4(runs) -> dict[Any, Any]:
+    spawn(worker, 4, str(runs["dir"]), timeout_s=60)
+    runs[4] = results(runs["dir"], 4)
+    return runs
+
+
+def unsharded(name: str, world: int) -> dict[str, Any]:
+    model = Net()
+    opt = make_optimizer(model, name, process_group=None)
+    return train(model, opt, range(STEPS), None, world, inf=name == "adam", schedule=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_sharded_facade_equals_the_unsharded_one_on_the_whole_batch(request, world, name):
+    runs = request.getfixturevalue("runs" if world == 2 else "runs_4")
+    expected = unsharded(name, world)
+    assert expected["lr"] == runs[world][0][name]["lr"] == LR[name] / 16  # StepLR moved it
+    for r in runs[world]:
+        got = r[name]
+        for a, b in zip(got["params"], runs[world][0][name]["params"]):
+            assert torch.equal(a, b)  # every rank holds the same params
+        # The ranks' FP16 grads are averaged in FP16 (DDP's rounding), the reference's come
+        # from one backward over the whole batch: equal to FP16 gradient precision (Nesterov
+        # momentum carries a rounding on for a few steps).
+        for a, b in zip(got["params"], expected["params"]):
+            torch.testing.assert_close(a, b, rtol=5e-3, atol=2e-3)
+        assert got["scales"] == expected["scales"]
+        # clip_master_grads returns the global norm (the root of the slices' summed squares).
+        assert got["norms"] == pytest.approx(expected["norms"], rel=2e-3)
+
+
+def test_an_inf_on_one_rank_skips_every_rank(runs):
+    for r in runs[2]:
+        got = r["adam"]
+        assert got["unchanged"] and got["norms"][INF_AT] == -1.0
+        assert got["scales"][INF_AT] == got["scales"][INF_AT - 1] / 2
+        assert got["scales"] == runs[2][0]["adam"]["scales"]
+
+
+def test_compiled_sharded_step_matches_eager(runs):
+    for r in runs[2]:
+        assert r["compiled"]["scales"] == r["adam"]["scales"]
+        for a, b in zip(r["compiled"]["params"], r["adam"]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+def test_checkpoint_saved_at_2_loads_at_4_and_unsharded(runs_4):
+    runs = runs_4
+    model = Net()
+    opt = make_optimizer(model, "adam", process_group=None)
+    expected = train(model, opt, range(STEPS), "same", 1)["params"]
+    for world in (2, 4):
+        for r in runs[world]:
+            for a, b in zip(r["checkpoint"], expected):
+                assert torch.equal(a, b), world
+    # Unsharded: every rank's dict, consolidated into apex's format (weights_only both ways).
+    shards = [torch.load(runs["dir"] / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    torch.save(consolidate_state_dict(shards), runs["dir"] / "consolidated.pt")
+    whole = torch.load(runs["dir"] / "consolidated.pt", weights_only=True)
+    model = Net()
+    model.load_state_dict(torch.load(runs["dir"] / "model.pt", weights_only=True))
+    opt = make_optimizer(model, "adam", process_group=None)
+    opt.load_state_dict(whole)
+    for a, b in zip(train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"], expected):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_missing_a_rank_is_refused_and_changes_nothing(runs):
+    model = Net()
+    opt = make_optimizer(model, "adam", process_group=None)
+    before = params_of(model)
+    saved = torch.load(runs["dir"] / "opt_rank1.pt", weights_only=True)
+    with pytest.raises(ValueError, match="needs all their dicts"):
+        opt.load_state_dict([saved])
+    assert all(map(torch.equal, before, params_of(model)))
+
+
+def test_persistent_bytes_per_param_are_4_plus_12_over_d(runs_4):
+    assert memory(shard=False) == pytest.approx(16, abs=1e-3)
+    for world in (2, 4):
+        for r in runs_4[world]:
+            assert r["memory"] == pytest.approx(4 + 12 / world, abs=1e-3)
+
+
+def test_what_cannot_shard_is_refused_before_anything_changes(runs):
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"torch\.distributed initialized"):
+        make_optimizer(Net(), "adam", shard=True)
+    found = runs[2][0]["refusals"]
+    assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
+    assert "nothing to shard across" in found["solo"]
+    assert found["untouched"]
+    assert "optimizer.state" in found["state"]
+    assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
