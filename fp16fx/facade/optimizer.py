@@ -19,6 +19,7 @@ import torch
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, sharded_checkpoint
 from fp16fx.facade.closure import step_with_closure
+from fp16fx.facade.engines import build_engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
@@ -137,34 +138,13 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self.verbose = verbose
         self._init_hooks()
 
-        engine: FastEngine | GenericEngine | None = None
-        if sharded:
-            engine = ShardedEngine(
-                init_optimizer, trainable, self._scaler, shard_over,
-                compiled=compiled, names=self._names,
-            )  # fmt: skip
-        elif path != "generic":
-            try:
-                engine = FastEngine(init_optimizer, trainable, self._scaler, compiled=compiled)
-            except Unsupported as err:
-                if path == "fast":
-                    raise ValueError(f"path='fast' is not possible: {err}") from None
-                logger.info("fp16fx: FP16_Optimizer takes the generic path: %s", err)
-        if isinstance(engine, FastEngine):
-            masters = [[engine.entry(p) for p in params] for params in trainable]
-        else:
-            masters = [GenericEngine.make_masters(params) for params in trainable]
-        for group, params, group_masters in zip(groups, trainable, masters):
-            replace_params(init_optimizer, group, params, group_masters)
+        engine, masters = build_engine(
+            init_optimizer, trainable, self._scaler,
+            path=path, compiled=compiled, shard_over=shard_over if sharded else False,
+            names=self._names,
+        )  # fmt: skip
         self._trainable, self._masters = trainable, masters
         self._frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
-        if isinstance(engine, FastEngine):
-            existing = {m: init_optimizer.state.pop(m, None) for ms in masters for m in ms}
-            engine.rebuild({m: s for m, s in existing.items() if s})
-        else:
-            engine = GenericEngine(init_optimizer, trainable, masters, self._scaler)
-            if init_optimizer.state:  # cast existing state to the masters' dtype, as apex did
-                init_optimizer.load_state_dict(init_optimizer.state_dict())
         self._engine: FastEngine | GenericEngine = engine
         self.first_closure_call_this_step = True
         self._processed = False  # generic: grads unscaled into the masters since the last step
