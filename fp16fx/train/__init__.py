@@ -4,7 +4,9 @@ Layer: ``cli`` (DESIGN.md). This package holds no library logic: it trains with 
 apex-compatible ``fp16fx.FP16_Optimizer`` or the functional ``fp16fx.step``, and adds data
 sets, models, a loop with progress and history, checkpoints and reports around them.
 
-Run it as ``fp16fx train`` (or ``python -m fp16fx.train``), or from Python::
+Run it as ``fp16fx train`` (or ``python -m fp16fx.train``); data-parallel as
+``fp16fx train --nproc-per-node N`` or ``torchrun ... -m fp16fx.train``
+(:mod:`fp16fx.train.parallel`); or from Python::
 
     from fp16fx.train import TrainConfig, train
     result = train(TrainConfig(epochs=3))

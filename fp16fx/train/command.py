@@ -1,6 +1,10 @@
 """The ``fp16fx train`` command line: flags in, summary table out, one-line errors.
 
 Registered into ``fp16fx``'s CLI by :func:`add_parser`; also runs as ``python -m fp16fx.train``.
+Data-parallel two ways, both ending in :func:`train_and_report` in every process:
+``--nproc-per-node N`` starts N local processes with torch's launcher
+(:func:`fp16fx.train.parallel.launch`), and ``torchrun ... -m fp16fx.train`` runs this module
+in the processes torchrun started (recognised by its environment variables).
 """
 
 from __future__ import annotations
@@ -16,11 +20,27 @@ from fp16fx.train.checkpoint import CheckpointError
 from fp16fx.train.data import DATASETS, DataError
 from fp16fx.train.loop import SCHEDULES
 from fp16fx.train.models import MODELS, ModelError
+from fp16fx.train.parallel import Processes, WorkerError, launch, process_group
 from fp16fx.train.report import PlotError, format_summary, save_plot
-from fp16fx.train.session import SetupError, TrainConfig, train
+from fp16fx.train.session import (
+    SetupError,
+    TrainConfig,
+    check_processes,
+    preflight,
+    resolve_device,
+    train,
+)
 from fp16fx.train.steppers import APIS, LossScale, StateMismatchError
 
-__all__ = ["USER_ERRORS", "add_arguments", "add_parser", "config_from_args", "main", "run"]
+__all__ = [
+    "USER_ERRORS",
+    "add_arguments",
+    "add_parser",
+    "config_from_args",
+    "main",
+    "run",
+    "train_and_report",
+]
 
 #: Top-level modules of the ``train`` extra, imported lazily when a run needs them.
 TRAIN_EXTRA_MODULES = frozenset({"sklearn", "torchvision", "tqdm"})
@@ -43,6 +63,11 @@ FP16 (BatchNorm kept FP32) with fp16fx.FP16_Optimizer over Adam, in well under t
 a laptop CPU, and prints the test accuracy. The recipe fp16fx was made for:
 
   fp16fx train --model resnet18 --dataset cifar10 --data-dir DIR   # torchvision's CIFAR10 format
+
+Data-parallel on one machine (gloo on CPUs, one GPU per process with NCCL):
+
+  fp16fx train --nproc-per-node 2                       # or, the same training:
+  torchrun --standalone --nproc-per-node 2 -m fp16fx.train
 
 Nothing is ever downloaded: no data, no pretrained weights."""
 
@@ -117,6 +142,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also train the same model in FP32 (torch.optim.Adam) and compare",
     )
+    how.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="train data-parallel in N local processes (torch's launcher, as torchrun "
+        "--standalone): each takes --batch-size images of every step's N x --batch-size, the "
+        "gradients are averaged (DDP, or fdist.average_grads with --api functional); one GPU "
+        "per process on CUDA, gloo on CPUs. Rank 0 logs, saves and prints the table. "
+        "Default: this process alone (or the processes torchrun started)",
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write a checkpoint after every epoch")
@@ -190,37 +225,82 @@ def _fail(message: str) -> int:
     return 1
 
 
+def train_and_report(config: TrainConfig, quiet: bool) -> None:
+    """Trains ``config`` in this process and, on rank 0, prints the table and saves the plot.
+
+    Alone, or as one of the processes torchrun (or ``--nproc-per-node``) started: then it
+    joins their process group for the run, and the other ranks log nothing. Raises what
+    :func:`~fp16fx.train.session.train` and :func:`~fp16fx.train.report.save_plot` raise.
+    """
+    processes = Processes.from_env()
+    with contextlib.ExitStack() as stack:
+        if processes is not None:
+            stack.enter_context(process_group(processes, resolve_device(config.device).type))
+        main = processes is None or processes.is_main
+        stack.enter_context(_log_to_stderr(quiet or not main))
+        result = train(config)
+    if not main:
+        return
+    sys.stdout.write("\n" + format_summary(result.title, result.runs))
+    if config.plot is not None:
+        save_plot(config.plot, result.runs)
+        print(f"plot saved to {config.plot}")
+    sys.stdout.flush()  # before a launched process exits, so rank 0's table is never lost
+
+
+def _start(config: TrainConfig, args: argparse.Namespace) -> None:
+    """Trains ``config`` here, in the processes torchrun started, or in new ones."""
+    started = Processes.from_env()
+    nproc = args.nproc_per_node
+    if started is not None:  # under torchrun: its processes are the ones to use
+        if nproc is not None and nproc != started.local_size:
+            raise SetupError(
+                f"--nproc-per-node {nproc}, but torchrun started {started.local_size} processes "
+                "per node: give the count to torchrun only"
+            )
+        check_processes(started.local_size, resolve_device(config.device))
+    elif nproc is not None:
+        check_processes(nproc, resolve_device(config.device))
+        if nproc > 1:
+            preflight(config)  # bad flags or files: one line now, no processes started
+            launch(train_and_report, (config, args.quiet), nproc)
+            return
+    train_and_report(config, args.quiet)
+
+
+def _report_worker(exc: WorkerError) -> int:
+    if exc.kind in {error.__name__ for error in USER_ERRORS}:
+        return _fail(exc.message)  # all processes failed alike; this is the first one's
+    sys.stderr.write(exc.traceback)
+    return _fail(str(exc))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``fp16fx train`` with parsed ``args``; print the summary; return the exit code.
 
     Every expected failure (bad names, missing data, bad checkpoint, unwritable path, no
-    matplotlib for ``--plot``) prints one line on stderr and returns 1; Ctrl-C returns 130.
+    matplotlib for ``--plot``, more processes than GPUs) prints one line on stderr and returns
+    1; Ctrl-C returns 130. Under torchrun, each process reports its own failure.
     """
     config = config_from_args(args)
-    with _log_to_stderr(args.quiet):
-        try:
-            result = train(config)
-        except USER_ERRORS as exc:
-            return _fail(str(exc))
-        except ModuleNotFoundError as exc:
-            module = (exc.name or "").partition(".")[0]
-            if module not in TRAIN_EXTRA_MODULES:
-                raise
-            return _fail(
-                f"the '{module}' module is missing: fp16fx train needs the 'train' extra "
-                "(pip install 'fp16fx[train]')"
-            )
-        except KeyboardInterrupt:
-            where = f"; the last checkpoint is {config.save}" if config.save else ""
-            print(f"\nfp16fx train: interrupted{where}", file=sys.stderr)
-            return 130
-    sys.stdout.write("\n" + format_summary(result.title, result.runs))
-    if config.plot is not None:
-        try:
-            save_plot(config.plot, result.runs)
-        except PlotError as exc:
-            return _fail(str(exc))
-        print(f"plot saved to {config.plot}")
+    try:
+        _start(config, args)
+    except USER_ERRORS as exc:
+        return _fail(str(exc))
+    except WorkerError as exc:
+        return _report_worker(exc)
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        if module not in TRAIN_EXTRA_MODULES:
+            raise
+        return _fail(
+            f"the '{module}' module is missing: fp16fx train needs the 'train' extra "
+            "(pip install 'fp16fx[train]')"
+        )
+    except KeyboardInterrupt:
+        where = f"; the last checkpoint is {config.save}" if config.save else ""
+        print(f"\nfp16fx train: interrupted{where}", file=sys.stderr)
+        return 130
     return 0
 
 

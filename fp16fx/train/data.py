@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from fp16fx.train.parallel import SINGLE, Processes
+
 __all__ = [
     "DATASETS",
     "DataError",
@@ -242,6 +244,13 @@ class ImageBatches:
     With ``generator`` the order is shuffled and (if ``augment``) the images augmented from it,
     and only full batches are yielded (a fixed number of steps per epoch); without it the split
     is walked in order, the last batch possibly short (for evaluation).
+
+    With several ``processes`` (data parallelism) each process yields its own disjoint part:
+    in training, every step's *global* batch of ``batch_size * processes.size`` examples is
+    drawn, shuffled and augmented exactly as one process with that batch size would, and this
+    process keeps every ``size``-th example from its ``rank`` on (as ``DistributedSampler``
+    strides), so the generator stays in step on every process; in evaluation, each process
+    walks every ``size``-th example of the split.
     """
 
     def __init__(
@@ -251,6 +260,7 @@ class ImageBatches:
         batch_size: int,
         device: torch.device,
         generator: torch.Generator | None = None,
+        processes: Processes = SINGLE,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
@@ -258,6 +268,7 @@ class ImageBatches:
         self.batch_size = batch_size
         self.device = device
         self.generator = generator
+        self.processes = processes
         self.augment = data.augment and generator is not None
         shape = (1, -1, 1, 1)
         self._mean = torch.tensor(data.mean, device=device).view(shape)
@@ -265,23 +276,33 @@ class ImageBatches:
         self._images = split.images.to(device)
         self._labels = split.labels.to(device)
 
+    @property
+    def global_batch_size(self) -> int:
+        """The examples of one step over all processes: ``batch_size * processes.size``."""
+        return self.batch_size * self.processes.size
+
     def __len__(self) -> int:
         n = len(self.split)
         if self.generator is not None:
-            return n // self.batch_size
-        return -(-n // self.batch_size)
+            return n // self.global_batch_size
+        mine = len(range(self.processes.rank, n, self.processes.size))
+        return -(-mine // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        n = len(self.split)
+        n, rank, size = len(self.split), self.processes.rank, self.processes.size
         if self.generator is None:
-            order = torch.arange(n, device=self.device)
+            order = torch.arange(rank, n, size, device=self.device)
+            step = self.batch_size
         else:
             order = torch.randperm(n, generator=self.generator).to(self.device)
+            step = self.global_batch_size
         for i in range(len(self)):
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            idx = order[i * step : (i + 1) * step]
             images = self._images[idx]
             if self.augment:
                 assert self.generator is not None
                 images = _random_crop_flip(images, self.generator)
+            if self.generator is not None:  # this process's part of the global batch
+                images, idx = images[rank::size], idx[rank::size]
             x = (images.float() / 255.0 - self._mean) / self._std
             yield x, self._labels[idx]

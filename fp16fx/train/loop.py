@@ -124,14 +124,19 @@ class History:
 
 
 def evaluate(stepper: Stepper, batches: ImageBatches) -> float:
-    """Returns the fraction of ``batches``' images that ``stepper``'s model classifies right."""
+    """Returns the fraction of ``batches``' images that ``stepper``'s model classifies right.
+
+    With several processes each classifies its part of the split with rank 0's BatchNorm
+    statistics and the counts are summed: every process returns the same accuracy.
+    """
+    batches.processes.broadcast_buffers(stepper.model)
     stepper.model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=batches.device)
     with torch.no_grad():
         for images, labels in batches:
             correct += (stepper.logits(images).argmax(dim=1) == labels).sum()
     stepper.model.train()
-    return correct.item() / max(len(batches.split), 1)
+    return batches.processes.sum(correct).item() / max(len(batches.split), 1)
 
 
 def _progress_bar(total: int, desc: str, show: bool) -> Any:
@@ -197,7 +202,10 @@ def fit(
                 if progress and ((i + 1) % REFRESH_EVERY == 0 or i + 1 == steps_per_epoch):
                     bar.set_postfix(_describe(outputs, history.skipped))
                 bar.update(1)
-        losses = torch.stack([o.loss for o in outputs]).tolist() if outputs else []
+        # Each process saw its part of every batch: the batch's loss is their mean.
+        losses = (
+            train.processes.mean(torch.stack([o.loss for o in outputs])).tolist() if outputs else []
+        )
         scales = torch.stack([o.loss_scale.float() for o in outputs]).tolist() if outputs else []
         skips = torch.stack([o.skipped for o in outputs]).tolist() if outputs else []
         train_seconds = time.perf_counter() - start
@@ -212,7 +220,7 @@ def fit(
             loss_scale=history.final_loss_scale,
             skipped=sum(skips),
             steps=len(outputs),
-            images=len(outputs) * train.batch_size,
+            images=len(outputs) * train.global_batch_size,
             train_seconds=train_seconds,
             seconds=time.perf_counter() - start,
         )

@@ -22,11 +22,15 @@ class RunSummary:
       name: the column's heading, e.g. ``"FP16"``.
       label: what was trained and how (shown under the table).
       history: the run's :class:`~fp16fx.train.loop.History`.
+      processes: how many processes trained it together (data parallelism).
+      replicas_equal: whether they all ended with bitwise the same weights.
     """
 
     name: str
     label: str
     history: History
+    processes: int = 1
+    replicas_equal: bool = True
 
 
 def _rows(run: RunSummary) -> list[str]:
@@ -38,10 +42,25 @@ def _rows(run: RunSummary) -> list[str]:
         f"{h.skipped} / {h.steps}",
         "-" if math.isnan(scale) else f"{scale:g}",
         f"{h.wall_seconds:.1f} s",
+        _describe_processes(run),
     ]
 
 
-_ROW_NAMES = ("test accuracy", "images/s", "steps skipped", "final loss scale", "wall time")
+def _describe_processes(run: RunSummary) -> str:
+    if run.processes == 1:
+        return "1"
+    return f"{run.processes}, {'in sync' if run.replicas_equal else 'DIVERGED'}"
+
+
+#: images/s counts the images of all processes together.
+_ROW_NAMES = (
+    "test accuracy",
+    "images/s",
+    "steps skipped",
+    "final loss scale",
+    "wall time",
+    "processes",
+)
 
 
 def format_summary(title: str, runs: list[RunSummary]) -> str:

@@ -4,6 +4,11 @@
 if asked, trains (saving a checkpoint after every epoch), and with ``compare_fp32`` trains the
 same model from the same initial weights and batches in FP32 for comparison. The command line
 (:mod:`fp16fx.train.command`) is a thin layer over it; tests and notebooks call it directly.
+
+Called in each of several processes with ``torch.distributed`` initialized, it trains one model
+data-parallel: ``batch_size`` is per process (a step's global batch is ``batch_size`` times the
+number of processes), every process resumes from the checkpoint, and only rank 0 saves it and
+shows progress bars.
 """
 
 from __future__ import annotations
@@ -18,10 +23,19 @@ from fp16fx.train import checkpoint
 from fp16fx.train.data import DATASETS, DataError, ImageBatches, TrainTestData, load_dataset
 from fp16fx.train.loop import History, fit
 from fp16fx.train.models import MODELS, ModelError, build_model, to_half
+from fp16fx.train.parallel import Processes
 from fp16fx.train.report import RunSummary, check_plotting
 from fp16fx.train.steppers import LossScale, Stepper, TorchStepper, make_stepper
 
-__all__ = ["SetupError", "TrainConfig", "TrainResult", "resolve_device", "train"]
+__all__ = [
+    "SetupError",
+    "TrainConfig",
+    "TrainResult",
+    "check_processes",
+    "preflight",
+    "resolve_device",
+    "train",
+]
 
 logger = logging.getLogger("fp16fx")
 
@@ -90,6 +104,40 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def check_processes(nproc: int, device: torch.device) -> None:
+    """Returns None when ``nproc`` processes per machine can train on ``device``.
+
+    Raises:
+      SetupError: fewer than one process, a GPU named by index (each process takes
+        ``cuda:LOCAL_RANK``), or more processes than visible GPUs.
+    """
+    if nproc < 1:
+        raise SetupError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if device.type != "cuda" or nproc == 1:
+        return
+    if device.index is not None:
+        raise SetupError(
+            f"--device {device} names one GPU, but each of the {nproc} processes uses its own "
+            "(cuda:LOCAL_RANK): give --device cuda"
+        )
+    visible = torch.cuda.device_count()
+    if nproc > visible:
+        raise SetupError(
+            f"--nproc-per-node {nproc} needs {nproc} GPUs (one per process), {visible} visible; "
+            "use --device cpu for CPU processes"
+        )
+
+
+def preflight(config: TrainConfig) -> None:
+    """Returns None when ``config``'s names, device and files pass the checks :func:`train`
+    makes first; raises what it would. Lets a launcher fail in one line before starting any
+    process."""
+    _check(config)
+    resolve_device(config.device)
+    if config.resume is not None:
+        checkpoint.load_checkpoint(config.resume, config.identity())
+
+
 def _limited(data: TrainTestData, limit: int | None) -> TrainTestData:
     if limit is None:
         return data
@@ -117,11 +165,18 @@ def _restore_rng(state: dict[str, Any], generator: torch.Generator, device: torc
         ) from None
 
 
-def _fp16_stepper(config: TrainConfig, data: TrainTestData, device: torch.device) -> Stepper:
+def _fp16_stepper(
+    config: TrainConfig, data: TrainTestData, device: torch.device, distributed: bool
+) -> Stepper:
     model = to_half(build_model(config.model, data.in_channels, data.num_classes)).to(device)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
     return make_stepper(
-        config.api, model, lr=_lr(config), loss_scale=config.loss_scale, compile=compile_step
+        config.api,
+        model,
+        lr=_lr(config),
+        loss_scale=config.loss_scale,
+        compile=compile_step,
+        distributed=distributed,
     )
 
 
@@ -172,6 +227,7 @@ def _run(
     data: TrainTestData,
     config: TrainConfig,
     device: torch.device,
+    processes: Processes,
     *,
     resume_from: dict[str, Any] | None = None,
     save_to: str | None = None,
@@ -184,8 +240,8 @@ def _run(
     """
     generator = torch.Generator().manual_seed(config.seed)
     batch_size = _batch_size(config)
-    train_batches = ImageBatches(data.train, data, batch_size, device, generator)
-    test_batches = ImageBatches(data.test, data, batch_size, device)
+    train_batches = ImageBatches(data.train, data, batch_size, device, generator, processes)
+    test_batches = ImageBatches(data.test, data, batch_size, device, processes=processes)
     history = History()
     if resume_from is not None:
         history = _resume(stepper, resume_from, generator, device)
@@ -218,7 +274,7 @@ def _run(
         lr=_lr(config),
         schedule=config.lr_schedule,
         history=history,
-        progress=config.progress,
+        progress=config.progress and processes.is_main,
         on_epoch_end=save,
         name=name,
     )
@@ -228,7 +284,9 @@ def train(config: TrainConfig) -> TrainResult:
     """Returns the results of the session ``config`` after training (and comparing).
 
     Every check that can fail on the user's input (names, paths, data, checkpoint) runs before
-    the first step.
+    the first step. Under an initialized ``torch.distributed`` this is one of several processes
+    training together (see the module's docstring); every process returns the same losses
+    and accuracies.
 
     Raises:
       SetupError, DataError, ModelError, CheckpointError, PlotError, StateMismatchError: bad
@@ -236,20 +294,27 @@ def train(config: TrainConfig) -> TrainResult:
     """
     _check(config)
     device = resolve_device(config.device)
+    processes = Processes.current()
     ckpt = None
     if config.resume is not None:
         ckpt = checkpoint.load_checkpoint(config.resume, config.identity())
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
     epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
-    if batch_size > len(data.train):
-        raise SetupError(f"--batch-size {batch_size} exceeds the {len(data.train)} training images")
+    global_batch = batch_size * processes.size
+    if global_batch > len(data.train):
+        per_process = f" x {processes.size} processes" if processes.size > 1 else ""
+        raise SetupError(
+            f"--batch-size {batch_size}{per_process} exceeds the {len(data.train)} training images"
+        )
+    distributed = processes.size > 1
     torch.manual_seed(config.seed)
-    stepper = _fp16_stepper(config, data, device)
+    stepper = _fp16_stepper(config, data, device, distributed)
+    per_process = f" ({processes.size} processes x {batch_size})" if distributed else ""
     title = (
         f"fp16fx train: {config.model} on {config.dataset} "
         f"({len(data.train):,} train / {len(data.test):,} test images), {device.type}, "
-        f"{epochs} epoch{'' if epochs == 1 else 's'} of {len(data.train) // batch_size} steps "
-        f"x {batch_size}, "
+        f"{epochs} epoch{'' if epochs == 1 else 's'} of {len(data.train) // global_batch} steps "
+        f"x {global_batch}{per_process}, "
         f"lr {lr:g} ({config.lr_schedule}), seed {config.seed}"
     )
     history = _run(
@@ -257,18 +322,34 @@ def train(config: TrainConfig) -> TrainResult:
         data,
         config,
         device,
+        processes,
         resume_from=ckpt,
-        save_to=config.save,
+        save_to=config.save if processes.is_main else None,
         announce=(title, f"FP16: {stepper.label}"),
         name="FP16" if config.compare_fp32 else "",
     )
-    runs = [RunSummary("FP16", stepper.label, history)]
+    runs = [_summary("FP16", stepper, history, processes)]
     if config.compare_fp32:
         torch.manual_seed(config.seed)  # the same initial weights as the FP16 run
         model = build_model(config.model, data.in_channels, data.num_classes).to(device)
-        baseline = TorchStepper(model, lr=lr)
+        baseline = TorchStepper(model, lr=lr, distributed=distributed)
         history = _run(
-            baseline, data, config, device, announce=(f"FP32: {baseline.label}",), name="FP32"
+            baseline,
+            data,
+            config,
+            device,
+            processes,
+            announce=(f"FP32: {baseline.label}",),
+            name="FP32",
         )
-        runs.append(RunSummary("FP32", baseline.label, history))
+        runs.append(_summary("FP32", baseline, history, processes))
     return TrainResult(title, runs)
+
+
+def _summary(name: str, stepper: Stepper, history: History, processes: Processes) -> RunSummary:
+    """Returns the run's summary, with whether every process ended with rank 0's weights."""
+    weights = stepper.state_dict()["model"].values()
+    in_sync = processes.replicas_equal(weights)
+    if not in_sync:
+        logger.warning("%s: the processes' weights differ at the end of the run", name)
+    return RunSummary(name, stepper.label, history, processes.size, in_sync)

@@ -12,7 +12,13 @@ rate, and a checkpointable state dict. Three implementations:
   ``fp16fx.compile_step(inplace=True)`` (fused, in place).
 * :class:`TorchStepper`: plain FP32 ``torch.optim.Adam``, the baseline of ``--compare-fp32``.
 
-None of them holds optimizer or loss-scale logic: that is fp16fx's job.
+None of them holds optimizer or loss-scale logic: that is fp16fx's job. With
+``distributed=True`` (``torch.distributed`` initialized, one stepper per process) each averages
+the gradients over the processes the way its API's docs/distributed.md says: the facade and the
+FP32 baseline train through ``DistributedDataParallel``, the functional stepper holds an
+``fp16fx.distributed.init`` state (found-inf consensus) and calls
+``fp16fx.distributed.average_grads``. ``model`` stays the plain module in every case, so
+evaluation and checkpoints do not depend on the number of processes.
 
 Every step reports 0-d tensors on the model's device; the loop decides when to look at them.
 The functional stepper never syncs with the device; the facade stepper reads the public
@@ -30,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad
+from torch.nn.parallel import DistributedDataParallel
 
 import fp16fx
+import fp16fx.distributed as fdist
 from fp16fx import tree
 
 __all__ = [
@@ -85,6 +93,13 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
+def _data_parallel(model: nn.Module) -> nn.Module:
+    """Returns ``model`` under DDP, which broadcasts rank 0's weights and buffers now and
+    averages the gradients in every backward (on a GPU: this process's current device)."""
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
 class Stepper(abc.ABC):
     """One model with its optimizer, seen by the training loop.
 
@@ -130,9 +145,13 @@ class Stepper(abc.ABC):
 
 class OptimizerStepper(Stepper):
     """A stepper around a stateful optimizer object (``torch.optim`` or ``FP16_Optimizer``):
-    the model is called directly, the lr lives in ``param_groups``, both have state dicts."""
+    the model is called directly, the lr lives in ``param_groups``, both have state dicts.
+
+    Training calls ``forward``: the model itself, or the model under DDP.
+    """
 
     optimizer: torch.optim.Optimizer
+    forward: nn.Module
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -163,9 +182,16 @@ class FacadeStepper(OptimizerStepper):
     """
 
     def __init__(
-        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = True
+        self,
+        model: nn.Module,
+        lr: float,
+        loss_scale: LossScale,
+        compile: bool = True,
+        distributed: bool = False,
     ) -> None:
         self.model = model
+        # DDP first: its broadcast of rank 0's weights must precede the masters' copy of them.
+        self.forward = _data_parallel(model) if distributed else model
         adam = torch.optim.Adam(model.parameters(), lr=lr)
         if loss_scale == "dynamic":
             scaling = {"dynamic_loss_scale": True}
@@ -175,11 +201,12 @@ class FacadeStepper(OptimizerStepper):
         how = "compiled" if compile else "eager"
         self.label = (
             f"fp16fx.FP16_Optimizer(Adam), {how}, {_describe_scale(loss_scale)}; {_FP16_MODEL}"
+            + ("; DDP" if distributed else "")
         )
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         self.optimizer.zero_grad()
-        loss = _loss(self.model(images), labels)
+        loss = _loss(self.forward(images), labels)
         self.optimizer.backward(loss)
         self.optimizer.step()
         return StepOutput(
@@ -203,9 +230,15 @@ class FunctionalStepper(Stepper):
     """
 
     def __init__(
-        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = False
+        self,
+        model: nn.Module,
+        lr: float,
+        loss_scale: LossScale,
+        compile: bool = False,
+        distributed: bool = False,
     ) -> None:
         self.model = model
+        self.distributed = distributed
         params = {name: p.detach() for name, p in model.named_parameters()}
         self.buffers = dict(model.named_buffers())
         policy = (
@@ -213,13 +246,16 @@ class FunctionalStepper(Stepper):
             if loss_scale == "dynamic"
             else fp16fx.StaticLossScale(float(loss_scale))
         )
-        self.state = fp16fx.init(params, fp16fx.adam(lr), loss_scale=policy)
+        # fdist.init: rank 0's params on every process, and the found-inf consensus.
+        init = fdist.init if distributed else fp16fx.init
+        self.state = init(params, fp16fx.adam(lr), loss_scale=policy)
         self._step = fp16fx.compile_step(inplace=True) if compile else fp16fx.step
         self._grad = grad(self._scaled_loss, has_aux=True)
         how = "compile_step(inplace=True)" if compile else "step"
         self.label = (
             f"fp16fx.{how} over fp16fx.adam, torch.func.grad of functional_call, "
             f"{_describe_scale(loss_scale)}; {_FP16_MODEL}"
+            + ("; fp16fx.distributed.average_grads" if distributed else "")
         )
 
     def _scaled_loss(
@@ -236,6 +272,8 @@ class FunctionalStepper(Stepper):
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         grads, loss = self._grad(self.state.params, self.buffers, images, labels)
+        if self.distributed:
+            fdist.average_grads(grads)
         self.state, info = self._step(self.state, grads)
         return StepOutput(
             loss=loss,
@@ -306,15 +344,15 @@ def _check_like(name: str, src: Any, dst: torch.Tensor) -> None:
 class TorchStepper(OptimizerStepper):
     """Plain FP32 ``torch.optim.Adam``: the ``--compare-fp32`` baseline."""
 
-    label = "torch.optim.Adam; FP32 model"
-
-    def __init__(self, model: nn.Module, lr: float) -> None:
+    def __init__(self, model: nn.Module, lr: float, distributed: bool = False) -> None:
         self.model = model
+        self.forward = _data_parallel(model) if distributed else model
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        self.label = "torch.optim.Adam; FP32 model" + ("; DDP" if distributed else "")
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _loss(self.model(images), labels)
+        loss = _loss(self.forward(images), labels)
         loss.backward()
         self.optimizer.step()
         return StepOutput(
@@ -325,11 +363,20 @@ class TorchStepper(OptimizerStepper):
 
 
 def make_stepper(
-    api: str, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = False
+    api: str,
+    model: nn.Module,
+    lr: float,
+    loss_scale: LossScale,
+    compile: bool = False,
+    distributed: bool = False,
 ) -> Stepper:
-    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``."""
+    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``.
+
+    ``distributed``: one of several processes (``torch.distributed`` initialized), each
+    stepping on its part of every batch with the gradients averaged over all of them.
+    """
     if api == "facade":
-        return FacadeStepper(model, lr, loss_scale, compile=compile)
+        return FacadeStepper(model, lr, loss_scale, compile=compile, distributed=distributed)
     if api == "functional":
-        return FunctionalStepper(model, lr, loss_scale, compile=compile)
+        return FunctionalStepper(model, lr, loss_scale, compile=compile, distributed=distributed)
     raise ValueError(f"unknown api {api!r} (choose from: {', '.join(APIS)})")
