@@ -13,7 +13,7 @@ import optree
 import pytest
 import torch
 
-from fp16fx.bench import command, measure, presets
+from fp16fx.bench import command, harness, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
 from fp16fx.bench.fp16fx_runners import Fp16fxCompiledRunner, Fp16fxEagerRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
@@ -306,3 +306,35 @@ def test_cli_json_is_one_document(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_rejects_params_without_leaves() -> None:
     with pytest.raises(SystemExit, match="--leaves"):
         command.main(["--params", "1000"])
+
+
+def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeypatch) -> None:
+    order = []
+    measure_one = harness._measure
+
+    def spy(cls, *args):
+        order.append((args[-1], cls.name))
+        return measure_one(cls, *args)
+
+    monkeypatch.setattr(harness, "_measure", spy)
+    opts = BenchOptions(
+        presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
+        only=["torch-fused", "apex-style"],
+        steps=2,
+        warmup=1,
+        compile_times=False,
+        copy_buffer_bytes=16 << 20,
+        rounds=3,
+    )
+    result = run_bench(opts)
+    assert order == [
+        (0, "torch-fused"), (0, "apex-style"),
+        (1, "apex-style"), (1, "torch-fused"),
+        (2, "torch-fused"), (2, "apex-style"),
+    ]  # fmt: skip
+    rows = {r.name: r for r in result.presets[0].results}
+    assert rows["apex-style"].steps == 3 * 2 and result.rounds == 3
+    assert rows["torch-fused"].speedup_vs_torch_fused == 1.0
+    assert "3 rounds in alternating order" in format_report(result)
+    # The median of the rounds' ratios, not the ratio of the medians (20 / 5 = 4).
+    assert harness._speedup([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0

@@ -60,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"untimed steps before timing (default {DEFAULT_WARMUP})",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every contender this many times, in alternating order; report the "
+        "median of the rounds' medians and of their speed-ups (default 1; 3 or more on a "
+        "machine with other work)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="NAME",
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         compile_times=args.compile_times,
         time_budget_s=args.time_budget if args.time_budget > 0 else None,
         seed=args.seed,
+        rounds=args.rounds,
     )
 
     try:

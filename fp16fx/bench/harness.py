@@ -26,12 +26,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fp16fx.bench import measure
 from fp16fx.bench.presets import Preset, make_param_set
+from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult
 from fp16fx.bench.runner import BenchConfig, Runner, runner_classes, storage_bytes
 
 __all__ = [
@@ -54,73 +55,6 @@ Progress = Callable[[str], None]
 
 
 @dataclass
-class ContenderResult:
-    """What was measured for one contender on one preset (times in ms/s, memory in bytes).
-
-    ``status`` is ``"ok"``, ``"unavailable"`` or ``"error"`` (then ``reason`` says why and the
-    measurements are None). ``peak_mem_bytes`` is the peak during the timed steps above the
-    memory held when they began: what a step allocates on top of the persistent state (CPU:
-    peak RSS delta; CUDA: ``max_memory_allocated`` delta). ``peak_mem_total_bytes`` is the
-    same peak above the level before this contender's params existed (params, grads, state
-    and temporaries; on CPU it also counts library code first paged in by the contender).
-    """
-
-    name: str
-    label: str
-    kind: str
-    status: str = "ok"
-    reason: str | None = None
-    ms_per_step: float | None = None
-    min_ms: float | None = None
-    p90_ms: float | None = None
-    steps: int = 0
-    gbps: float | None = None
-    fraction_of_roofline: float | None = None
-    speedup_vs_torch_fused: float | None = None
-    speedup_vs_apex_style: float | None = None
-    cold_compile_s: float | None = None
-    warm_compile_s: float | None = None
-    recompiles: int | None = None
-    peak_mem_bytes: int | None = None
-    peak_mem_total_bytes: int | None = None
-    persistent_bytes_per_param: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PresetResult:
-    """All contenders' results on one parameter set."""
-
-    preset: str
-    params: int
-    leaves: int
-    roofline_bytes: int
-    roofline_ms: float
-    results: list[ContenderResult]
-
-
-@dataclass
-class BenchResult:
-    """One ``fp16fx bench`` run: environment, copy bandwidth and per-preset results."""
-
-    device: str
-    device_name: str
-    torch_version: str
-    threads: int
-    steps: int
-    warmup: int
-    loss_scale: float
-    copy_bandwidth_gbps: float
-    inplace_bandwidth_gbps: float
-    copy_buffer_bytes: int
-    roofline_bytes_per_param: int
-    load_avg_start: float | None
-    load_avg_end: float | None
-    cpu_count: int | None
-    presets: list[PresetResult]
-
-
-@dataclass
 class BenchOptions:
     """What to run: presets, contenders (None = all registered), steps and device.
 
@@ -128,6 +62,8 @@ class BenchOptions:
     after at least :data:`MIN_TIMED_STEPS` steps (None: always ``steps``).
     ``copy_buffer_bytes`` sizes the bandwidth measurement (None: the default of
     :func:`~fp16fx.bench.measure.copy_bandwidth`; small sizes only for tests).
+    ``rounds`` measures every contender that many times, in alternating order (see
+    :func:`_run_preset`); compile times come from the first round.
     """
 
     presets: Sequence[Preset]
@@ -140,6 +76,7 @@ class BenchOptions:
     time_budget_s: float | None = 10.0
     copy_buffer_bytes: int | None = None
     seed: int = 0
+    rounds: int = 1
     config: BenchConfig = field(default_factory=BenchConfig)
 
 
@@ -193,14 +130,17 @@ def _measure(
     opts: BenchOptions,
     device: torch.device,
     progress: Progress,
+    round_: int,
 ) -> ContenderResult:
     tag = f"[{preset.name}] {cls.name}"
+    if opts.rounds > 1:
+        tag += f" (round {round_ + 1}/{opts.rounds})"
     result = ContenderResult(cls.name, cls.label, "baseline" if cls.baseline else "fp16fx")
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
     params, grads = make_param_set(preset.shapes, device, opts.config.loss_scale, opts.seed)
-    time_compiles = cls.compiled and opts.compile_times
+    time_compiles = cls.compiled and opts.compile_times and round_ == 0
     with measure.compile_cache(fresh=time_compiles):
         runner = cls(opts.config)
         cold_s = warm_s = None
@@ -253,17 +193,49 @@ def _measure(
     return result
 
 
-def _fill_ratios(rows: list[ContenderResult], roofline: ContenderResult, nbytes: int) -> None:
-    medians = {r.name: r.ms_per_step for r in rows if r.ms_per_step is not None}
+def _merge_rounds(rounds: list[ContenderResult]) -> ContenderResult:
+    """Returns one contender's rounds as one result: the median of the rounds' medians, the
+    fastest step of all, steps and recompiles summed, the highest peak memory."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def highest(values: list[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    return replace(
+        rounds[0],
+        ms_per_step=statistics.median(r.ms_per_step for r in rounds),
+        min_ms=min(r.min_ms for r in rounds),
+        p90_ms=statistics.median(r.p90_ms for r in rounds),
+        steps=sum(r.steps for r in rounds),
+        recompiles=sum(r.recompiles or 0 for r in rounds),
+        peak_mem_bytes=highest([r.peak_mem_bytes for r in rounds]),
+        peak_mem_total_bytes=highest([r.peak_mem_total_bytes for r in rounds]),
+        notes=list(dict.fromkeys(n for r in rounds for n in r.notes)),
+    )
+
+
+def _speedup(base: list[float] | None, mine: list[float]) -> float | None:
+    """Returns the median over rounds of ``base / mine`` (a single ``mine``: every round's)."""
+    if not base:
+        return None
+    if len(mine) == 1:
+        mine = mine * len(base)
+    return statistics.median(b / m for b, m in zip(base, mine))
+
+
+def _fill_ratios(
+    rows: list[ContenderResult], per_round: dict[str, list[float]], roofline_ms: float, nbytes: int
+) -> None:
     for row in rows:
         if row.ms_per_step is None:
             continue
+        mine = per_round.get(row.name, [row.ms_per_step])
         row.gbps = nbytes / (row.ms_per_step / 1e3) / 1e9
-        row.fraction_of_roofline = roofline.ms_per_step / row.ms_per_step  # type: ignore[operator]
-        if BASELINE_TORCH in medians:
-            row.speedup_vs_torch_fused = medians[BASELINE_TORCH] / row.ms_per_step
-        if BASELINE_APEX in medians:
-            row.speedup_vs_apex_style = medians[BASELINE_APEX] / row.ms_per_step
+        row.fraction_of_roofline = roofline_ms / row.ms_per_step
+        row.speedup_vs_torch_fused = _speedup(per_round.get(BASELINE_TORCH), mine)
+        row.speedup_vs_apex_style = _speedup(per_round.get(BASELINE_APEX), mine)
 
 
 def _run_preset(
@@ -274,30 +246,48 @@ def _run_preset(
     bandwidth: measure.Bandwidth,
     progress: Progress,
 ) -> PresetResult:
+    """Measures every runner on ``preset``, ``opts.rounds`` times.
+
+    Odd rounds run the contenders in reverse order, so load that drifts during a run (other
+    work on the machine, thermal limits) favours none of them; each speed-up is the median of
+    the rounds' ratios, each contender measured beside its baseline in the same round.
+    """
     nbytes = measure.roofline_bytes(preset.num_params)
     roofline_ms = nbytes / (bandwidth.gbps * 1e9) * 1e3
     roofline = ContenderResult(
         ROOFLINE, "roofline (30 B/param ÷ copy BW)", "roofline", ms_per_step=roofline_ms
     )
-    rows = [roofline]
+    failed: dict[str, ContenderResult] = {}
     for cls in runners:
         reason = cls.unavailable_reason(device)
         if reason is not None:
             progress(f"[{preset.name}] {cls.name}: unavailable ({reason})")
             kind = "baseline" if cls.baseline else "fp16fx"
-            rows.append(ContenderResult(cls.name, cls.label, kind, "unavailable", reason))
-            continue
-        try:
-            rows.append(_measure(cls, preset, opts, device, progress))
-        except Exception as exc:  # a broken contender must not sink the others
-            traceback.print_exc(file=sys.stderr)
-            progress(f"[{preset.name}] {cls.name}: error ({type(exc).__name__}: {exc})")
-            kind = "baseline" if cls.baseline else "fp16fx"
-            reason = f"{type(exc).__name__}: {exc}"
-            rows.append(ContenderResult(cls.name, cls.label, kind, "error", reason))
-            measure.forget_compiled()
-            measure.release_memory(device)
-    _fill_ratios(rows, roofline, nbytes)
+            failed[cls.name] = ContenderResult(cls.name, cls.label, kind, "unavailable", reason)
+    measured: dict[str, list[ContenderResult]] = {}
+    for round_ in range(opts.rounds):
+        order = runners if round_ % 2 == 0 else list(reversed(runners))
+        for cls in order:
+            if cls.name in failed:
+                continue
+            try:
+                result = _measure(cls, preset, opts, device, progress, round_)
+            except Exception as exc:  # a broken contender must not sink the others
+                traceback.print_exc(file=sys.stderr)
+                progress(f"[{preset.name}] {cls.name}: error ({type(exc).__name__}: {exc})")
+                kind = "baseline" if cls.baseline else "fp16fx"
+                reason = f"{type(exc).__name__}: {exc}"
+                failed[cls.name] = ContenderResult(cls.name, cls.label, kind, "error", reason)
+                measured.pop(cls.name, None)
+                measure.forget_compiled()
+                measure.release_memory(device)
+                continue
+            measured.setdefault(cls.name, []).append(result)
+    rows = [roofline]
+    for cls in runners:
+        rows.append(failed[cls.name] if cls.name in failed else _merge_rounds(measured[cls.name]))
+    per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
+    _fill_ratios(rows, per_round, roofline_ms, nbytes)
     return PresetResult(
         preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, rows
     )
@@ -314,8 +304,11 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         raise RuntimeError("--device cuda requested but torch.cuda.is_available() is False")
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
-    if opts.steps < 1 or opts.warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got {opts.steps}, {opts.warmup}")
+    if opts.steps < 1 or opts.warmup < 0 or opts.rounds < 1:
+        raise ValueError(
+            "need steps >= 1, warmup >= 0 and rounds >= 1, got "
+            f"{opts.steps}, {opts.warmup}, {opts.rounds}"
+        )
     runners = select_runners(opts.only)
     load_start = measure.load_average()
     say(f"measuring copy bandwidth on {device} ({torch.get_num_threads()} threads)")
@@ -337,6 +330,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         threads=torch.get_num_threads(),
         steps=opts.steps,
         warmup=opts.warmup,
+        rounds=opts.rounds,
         loss_scale=opts.config.loss_scale,
         copy_bandwidth_gbps=bandwidth.gbps,
         inplace_bandwidth_gbps=bandwidth.inplace_gbps,

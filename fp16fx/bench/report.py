@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 
-from fp16fx.bench.harness import BenchResult, ContenderResult, PresetResult
+from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult
 
 __all__ = [
     "JSON_SCHEMA_VERSION",
@@ -131,6 +131,11 @@ def format_report(bench: BenchResult) -> str:
         f"torch {bench.torch_version}; median of {bench.steps} steps after "
         f"{bench.warmup} warm-up"
     )
+    if bench.rounds > 1:
+        intro += (
+            f"\n{bench.rounds} rounds in alternating order: ms/step is the median of the rounds' "
+            "medians, ×torch and ×apex the median of the rounds' ratios"
+        )
     if bench.load_avg_start is not None and bench.load_avg_end is not None:
         intro += (
             f"\nload average {bench.load_avg_start:.2f} at start, {bench.load_avg_end:.2f} at "

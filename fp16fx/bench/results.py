@@ -1,0 +1,75 @@
+"""What ``fp16fx bench`` measured: per contender, per preset, per run (plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BenchResult", "ContenderResult", "PresetResult"]
+
+
+@dataclass
+class ContenderResult:
+    """What was measured for one contender on one preset (times in ms/s, memory in bytes).
+
+    ``status`` is ``"ok"``, ``"unavailable"`` or ``"error"`` (then ``reason`` says why and the
+    measurements are None). ``peak_mem_bytes`` is the peak during the timed steps above the
+    memory held when they began: what a step allocates on top of the persistent state (CPU:
+    peak RSS delta; CUDA: ``max_memory_allocated`` delta). ``peak_mem_total_bytes`` is the
+    same peak above the level before this contender's params existed (params, grads, state
+    and temporaries; on CPU it also counts library code first paged in by the contender).
+    """
+
+    name: str
+    label: str
+    kind: str
+    status: str = "ok"
+    reason: str | None = None
+    ms_per_step: float | None = None
+    min_ms: float | None = None
+    p90_ms: float | None = None
+    steps: int = 0
+    gbps: float | None = None
+    fraction_of_roofline: float | None = None
+    speedup_vs_torch_fused: float | None = None
+    speedup_vs_apex_style: float | None = None
+    cold_compile_s: float | None = None
+    warm_compile_s: float | None = None
+    recompiles: int | None = None
+    peak_mem_bytes: int | None = None
+    peak_mem_total_bytes: int | None = None
+    persistent_bytes_per_param: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PresetResult:
+    """All contenders' results on one parameter set."""
+
+    preset: str
+    params: int
+    leaves: int
+    roofline_bytes: int
+    roofline_ms: float
+    results: list[ContenderResult]
+
+
+@dataclass
+class BenchResult:
+    """One ``fp16fx bench`` run: environment, copy bandwidth and per-preset results."""
+
+    device: str
+    device_name: str
+    torch_version: str
+    threads: int
+    steps: int
+    warmup: int
+    rounds: int
+    loss_scale: float
+    copy_bandwidth_gbps: float
+    inplace_bandwidth_gbps: float
+    copy_buffer_bytes: int
+    roofline_bytes_per_param: int
+    load_avg_start: float | None
+    load_avg_end: float | None
+    cpu_count: int | None
+    presets: list[PresetResult]
