@@ -338,3 +338,30 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeyp
     assert "3 rounds in alternating order" in format_report(result)
     # The median of the rounds' ratios, not the ratio of the medians (20 / 5 = 4).
     assert harness._speedup([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0
+
+
+def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch) -> None:
+    calls = []
+    for cls in (TorchFusedRunner, ApexStyleRunner):
+        original = cls.step
+
+        def spy(self, _original=original, _name=cls.name):
+            calls.append(_name)
+            return _original(self)
+
+        monkeypatch.setattr(cls, "step", spy)
+    opts = BenchOptions(
+        presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
+        only=["torch-fused", "apex-style"],
+        steps=4,
+        warmup=1,
+        compile_times=False,
+        copy_buffer_bytes=16 << 20,
+        interleave=True,
+    )
+    result = run_bench(opts)
+    # The last 8 steps are the interleaved ones, odd iterations in reverse order.
+    assert calls[-8:] == ["torch-fused", "apex-style", "apex-style", "torch-fused"] * 2
+    rows = {r.name: r for r in result.presets[0].results}
+    assert rows["torch-fused"].speedup_vs_torch_fused == 1.0 and rows["apex-style"].steps == 4
+    assert result.interleaved and "timed interleaved" in format_report(result)

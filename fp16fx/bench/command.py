@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine with other work)",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="after the usual measurement, time the contenders' steps again in turn, every "
+        "state alive at once (memory for all of them), and take ms/step and speed-ups from "
+        "that: the steadiest side-by-side comparison on a machine whose speed drifts",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="NAME",
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget if args.time_budget > 0 else None,
         seed=args.seed,
         rounds=args.rounds,
+        interleave=args.interleave,
     )
 
     try:

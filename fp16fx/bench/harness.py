@@ -63,7 +63,9 @@ class BenchOptions:
     ``copy_buffer_bytes`` sizes the bandwidth measurement (None: the default of
     :func:`~fp16fx.bench.measure.copy_bandwidth`; small sizes only for tests).
     ``rounds`` measures every contender that many times, in alternating order (see
-    :func:`_run_preset`); compile times come from the first round.
+    :func:`_run_preset`); compile times come from the first round. ``interleave`` then times
+    the steps again with all contenders alive at once, in turn (:func:`_interleaved_ms`):
+    ms/step and the speed-ups come from that.
     """
 
     presets: Sequence[Preset]
@@ -77,6 +79,7 @@ class BenchOptions:
     copy_buffer_bytes: int | None = None
     seed: int = 0
     rounds: int = 1
+    interleave: bool = False
     config: BenchConfig = field(default_factory=BenchConfig)
 
 
@@ -238,6 +241,46 @@ def _fill_ratios(
         row.speedup_vs_apex_style = _speedup(per_round.get(BASELINE_APEX), mine)
 
 
+def _interleaved_ms(
+    preset: Preset, runners: Sequence[type[Runner]], opts: BenchOptions, progress: Progress
+) -> dict[str, list[float]]:
+    """Returns each runner's step times (ms), timed in turn with every state alive at once.
+
+    Iteration i steps every runner once (odd iterations in reverse order), so step i of each
+    contender meets the same machine: each speed-up is then the median of same-iteration
+    ratios. Stops once ``time_budget_s`` per runner is spent, after at least
+    :data:`MIN_TIMED_STEPS` iterations.
+    """
+    device = torch.device(opts.device)
+    live = []
+    for cls in runners:
+        progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
+        params, grads = make_param_set(preset.shapes, device, opts.config.loss_scale, opts.seed)
+        runner = cls(opts.config)
+        runner.setup(params, grads)
+        for _ in range(max(opts.warmup, 1)):
+            runner.step()
+        live.append((cls.name, runner))
+    measure.synchronize(device)
+    timers = {name: measure.StepTimer(device) for name, _ in live}
+    budget = None if opts.time_budget_s is None else opts.time_budget_s * len(live)
+    start = time.monotonic()
+    for i in range(opts.steps):
+        for name, runner in live if i % 2 == 0 else live[::-1]:
+            timers[name].time(runner.step)
+        if budget is not None and time.monotonic() - start > budget and i + 1 >= MIN_TIMED_STEPS:
+            break
+    progress(f"[{preset.name}] interleaved: {i + 1} steps of each contender")
+    return {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
+
+
+def _set_times(row: ContenderResult, ms: list[float]) -> None:
+    row.ms_per_step = statistics.median(ms)
+    row.min_ms = min(ms)
+    row.p90_ms = sorted(ms)[min(len(ms) - 1, int(0.9 * len(ms)))]
+    row.steps = len(ms)
+
+
 def _run_preset(
     preset: Preset,
     runners: Sequence[type[Runner]],
@@ -287,6 +330,13 @@ def _run_preset(
     for cls in runners:
         rows.append(failed[cls.name] if cls.name in failed else _merge_rounds(measured[cls.name]))
     per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
+    if opts.interleave:
+        alive = [cls for cls in runners if cls.name in measured]
+        per_round = _interleaved_ms(preset, alive, opts, progress)
+        for row in rows:
+            if row.name in per_round:
+                _set_times(row, per_round[row.name])
+                row.notes.append("ms/step and speed-ups from the interleaved steps")
     _fill_ratios(rows, per_round, roofline_ms, nbytes)
     return PresetResult(
         preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, rows
@@ -310,6 +360,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
             f"{opts.steps}, {opts.warmup}, {opts.rounds}"
         )
     runners = select_runners(opts.only)
+    if device.type == "cpu":
+        measure.steady_allocator()
     load_start = measure.load_average()
     say(f"measuring copy bandwidth on {device} ({torch.get_num_threads()} threads)")
     bandwidth = measure.copy_bandwidth(device, opts.copy_buffer_bytes)
@@ -331,6 +383,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         steps=opts.steps,
         warmup=opts.warmup,
         rounds=opts.rounds,
+        interleaved=opts.interleave,
         loss_scale=opts.config.loss_scale,
         copy_bandwidth_gbps=bandwidth.gbps,
         inplace_bandwidth_gbps=bandwidth.inplace_gbps,

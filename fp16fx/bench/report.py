@@ -131,6 +131,11 @@ def format_report(bench: BenchResult) -> str:
         f"torch {bench.torch_version}; median of {bench.steps} steps after "
         f"{bench.warmup} warm-up"
     )
+    if bench.interleaved:
+        intro += (
+            "\ntimed interleaved: every contender's step i in one loop iteration, states alive "
+            "at once; ×torch and ×apex are medians of same-iteration ratios"
+        )
     if bench.rounds > 1:
         intro += (
             f"\n{bench.rounds} rounds in alternating order: ms/step is the median of the rounds' "

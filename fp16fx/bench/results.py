@@ -64,6 +64,7 @@ class BenchResult:
     steps: int
     warmup: int
     rounds: int
+    interleaved: bool
     loss_scale: float
     copy_bandwidth_gbps: float
     inplace_bandwidth_gbps: float
