@@ -336,7 +336,6 @@ def _run_preset(
         for row in rows:
             if row.name in per_round:
                 _set_times(row, per_round[row.name])
-                row.notes.append("ms/step and speed-ups from the interleaved steps")
     _fill_ratios(rows, per_round, roofline_ms, nbytes)
     return PresetResult(
         preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, rows
