@@ -147,14 +147,15 @@ def test_compiled_torch_baseline_matches_torch_adam_on_fp32_masters() -> None:
 # --- harness, registry, output -------------------------------------------------------------
 
 
-def _tiny_run(only: list[str], compile_times: bool = False):
+def _tiny_run(only: list[str], compile_times: bool = False, **options):
     opts = BenchOptions(
         presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
         only=only,
-        steps=2,
+        steps=options.pop("steps", 2),
         warmup=1,
         compile_times=compile_times,
         copy_buffer_bytes=16 << 20,
+        **options,
     )
     return run_bench(opts)
 
@@ -317,16 +318,7 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeyp
         return measure_one(cls, *args)
 
     monkeypatch.setattr(harness, "_measure", spy)
-    opts = BenchOptions(
-        presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
-        only=["torch-fused", "apex-style"],
-        steps=2,
-        warmup=1,
-        compile_times=False,
-        copy_buffer_bytes=16 << 20,
-        rounds=3,
-    )
-    result = run_bench(opts)
+    result = _tiny_run(["torch-fused", "apex-style"], rounds=3)
     assert order == [
         (0, "torch-fused"), (0, "apex-style"),
         (1, "apex-style"), (1, "torch-fused"),
@@ -350,16 +342,7 @@ def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch)
             return _original(self)
 
         monkeypatch.setattr(cls, "step", spy)
-    opts = BenchOptions(
-        presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
-        only=["torch-fused", "apex-style"],
-        steps=4,
-        warmup=1,
-        compile_times=False,
-        copy_buffer_bytes=16 << 20,
-        interleave=True,
-    )
-    result = run_bench(opts)
+    result = _tiny_run(["torch-fused", "apex-style"], steps=4, interleave=True)
     # The last 8 steps are the interleaved ones, odd iterations in reverse order.
     assert calls[-8:] == ["torch-fused", "apex-style", "apex-style", "torch-fused"] * 2
     rows = {r.name: r for r in result.presets[0].results}
