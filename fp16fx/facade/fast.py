@@ -44,7 +44,8 @@ from fp16fx.transforms import GradientTransformation, TransformState, multi_tran
 from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: The dtypes of a param group's flat buckets, in the order they are made.
+BUCKET_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def apply_and_count(*args: Any) -> Info:
@@ -147,7 +148,7 @@ class FastEngine:
         self._add_spec(k, spec)
         new = [
             FlatBucket(k, [p for p in params if p.dtype == dtype])
-            for dtype in (*_LOW_PRECISION, torch.float32)
+            for dtype in BUCKET_DTYPES
             if any(p.dtype == dtype for p in params)
         ]
         if not new:
