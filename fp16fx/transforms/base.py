@@ -117,9 +117,12 @@ def scalars(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     Stacking them makes the compiler materialise the scalars in a tiny buffer; left alone,
     Inductor inlines scalar math such as ``beta2 ** count`` (a float64 ``pow``) into every
-    iteration of the fused elementwise loop, which made Adam 6x slower on CPU.
+    iteration of the fused elementwise loop, which made Adam 6x slower on CPU. A stack of one
+    tensor is a view the compiler sees through, so a single value is stacked twice.
     """
-    return tuple(torch.stack([v.float() for v in values]).unbind())
+    floats = [v.float() for v in values]
+    stacked = torch.stack(floats if len(floats) > 1 else floats * 2)
+    return tuple(stacked.unbind())[: len(floats)]
 
 
 def stateless(

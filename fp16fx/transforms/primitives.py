@@ -53,7 +53,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(u) for u in updates])
             )
-        coef = torch.clamp(hp["max_norm"] / (grad_norm.double() + 1e-6), max=1.0).float()
+        (coef,) = scalars(torch.clamp(hp["max_norm"] / (grad_norm.double() + 1e-6), max=1.0))
         return [u * coef for u in updates]
 
     return stateless(update, max_norm=max_norm)
