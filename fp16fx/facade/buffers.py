@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -68,13 +68,17 @@ class FlatBucket:
     def __len__(self) -> int:
         return len(self.params)
 
-    def check_params(self, names: Sequence[str]) -> None:
-        """Raises RuntimeError if a param's data no longer lives in ``param_buffer``."""
-        for i, p in enumerate(self.params):
-            if p.data_ptr() != self._addresses[i] or p.dtype != self.dtype:
+    def check_params(self, names: Mapping[int, str]) -> None:
+        """Raises RuntimeError if a param's data no longer lives in ``param_buffer``.
+
+        ``names``: ``{id(param): name}``, read only for the error (a lookup per param per
+        step would cost more than the check).
+        """
+        for p, address in zip(self.params, self._addresses):
+            if p.data_ptr() != address or p.dtype != self.dtype:
                 raise RuntimeError(
-                    f"{names[i]} no longer lives in FP16_Optimizer's flat buffer: its .data was "
-                    "replaced (e.g. by model.half(), model.to(...), or "
+                    f"{names.get(id(p), 'a param')} no longer lives in FP16_Optimizer's flat "
+                    "buffer: its .data was replaced (e.g. by model.half(), model.to(...), or "
                     "load_state_dict(..., assign=True)) after the optimizer was built. Convert "
                     "and move the model first, then build the FP16_Optimizer."
                 )

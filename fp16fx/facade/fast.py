@@ -377,7 +377,7 @@ class FastEngine:
     def check_params(self, names: dict[int, str]) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""
         for bucket in self.buckets:
-            bucket.check_params([names.get(id(p), "a param") for p in bucket.params])
+            bucket.check_params(names)
 
     def zero_grad(self, set_to_none: bool) -> None:
         for bucket in self.buckets:
