@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -185,12 +186,22 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         interleave=args.interleave,
     )
+    return _measure_and_print(args, lambda say: run_bench(opts, say), to_json, format_report)
 
+
+def _measure_and_print(
+    args: argparse.Namespace,
+    measure: Callable[[Callable[[str], None] | None], Any],
+    as_json: Callable[[Any], str],
+    as_text: Callable[[Any], str],
+) -> int:
+    """Runs ``measure`` (progress on stderr unless ``--quiet``), prints its result as text or
+    ``--json``, and returns 0; bad options or a failed run exit with one line."""
     try:
-        result = run_bench(opts, None if args.quiet else _progress)
+        result = measure(None if args.quiet else _progress)
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"fp16fx bench: {exc}") from None
-    sys.stdout.write(to_json(result) + "\n" if args.json else format_report(result))
+    sys.stdout.write(as_json(result) + "\n" if args.json else as_text(result))
     return 0
 
 
@@ -215,13 +226,9 @@ def _run_sharded(args: argparse.Namespace) -> int:
         seed=args.seed,
         cores=args.threads,
     )
-    try:
-        result = run_sharded(opts, None if args.quiet else _progress)
-    except (ValueError, RuntimeError) as exc:
-        raise SystemExit(f"fp16fx bench: {exc}") from None
-    out = sharded_to_json(result) + "\n" if args.json else format_sharded_report(result)
-    sys.stdout.write(out)
-    return 0
+    return _measure_and_print(
+        args, lambda say: run_sharded(opts, say), sharded_to_json, format_sharded_report
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
