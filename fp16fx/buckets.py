@@ -70,10 +70,18 @@ def views(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def pack(bucket: Bucket, leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Returns a new flat ``dtype`` buffer holding the bucket's leaves (picked from ``leaves``)."""
+def pack(
+    bucket: Bucket, leaves: Sequence[torch.Tensor], dtype: torch.dtype, multiple: int = 1
+) -> torch.Tensor:
+    """Returns a new flat ``dtype`` buffer holding the bucket's leaves (picked from ``leaves``).
+
+    Its length is ``bucket.numel`` rounded up to a multiple of ``multiple`` (d ranks' equal
+    slices of a sharded buffer); the padding is zeros.
+    """
     first = leaves[bucket.indices[0]]
-    flat = torch.empty(bucket.numel, dtype=dtype, device=first.device)
+    numel = math.ceil(bucket.numel / multiple) * multiple
+    flat = torch.empty(numel, dtype=dtype, device=first.device)
+    flat[bucket.numel :].zero_()
     for view, i in zip(views(bucket, flat), bucket.indices):
         view.copy_(leaves[i])
     return flat

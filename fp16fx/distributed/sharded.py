@@ -22,7 +22,6 @@ v 4) / d = 4 + 12/d.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,12 +46,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 InplaceStep = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
 
 
-def padded_numel(numel: int, world: int) -> int:
-    """Returns d * ceil(n / d): the length of a flat buffer of ``numel`` values shared by
-    ``world`` ranks, each owning one slice of ceil(n / d)."""
-    return world * math.ceil(numel / world)
-
-
 class Sharding:
     """Which slice of each padded flat buffer this rank owns, and the collectives over them.
 
@@ -72,9 +65,9 @@ class Sharding:
 
     @classmethod
     def of(cls, flat_params: Sequence[torch.Tensor], group: Any) -> Sharding:
-        """Returns the sharding of ``flat_params`` (padded to :func:`padded_numel`) over
-        ``group``, after broadcasting them from the group's first rank (as DDP does), so that
-        every rank starts from the same values."""
+        """Returns the sharding of ``flat_params`` (padded to a multiple of d by
+        :func:`fp16fx.buckets.pack`) over ``group``, after broadcasting them from the group's
+        first rank (as DDP does), so that every rank starts from the same values."""
         world = dist.get_world_size(group)
         with torch.no_grad():
             for flat in flat_params:
@@ -201,9 +194,8 @@ def init_sharded(
     with torch.no_grad():
         for bucket in layout.buckets:
             first = leaves[bucket.indices[0]]
-            flat = first.new_zeros(padded_numel(bucket.numel, world))
+            flat = buckets.pack(bucket, leaves, first.dtype, multiple=world)
             for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
-                view.copy_(leaves[i])
                 leaves[i].data = view
             flat_params.append(flat)
     sharding = Sharding.of(flat_params, group)

@@ -16,7 +16,6 @@ buffer and re-binds ``p.grad`` to its view: one extra read and write of that gra
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -47,9 +46,7 @@ class FlatBucket:
         (layout,) = buckets.plan(leaves, treedef).buckets  # one dtype: one bucket
         self.offsets = [*layout.offsets, layout.numel]
         with torch.no_grad():
-            self.param_buffer = leaves[0].new_zeros(math.ceil(layout.numel / multiple) * multiple)
-            for view, p in zip(buckets.views(layout, self.param_buffer), self.params):
-                view.copy_(p)
+            self.param_buffer = buckets.pack(layout, leaves, self.dtype, multiple)
             self.grad_buffer = torch.zeros_like(self.param_buffer)
             self.grad_views = buckets.views(layout, self.grad_buffer)
             for p, view, grad_view in zip(
@@ -116,3 +113,19 @@ class FlatBucket:
         for p, view in zip(self.params, self.grad_views):
             if p.grad is not None and p.grad is not view:
                 p.grad = view
+
+
+#: The dtypes of a param group's flat buckets, in the order they are made.
+BUCKET_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def group_buckets(
+    group: int, params: Sequence[torch.Tensor], multiple: int = 1
+) -> list[FlatBucket]:
+    """Returns param group ``group``'s flat buckets: one per dtype its ``params`` have, in
+    :data:`BUCKET_DTYPES` order, each padded to a multiple of ``multiple`` values."""
+    return [
+        FlatBucket(group, same, multiple)
+        for dtype in BUCKET_DTYPES
+        if (same := [p for p in params if p.dtype == dtype])
+    ]

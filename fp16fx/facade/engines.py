@@ -33,22 +33,21 @@ def build_engine(
     *,
     path: str,
     compiled: bool,
-    shard_over: Any,
+    sharded: bool,
+    group: Any,
     names: Mapping[int, str],
 ) -> tuple[Engine, list[list[torch.Tensor]]]:
     """Returns ``(engine, masters)`` for ``optimizer``, after putting ``masters`` (per group,
     what it holds for each trainable param) into its param groups.
 
-    ``shard_over``: False, or the process group to shard over (None: the world). ``path``:
+    ``sharded``: shard over the process ``group`` (None: the world). ``path``:
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
     """
     engine: Engine | None = None
-    if shard_over is not False:
-        engine = ShardedEngine(
-            optimizer, trainable, scaler, shard_over, compiled=compiled, names=names
-        )
+    if sharded:
+        engine = ShardedEngine(optimizer, trainable, scaler, group, compiled=compiled, names=names)
     elif path != "generic":
         try:
             engine = FastEngine(optimizer, trainable, scaler, compiled=compiled)

@@ -25,7 +25,7 @@ import optree
 import torch
 
 from fp16fx.facade import torch_state
-from fp16fx.facade.buffers import FlatBucket
+from fp16fx.facade.buffers import FlatBucket, group_buckets
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -44,8 +44,6 @@ from fp16fx.transforms import GradientTransformation, TransformState, multi_tran
 from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
-#: The dtypes of a param group's flat buckets, in the order they are made.
-BUCKET_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def apply_and_count(*args: Any) -> Info:
@@ -146,11 +144,7 @@ class FastEngine:
 
     def _add_group(self, k: int, params: Sequence[torch.Tensor], spec: GroupSpec) -> None:
         self._add_spec(k, spec)
-        new = [
-            FlatBucket(k, [p for p in params if p.dtype == dtype])
-            for dtype in BUCKET_DTYPES
-            if any(p.dtype == dtype for p in params)
-        ]
+        new = group_buckets(k, params)
         if not new:
             return
         # fp16fx.init makes each FP16/BF16 bucket's FP32 master and each bucket's zero state.

@@ -140,8 +140,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
         engine, masters = build_engine(
             init_optimizer, trainable, self._scaler,
-            path=path, compiled=compiled, shard_over=shard_over if sharded else False,
-            names=self._names,
+            path=path, compiled=compiled, sharded=sharded, group=shard_over, names=self._names,
         )  # fmt: skip
         self._trainable, self._masters = trainable, masters
         self._frozen = [p for g in groups for p in g["params"] if not p.requires_grad]

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from fp16fx.consensus import Consensus
 from fp16fx.distributed.sharded import Sharding
 from fp16fx.facade import torch_state
-from fp16fx.facade.buffers import FlatBucket
-from fp16fx.facade.fast import BUCKET_DTYPES, FastEngine, apply_and_count, finite_and_norm
+from fp16fx.facade.buffers import group_buckets
+from fp16fx.facade.fast import FastEngine, apply_and_count, finite_and_norm
 from fp16fx.facade.groups import NO_CLIP, GroupSpec, Unsupported, group_spec
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
@@ -93,10 +93,7 @@ class ShardedEngine(FastEngine):
         world = dist.get_world_size(self.group)
         for k, params in enumerate(trainable):
             self._add_spec(k, specs[k])
-            for dtype in BUCKET_DTYPES:
-                same = [p for p in params if p.dtype == dtype]
-                if same:
-                    self.buckets.append(FlatBucket(k, same, multiple=world))
+            self.buckets += group_buckets(k, params, multiple=world)
         self.sharding = Sharding.of([b.param_buffer for b in self.buckets], self.group)
         slices = [b.param_buffer[self.sharding.slice(i)] for i, b in enumerate(self.buckets)]
         optimizer = multi_transform(self.transforms, labels=[b.group for b in self.buckets])
