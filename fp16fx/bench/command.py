@@ -219,7 +219,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
         raise SystemExit("fp16fx bench: --world-sizes runs on CPU with gloo only for now")
     opts = ShardedOptions(
         presets=_presets(args),
-        world_sizes=sorted({1, *args.world_sizes}),
+        world_sizes=[1, *args.world_sizes],
         steps=args.steps,
         warmup=args.warmup,
         time_budget_s=args.time_budget if args.time_budget > 0 else None,

@@ -127,6 +127,19 @@ def _first_step_s(runner: Runner, params: list, grads: list, device: torch.devic
     return measure.time_call(runner.step, device)
 
 
+def _set_times(row: ContenderResult, ms: list[float]) -> None:
+    """Sets ``row``'s median, fastest and p90 step times from ``ms`` and its step count."""
+    row.ms_per_step, row.min_ms, row.p90_ms = measure.median_min_p90(ms)
+    row.steps = len(ms)
+
+
+def _row(cls: type[Runner], status: str = "ok", reason: str | None = None) -> ContenderResult:
+    """Returns ``cls``'s result row, nothing measured yet."""
+    return ContenderResult(
+        cls.name, cls.label, "baseline" if cls.baseline else "fp16fx", status, reason
+    )
+
+
 def _measure(
     cls: type[Runner],
     preset: Preset,
@@ -138,7 +151,7 @@ def _measure(
     tag = f"[{preset.name}] {cls.name}"
     if opts.rounds > 1:
         tag += f" (round {round_ + 1}/{opts.rounds})"
-    result = ContenderResult(cls.name, cls.label, "baseline" if cls.baseline else "fp16fx")
+    result = _row(cls)
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
@@ -177,14 +190,11 @@ def _measure(
     measure.release_memory(device)
 
     median = statistics.median(times)
-    result.steps = len(times)
+    _set_times(result, [t * 1e3 for t in times])
     if len(times) < opts.steps:
         result.notes.append(
             f"{len(times)} of {opts.steps} steps timed (time budget {opts.time_budget_s:g} s)"
         )
-    result.ms_per_step = median * 1e3
-    result.min_ms = min(times) * 1e3
-    result.p90_ms = sorted(times)[min(len(times) - 1, int(0.9 * len(times)))] * 1e3
     if cold_s is not None and warm_s is not None:
         result.cold_compile_s = max(cold_s - median, 0.0)
         result.warm_compile_s = max(warm_s - median, 0.0)
@@ -242,7 +252,11 @@ def _fill_ratios(
 
 
 def _interleaved_ms(
-    preset: Preset, runners: Sequence[type[Runner]], opts: BenchOptions, progress: Progress
+    preset: Preset,
+    runners: Sequence[type[Runner]],
+    opts: BenchOptions,
+    device: torch.device,
+    progress: Progress,
 ) -> dict[str, list[float]]:
     """Returns each runner's step times (ms), timed in turn with every state alive at once.
 
@@ -251,7 +265,6 @@ def _interleaved_ms(
     ratios. Stops once ``time_budget_s`` per runner is spent, after at least
     :data:`MIN_TIMED_STEPS` iterations.
     """
-    device = torch.device(opts.device)
     live = []
     for cls in runners:
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
@@ -272,13 +285,6 @@ def _interleaved_ms(
             break
     progress(f"[{preset.name}] interleaved: {i + 1} steps of each contender")
     return {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
-
-
-def _set_times(row: ContenderResult, ms: list[float]) -> None:
-    row.ms_per_step = statistics.median(ms)
-    row.min_ms = min(ms)
-    row.p90_ms = sorted(ms)[min(len(ms) - 1, int(0.9 * len(ms)))]
-    row.steps = len(ms)
 
 
 def _run_preset(
@@ -305,8 +311,7 @@ def _run_preset(
         reason = cls.unavailable_reason(device)
         if reason is not None:
             progress(f"[{preset.name}] {cls.name}: unavailable ({reason})")
-            kind = "baseline" if cls.baseline else "fp16fx"
-            failed[cls.name] = ContenderResult(cls.name, cls.label, kind, "unavailable", reason)
+            failed[cls.name] = _row(cls, "unavailable", reason)
     measured: dict[str, list[ContenderResult]] = {}
     for round_ in range(opts.rounds):
         order = runners if round_ % 2 == 0 else list(reversed(runners))
@@ -318,9 +323,7 @@ def _run_preset(
             except Exception as exc:  # a broken contender must not sink the others
                 traceback.print_exc(file=sys.stderr)
                 progress(f"[{preset.name}] {cls.name}: error ({type(exc).__name__}: {exc})")
-                kind = "baseline" if cls.baseline else "fp16fx"
-                reason = f"{type(exc).__name__}: {exc}"
-                failed[cls.name] = ContenderResult(cls.name, cls.label, kind, "error", reason)
+                failed[cls.name] = _row(cls, "error", f"{type(exc).__name__}: {exc}")
                 measured.pop(cls.name, None)
                 measure.forget_compiled()
                 measure.release_memory(device)
@@ -332,7 +335,7 @@ def _run_preset(
     per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
     if opts.interleave:
         alive = [cls for cls in runners if cls.name in measured]
-        per_round = _interleaved_ms(preset, alive, opts, progress)
+        per_round = _interleaved_ms(preset, alive, opts, device, progress)
         for row in rows:
             if row.name in per_round:
                 _set_times(row, per_round[row.name])

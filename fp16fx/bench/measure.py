@@ -14,7 +14,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "forget_compiled",
     "graphs_compiled",
     "load_average",
+    "median_min_p90",
     "release_memory",
     "roofline_bytes",
     "steady_allocator",
@@ -163,6 +164,16 @@ class StepTimer:
             return list(self._wall)
         synchronize(self.device)
         return [start.elapsed_time(end) / 1e3 for start, end in self._events]
+
+
+def median_min_p90(times: Sequence[float]) -> tuple[float, float, float]:
+    """Return the median, the fastest and the 90th percentile of ``times`` (in their unit)."""
+    ordered = sorted(times)
+    return (
+        statistics.median(ordered),
+        ordered[0],
+        ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+    )
 
 
 def _libc_malloc_trim() -> None:

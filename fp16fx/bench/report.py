@@ -31,6 +31,8 @@ __all__ = [
     "format_number",
     "format_report",
     "format_table",
+    "load_note",
+    "preset_line",
     "to_json",
     "to_jsonable",
 ]
@@ -94,11 +96,28 @@ def align(names: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(names), "-" * len(line(names)), *(line(r) for r in rows)]
 
 
+def preset_line(name: str, params: int, leaves: int, loss_scale: float) -> str:
+    """Return a table's first header line: the preset, its size and what is stepped."""
+    return (
+        f"preset {name}: {params:,} params in {leaves:,} leaves; "
+        f"Adam (lr 1e-3) on FP16 params, static loss scale {loss_scale:g}"
+    )
+
+
+def load_note(start: float | None, end: float | None, cpu_count: int | None) -> list[str]:
+    """Return the load-average line of a report (none where the platform has no load)."""
+    if start is None or end is None:
+        return []
+    return [
+        f"load average {start:.2f} at start, {end:.2f} at end on {cpu_count} CPUs "
+        "(other work on the machine skews the timings)"
+    ]
+
+
 def format_table(preset: PresetResult, bench: BenchResult) -> str:
     """Return one preset's results as an aligned text table with its header lines."""
     header = [
-        f"preset {preset.preset}: {preset.params:,} params in {preset.leaves:,} leaves; "
-        f"Adam (lr 1e-3) on FP16 params, static loss scale {bench.loss_scale:g}",
+        preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale),
         f"copy bandwidth {bench.copy_bandwidth_gbps:.1f} GB/s "
         f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write) -> roofline "
         f"{bench.roofline_bytes_per_param} B/param x {preset.params:,} = "
@@ -141,11 +160,8 @@ def format_report(bench: BenchResult) -> str:
             f"\n{bench.rounds} rounds in alternating order: ms/step is the median of the rounds' "
             "medians, ×torch and ×apex the median of the rounds' ratios"
         )
-    if bench.load_avg_start is not None and bench.load_avg_end is not None:
-        intro += (
-            f"\nload average {bench.load_avg_start:.2f} at start, {bench.load_avg_end:.2f} at "
-            f"end on {bench.cpu_count} CPUs (other work on the machine skews the timings)"
-        )
+    for line in load_note(bench.load_avg_start, bench.load_avg_end, bench.cpu_count):
+        intro += f"\n{line}"
     return "\n\n".join([intro, *(format_table(p, bench) for p in bench.presets)]) + "\n"
 
 

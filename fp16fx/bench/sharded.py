@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from fp16fx.bench import measure
 from fp16fx.bench.presets import Preset
-from fp16fx.bench.report import align, format_number
+from fp16fx.bench.report import align, format_number, load_note, preset_line
 from fp16fx.bench.runner import BenchConfig
 from fp16fx.bench.sharded_worker import Job, RankResult, worker
 
@@ -236,10 +236,7 @@ COLUMNS: Sequence[tuple[str, Callable[[RankResult], str]]] = (
 
 def format_sharded_table(preset: ShardedPresetResult, bench: ShardedResult) -> str:
     """Return one preset's per-rank rows as an aligned text table with its header line."""
-    header = (
-        f"preset {preset.preset}: {preset.params:,} params in {preset.leaves:,} leaves; "
-        f"Adam (lr 1e-3) on FP16 params, static loss scale {bench.loss_scale:g}"
-    )
+    header = preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale)
     rows = [[cell(r) for _, cell in COLUMNS] for r in preset.ranks]
     body = align([name for name, _ in COLUMNS], rows)
     # The ranks of one world size step together, so they share their notes: print them once.
@@ -264,13 +261,9 @@ def format_sharded_report(bench: ShardedResult) -> str:
             "B/param: this rank's persistent bytes per param, measured by fdist.persistent_bytes",
             "(FP16 params and grads in full, its FP32 masters and moments, 0-d scalars); "
             "4+12/d: Adam's formula",
+            *load_note(bench.load_avg_start, bench.load_avg_end, bench.cpu_count),
         ]
     )
-    if bench.load_avg_start is not None and bench.load_avg_end is not None:
-        intro += (
-            f"\nload average {bench.load_avg_start:.2f} at start, {bench.load_avg_end:.2f} at "
-            f"end on {bench.cpu_count} CPUs (other work on the machine skews the timings)"
-        )
     tables = (format_sharded_table(p, bench) for p in bench.presets)
     return "\n\n".join([intro, *tables]) + "\n"
 

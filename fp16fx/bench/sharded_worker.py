@@ -24,15 +24,12 @@ import torch.distributed as dist
 
 import fp16fx
 import fp16fx.distributed as fdist
+from fp16fx.bench import measure
 from fp16fx.bench.harness import MIN_TIMED_STEPS
 from fp16fx.bench.presets import Shape, make_param_set
 from fp16fx.bench.runner import BenchConfig
 
 __all__ = ["STEP", "Job", "RankResult", "worker"]
-
-# torch >= 2.14 renamed the flat collectives (the old names warn); torch 2.6 has only the old.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: How every rank steps its state (the shard's, for d > 1): ``fp16fx.compile_step(inplace=True)``.
 STEP = "compiled"
@@ -118,19 +115,17 @@ def _planned_steps(job: Job, last_warmup_s: float) -> int:
     return min(job.steps, max(MIN_TIMED_STEPS, affordable))
 
 
-def _collectives(state: Any) -> Callable[[], None]:
+def _collectives(state: fdist.ShardedState) -> Callable[[], None]:
     """Return a function running the collectives of one ``sharded_step`` of ``state`` alone.
 
-    Per bucket: a reduce-scatter of a padded flat FP16 buffer into one slice, and an
-    all-gather of a slice into the flat buffer, on buffers of their own (zeros).
+    The state's own reduce-scatter and all-gather (:class:`fp16fx.distributed.sharded.Sharding`),
+    on padded flat FP16 buffers of their own (zeros).
     """
     flats = [torch.zeros_like(flat) for flat in state.flat_params]
-    slices = [flat.new_zeros(s) for flat, s in zip(flats, state.shard_numel, strict=True)]
 
     def run() -> None:
-        for flat, mine in zip(flats, slices, strict=True):
-            _reduce_scatter(mine, flat)
-            _all_gather(flat, mine)
+        state.reduce_scatter(flats)
+        state.all_gather(flats)
 
     return run
 
@@ -144,17 +139,15 @@ def _time_calls(
 ) -> list[float]:
     """Return the seconds of ``count`` calls of ``fn``, each after an untimed ``prepare()``;
     ``say`` a progress line naming ``what`` every 2 s."""
-    times: list[float] = []
+    timer = measure.StepTimer(torch.device("cpu"))
     last_report = time.monotonic()
     for i in range(count):
         prepare()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        timer.time(fn)
         if time.monotonic() - last_report > 2.0:
             say(f"{what}: {i + 1}/{count}")
             last_report = time.monotonic()
-    return times
+    return timer.seconds()
 
 
 def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
@@ -187,15 +180,16 @@ def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
     if planned < job.steps:
         notes.append(f"{planned} of {job.steps} steps timed (time budget {job.time_budget_s:g} s)")
     d = job.world_size
+    median_ms, min_ms, p90_ms = measure.median_min_p90([t * 1e3 for t in times])
     return RankResult(
         world_size=d,
         rank=rank,
         threads=torch.get_num_threads(),
-        sharded=d > 1,
+        sharded=sharded,
         step=STEP,
-        ms_per_step=statistics.median(times) * 1e3,
-        min_ms=min(times) * 1e3,
-        p90_ms=sorted(times)[min(len(times) - 1, int(0.9 * len(times)))] * 1e3,
+        ms_per_step=median_ms,
+        min_ms=min_ms,
+        p90_ms=p90_ms,
         comm_ms=None if comm is None else comm * 1e3,
         steps=len(times),
         persistent_bytes=persistent,
