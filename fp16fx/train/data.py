@@ -218,17 +218,22 @@ def load_dataset(name: str, data_dir: str | None = None) -> TrainTestData:
 
 
 def _random_crop_flip(
-    images: torch.Tensor, generator: torch.Generator, padding: int = 4
+    images: torch.Tensor, generator: torch.Generator, padding: int = 4, keep: slice = slice(None)
 ) -> torch.Tensor:
-    """Returns ``images`` (``B x C x H x W``) randomly shifted by up to ``padding`` and flipped.
+    """Returns ``images[keep]`` (``B x C x H x W``) randomly shifted by up to ``padding`` and
+    flipped.
 
     The standard CIFAR augmentation, vectorised over the batch; the random draws come from
-    ``generator`` (on the CPU) so that they are part of the resumable data order.
+    ``generator`` (on the CPU) so that they are part of the resumable data order. They are
+    drawn for all ``B`` images, whatever ``keep``: a process augments only its part of a global
+    batch, exactly as the whole batch would be, and its generator stays in step.
     """
+    b = images.shape[0]
+    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator)[keep].to(images.device)
+    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator)[keep].to(images.device)
+    flip = torch.rand(b, generator=generator)[keep].to(images.device) < 0.5
+    images = images[keep]
     b, _, h, w = images.shape
-    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(images.device)
-    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(images.device)
-    flip = torch.rand(b, generator=generator).to(images.device) < 0.5
     padded = torch.nn.functional.pad(images, (padding,) * 4)
     rows = (dy[:, None] + torch.arange(h, device=images.device))[:, :, None]  # B x H x 1
     cols = (dx[:, None] + torch.arange(w, device=images.device))[:, None, :]  # B x 1 x W
@@ -296,13 +301,14 @@ class ImageBatches:
         else:
             order = torch.randperm(n, generator=self.generator).to(self.device)
             step = self.global_batch_size
+        # In training, this process's part of each global batch; in evaluation, all of its own.
+        mine = slice(None) if self.generator is None else slice(rank, None, size)
         for i in range(len(self)):
             idx = order[i * step : (i + 1) * step]
-            images = self._images[idx]
             if self.augment:
                 assert self.generator is not None
-                images = _random_crop_flip(images, self.generator)
-            if self.generator is not None:  # this process's part of the global batch
-                images, idx = images[rank::size], idx[rank::size]
+                images = _random_crop_flip(self._images[idx], self.generator, keep=mine)
+            else:
+                images = self._images[idx[mine]]
             x = (images.float() / 255.0 - self._mean) / self._std
-            yield x, self._labels[idx]
+            yield x, self._labels[idx[mine]]

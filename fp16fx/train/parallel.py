@@ -88,15 +88,12 @@ class Processes:
         return self.rank == 0
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Returns the elementwise mean of ``values`` over the processes (a new tensor)."""
-        if self.size == 1:
-            return values
-        total = values.clone()
-        dist.all_reduce(total)
-        return total / self.size
+        """Returns the elementwise mean of ``values`` over the processes."""
+        return values if self.size == 1 else self.sum(values) / self.size
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Returns the elementwise sum of ``values`` over the processes (a new tensor)."""
+        """Returns the elementwise sum of ``values`` over the processes (``values`` itself for
+        one process, else a new tensor)."""
         if self.size == 1:
             return values
         total = values.clone()
