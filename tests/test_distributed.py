@@ -386,3 +386,16 @@ def test_average_grads_sees_a_flat_buffer_as_one_tensor():
     assert whole is not None and whole.shape == (11,)
     assert _whole_storage([grads["a"]]) is None  # part of a buffer: reduced on its own
     assert _whole_storage([torch.ones(2), torch.ones(2)]) is None
+
+
+def test_loose_grads_are_coalesced_per_dtype_into_runs_of_at_most_25_mb():
+    from fp16fx.distributed.api import _COALESCE_BYTES, _coalesced_runs
+
+    half = [torch.zeros(4 << 20, dtype=torch.float16) for _ in range(4)]  # 8 MB each
+    loose = [half[0], torch.zeros(3), half[1], half[2], torch.zeros(0), half[3]]
+    runs = _coalesced_runs(loose)
+    assert [[t.dtype for t in run] for run in runs] == [
+        [torch.float16] * 3, [torch.float32] * 2, [torch.float16],
+    ]  # fmt: skip
+    assert all(sum(t.nbytes for t in run) <= _COALESCE_BYTES for run in runs)
+    assert sorted(id(t) for run in runs for t in run) == sorted(map(id, loose))

@@ -61,25 +61,59 @@ def init(
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)
 
 
+#: The most bytes of loose grads coalesced into one all-reduce (DDP's default bucket_cap_mb).
+_COALESCE_BYTES = 25 << 20
+
+
 def average_grads(grads: Any, group: Any = None) -> None:
     """Replaces ``grads`` (any pytree of tensors) by their mean over the processes of ``group``.
 
     What DDP does after backward, without DDP's own gradient buffers: grads that together fill
     one storage exactly (the flat buffers of ``fp16fx.grad_buffers`` or of ``FP16_Optimizer``'s
-    fast path) are divided by d and all-reduced as *one* tensor, in place -- no copy; any other
-    grad is all-reduced on its own. Unlike DDP it does not overlap communication with backward.
+    fast path) are divided by d and all-reduced as *one* tensor, in place -- no copy; other
+    grads (e.g. ``torch.func.grad``'s) are copied into flat buffers of up to 25 MB per dtype,
+    as DDP's buckets, so that a model's many small grads cost a few collectives, not one each.
+    Unlike DDP it does not overlap communication with backward.
     """
     world = dist.get_world_size(group)
     by_storage: dict[int, list[torch.Tensor]] = {}
     for g in optree.tree_leaves(grads):
         if g is not None:
             by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(g)
+    loose: list[torch.Tensor] = []
     with torch.no_grad():
         for tensors in by_storage.values():
             whole = _whole_storage(tensors)
-            for t in [whole] if whole is not None else tensors:
-                t.div_(world)  # first, as DDP: exact for d = 2**k, no overflow in the sum
-                dist.all_reduce(t, group=group)
+            if whole is None:
+                loose += tensors
+            else:
+                _average(whole, world, group)
+        for run in _coalesced_runs(loose):
+            flat = torch.cat([t.reshape(-1) for t in run])
+            _average(flat, world, group)
+            for t, part in zip(run, flat.split([t.numel() for t in run])):
+                t.copy_(part.view_as(t))
+
+
+def _average(flat: torch.Tensor, world: int, group: Any) -> None:
+    flat.div_(world)  # first, as DDP: exact for d = 2**k, no overflow in the sum
+    dist.all_reduce(flat, group=group)
+
+
+def _coalesced_runs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Returns ``tensors`` in runs of one dtype and device, each at most _COALESCE_BYTES (or
+    a single larger tensor)."""
+    runs: list[list[torch.Tensor]] = []
+    filling: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        run, size = filling.get(key, (None, 0))
+        if run is None or size + nbytes > _COALESCE_BYTES:
+            run, size = [], 0
+            runs.append(run)
+        run.append(t)
+        filling[key] = (run, size + nbytes)
+    return runs
 
 
 def _whole_storage(tensors: list[torch.Tensor]) -> torch.Tensor | None:
