@@ -109,6 +109,20 @@ def compiled_vs_eager(rank: int, world: int) -> dict[str, Any]:
     return runs
 
 
+def scatter_routes(rank: int, world: int) -> dict[str, Any]:
+    """The grads reduced by reduce-scatter (NCCL's route) and by all-reduce (gloo's)."""
+    runs: dict[str, Any] = {}
+    for route in ("reduce_scatter", "all_reduce"):
+        state = fdist.init(make_params(), OPTIMIZERS["adam"](), shard=True)
+        runs["gloo_default"] = state.scatter_by_all_reduce
+        state.scatter_by_all_reduce = route == "all_reduce"
+        for i in range(4):
+            grads = local_grads(i, rank, state.shard.loss_scale.scale)
+            fdist.sharded_step(state, grads)
+        runs[route] = {k: v.clone() for k, v in state.params.items()}
+    return runs
+
+
 def missing_grad(rank: int, world: int) -> dict[str, Any]:
     """A None grad is refused before any collective; the next step works on every rank."""
     state = fdist.init(make_params(), OPTIMIZERS["adam"](), shard=True)
@@ -135,6 +149,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found: dict[str, Any] = {name: sharded_vs_replicated(rank, world, name) for name in OPTIMIZERS}
     found["checkpoint"] = checkpoint_run(rank, world, out)
     found["missing_grad"] = missing_grad(rank, world)
+    found["routes"] = scatter_routes(rank, world)
     if world == 2:
         found["compiled"] = compiled_vs_eager(rank, world)
     found["memory"] = memory(rank, world)
@@ -174,6 +189,19 @@ def test_sharded_equals_replicated(request, world, name):
             torch.testing.assert_close(got["sharded"][k], got["replicated"][k], **tol)
         for k in SHAPES:  # every rank holds the same params
             assert torch.equal(got["sharded"][k], runs[world][0][name]["sharded"][k])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_all_reduces_the_grads_and_matches_reduce_scatter(request, world):
+    runs = request.getfixturevalue("runs" if world == 2 else "runs_4")
+    for r in runs[world]:
+        got = r["routes"]
+        assert got["gloo_default"]  # gloo's reduce-scatter is the slower route
+        # Two FP16 grads add the same either way; four in a route's own order.
+        tol = {"rtol": 0, "atol": 0} if world == 2 else {"rtol": 2e-3, "atol": 1e-3}
+        for k in SHAPES:
+            torch.testing.assert_close(got["all_reduce"][k], got["reduce_scatter"][k], **tol)
+            assert torch.equal(got["all_reduce"][k], runs[world][0]["routes"]["all_reduce"][k])
 
 
 def test_compiled_shard_step_matches_eager(runs):

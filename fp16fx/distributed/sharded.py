@@ -6,6 +6,7 @@ the one core, :func:`fp16fx.step.apply_updates_`. One step, on every rank::
 
     flat grad (FP16, padded to d * s)  /= d                  # as DDP pre-divides its buckets
     shard grad (s values)  = reduce_scatter(flat grad)        # the averaged grads of my slice
+                                                              # (gloo: all_reduce, then slice)
     shard step             = apply_updates_ on my slice       # finite + norm agreed by all ranks
     flat param (FP16)      = all_gather(my slice)             # every rank gets the new params
 
@@ -55,6 +56,10 @@ class Sharding:
     Attributes:
       shard_numel: per buffer, the length s of every rank's slice (the buffer holds d * s).
       group, world_size, rank: the process group and this rank's place in it.
+      scatter_by_all_reduce: reduce the grads with an all-reduce and read this rank's slice,
+        instead of a reduce-scatter. True on gloo, whose reduce-scatter of GPT-2's 249 MB of
+        FP16 grads took 396 ms against 277 ms for an all-reduce of them (2 processes, CPU);
+        NCCL's reduce-scatter moves 1/d of an all-reduce's bytes into the rank.
     """
 
     def __init__(self, shard_numel: Sequence[int], group: Any) -> None:
@@ -62,6 +67,7 @@ class Sharding:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.scatter_by_all_reduce = dist.get_backend(group) == dist.Backend.GLOO
 
     @classmethod
     def of(cls, flat_params: Sequence[torch.Tensor], group: Any) -> Sharding:
@@ -85,15 +91,21 @@ class Sharding:
         """Returns, per buffer, this rank's slice of the mean of every rank's ``flat_grads``.
 
         The grads are divided by d in place first (they are spent): as DDP pre-divides, exact
-        for a power-of-two d, and the FP16 sum cannot overflow where the mean would not.
+        for a power-of-two d, and the FP16 sum cannot overflow where the mean would not. With
+        :attr:`scatter_by_all_reduce` the buffers are all-reduced in place (then they hold
+        the mean, as after DDP) and the slices returned are views of them.
         """
         shards = []
         with torch.no_grad():
-            for flat, s in zip(flat_grads, self.shard_numel):
+            for b, flat in enumerate(flat_grads):
                 flat.div_(self.world_size)
-                shard = torch.empty(s, dtype=flat.dtype, device=flat.device)
                 try:
-                    _reduce_scatter(shard, flat, group=self.group)
+                    if self.scatter_by_all_reduce:
+                        dist.all_reduce(flat, group=self.group)
+                        shard = flat[self.slice(b)]
+                    else:
+                        shard = flat.new_empty(self.shard_numel[b])
+                        _reduce_scatter(shard, flat, group=self.group)
                 except RuntimeError as err:
                     raise collective_error("the gradients' reduce-scatter", err) from err
                 shards.append(shard)
