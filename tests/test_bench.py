@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from math import prod
 
 import optree
 import pytest
 import torch
 
-from fp16fx.bench import command, harness, measure, presets
+from fp16fx.bench import command, harness, interleave, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
 from fp16fx.bench.fp16fx_runners import Fp16fxCompiledRunner, Fp16fxEagerRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
@@ -342,9 +343,38 @@ def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch)
             return _original(self)
 
         monkeypatch.setattr(cls, "step", spy)
+    copy_step = interleave._CopyProbe.step
+    monkeypatch.setattr(
+        interleave._CopyProbe, "step", lambda self: (calls.append("copy"), copy_step(self))
+    )
+    times = iter([4.0, 2.0, 6.0, 2.0, 2.0, 8.0, 5.0, 2.0, 6.0, 3.0, 6.0, 6.0])
+
+    class ScriptedTimer(measure.StepTimer):  # runs every step, reports scripted seconds
+        def seconds(self):
+            return [next(times) for _ in range(4)]
+
+    monkeypatch.setattr(interleave, "StepTimer", ScriptedTimer)
     result = _tiny_run(["torch-fused", "apex-style"], steps=4, interleave=True)
-    # The last 8 steps are the interleaved ones, odd iterations in reverse order.
-    assert calls[-8:] == ["torch-fused", "apex-style", "apex-style", "torch-fused"] * 2
-    rows = {r.name: r for r in result.presets[0].results}
+    # The last 12 steps are the interleaved ones, the copy probe first, odd iterations reversed.
+    order = ["copy", "torch-fused", "apex-style"]
+    assert calls[-12:] == [*order, *order[::-1]] * 2
+    (preset,) = result.presets
+    rows = {r.name: r for r in preset.results}
+    # Seconds per iteration, by timer: copy 4 2 6 2, torch-fused 2 8 5 2, apex-style 6 3 6 6.
+    # The roofline of iteration i is copy_i * 30 B/param * params / (2 * copy buffer bytes).
+    per_copy_s = 30 * preset.params / (2 * (16 << 20)) * 1e3
+    assert rows["roofline"].ms_per_step == pytest.approx(3 * per_copy_s)
+    assert preset.roofline_ms == pytest.approx(3 * per_copy_s)
+    # Fractions and speed-ups are medians of same-iteration ratios, not ratios of medians.
+    roof = [4 * per_copy_s, 2 * per_copy_s, 6 * per_copy_s, 2 * per_copy_s]
+    fused, apex = [2e3, 8e3, 5e3, 2e3], [6e3, 3e3, 6e3, 6e3]
+    median = statistics.median
+    assert rows["torch-fused"].fraction_of_roofline == pytest.approx(
+        median(r / t for r, t in zip(roof, fused))
+    )
+    assert rows["apex-style"].speedup_vs_torch_fused == pytest.approx(
+        median(f / a for f, a in zip(fused, apex))
+    )
     assert rows["torch-fused"].speedup_vs_torch_fused == 1.0 and rows["apex-style"].steps == 4
-    assert result.interleaved and "timed interleaved" in format_report(result)
+    report = format_report(result)
+    assert result.interleaved and "timed in each interleaved iteration" in report

@@ -72,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interleave",
         action="store_true",
         help="after the usual measurement, time the contenders' steps again in turn, every "
-        "state alive at once (memory for all of them), and take ms/step and speed-ups from "
-        "that: the steadiest side-by-side comparison on a machine whose speed drifts",
+        "state alive at once (memory for all of them), beside a copy that times the "
+        "roofline's bandwidth in each iteration, and take ms/step, the fraction of the "
+        "roofline and the speed-ups from that: the steadiest side-by-side comparison on a "
+        "machine whose speed drifts",
     )
     parser.add_argument(
         "--only",

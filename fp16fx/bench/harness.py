@@ -16,6 +16,7 @@ For each preset and each selected runner, in one process:
 
 A runner that is unavailable (``unavailable_reason``) or raises is reported as such and the
 run goes on. The roofline (30 B/param ÷ copy bandwidth measured at the start) is a row too.
+With ``interleave``, the steps are timed again in turn (:mod:`fp16fx.bench.interleave`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from fp16fx.bench import measure
+from fp16fx.bench.interleave import interleaved_ms
+from fp16fx.bench.options import MIN_TIMED_STEPS, BenchOptions
 from fp16fx.bench.presets import Preset, make_param_set
-from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult
-from fp16fx.bench.runner import BenchConfig, Runner, runner_classes, storage_bytes
+from fp16fx.bench.results import ROOFLINE, BenchResult, ContenderResult, PresetResult
+from fp16fx.bench.runner import Runner, runner_classes, storage_bytes
 
 __all__ = [
     "BASELINE_APEX",
@@ -49,38 +52,8 @@ __all__ = [
 #: Names of the two baselines every contender's speed-up is reported against.
 BASELINE_TORCH = "torch-fused"
 BASELINE_APEX = "apex-style"
-ROOFLINE = "roofline"
 
 Progress = Callable[[str], None]
-
-
-@dataclass
-class BenchOptions:
-    """What to run: presets, contenders (None = all registered), steps and device.
-
-    ``time_budget_s`` caps each contender's timed steps: once it is spent, timing stops
-    after at least :data:`MIN_TIMED_STEPS` steps (None: always ``steps``).
-    ``copy_buffer_bytes`` sizes the bandwidth measurement (None: the default of
-    :func:`~fp16fx.bench.measure.copy_bandwidth`; small sizes only for tests).
-    ``rounds`` measures every contender that many times, in alternating order (see
-    :func:`_run_preset`); compile times come from the first round. ``interleave`` then times
-    the steps again with all contenders alive at once, in turn (:func:`_interleaved_ms`):
-    ms/step and the speed-ups come from that.
-    """
-
-    presets: Sequence[Preset]
-    only: Sequence[str] | None = None
-    steps: int = 30
-    warmup: int = 5
-    device: str = "cpu"
-    threads: int | None = None
-    compile_times: bool = True
-    time_budget_s: float | None = 10.0
-    copy_buffer_bytes: int | None = None
-    seed: int = 0
-    rounds: int = 1
-    interleave: bool = False
-    config: BenchConfig = field(default_factory=BenchConfig)
 
 
 def select_runners(only: Sequence[str] | None) -> list[type[Runner]]:
@@ -98,10 +71,6 @@ def select_runners(only: Sequence[str] | None) -> list[type[Runner]]:
             f"unknown contender(s) {unknown}; choose from {[ROOFLINE, *sorted(known)]}"
         )
     return [cls for cls in classes if cls.name in set(only)]
-
-
-#: Timed steps always run, whatever the time budget (unless ``steps`` is smaller).
-MIN_TIMED_STEPS = 5
 
 
 def _timed_steps(
@@ -230,61 +199,31 @@ def _merge_rounds(rounds: list[ContenderResult]) -> ContenderResult:
 
 
 def _speedup(base: list[float] | None, mine: list[float]) -> float | None:
-    """Returns the median over rounds of ``base / mine`` (a single ``mine``: every round's)."""
+    """Returns the median over rounds of ``base / mine`` (a single value on either side: set
+    against every round of the other)."""
     if not base:
         return None
     if len(mine) == 1:
         mine = mine * len(base)
+    if len(base) == 1:
+        base = base * len(mine)
     return statistics.median(b / m for b, m in zip(base, mine))
 
 
 def _fill_ratios(
     rows: list[ContenderResult], per_round: dict[str, list[float]], roofline_ms: float, nbytes: int
 ) -> None:
+    """Sets each row's GB/s, fraction of the roofline and speed-ups: medians of ratios taken
+    round by round (or iteration by iteration) where ``per_round`` has both sides' times."""
+    roofline = per_round.get(ROOFLINE, [roofline_ms])
     for row in rows:
         if row.ms_per_step is None:
             continue
         mine = per_round.get(row.name, [row.ms_per_step])
         row.gbps = nbytes / (row.ms_per_step / 1e3) / 1e9
-        row.fraction_of_roofline = roofline_ms / row.ms_per_step
+        row.fraction_of_roofline = _speedup(roofline, mine)
         row.speedup_vs_torch_fused = _speedup(per_round.get(BASELINE_TORCH), mine)
         row.speedup_vs_apex_style = _speedup(per_round.get(BASELINE_APEX), mine)
-
-
-def _interleaved_ms(
-    preset: Preset,
-    runners: Sequence[type[Runner]],
-    opts: BenchOptions,
-    device: torch.device,
-    progress: Progress,
-) -> dict[str, list[float]]:
-    """Returns each runner's step times (ms), timed in turn with every state alive at once.
-
-    Iteration i steps every runner once (odd iterations in reverse order), so step i of each
-    contender meets the same machine: each speed-up is then the median of same-iteration
-    ratios. Stops once ``time_budget_s`` per runner is spent, after at least
-    :data:`MIN_TIMED_STEPS` iterations.
-    """
-    live = []
-    for cls in runners:
-        progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
-        params, grads = make_param_set(preset.shapes, device, opts.config.loss_scale, opts.seed)
-        runner = cls(opts.config)
-        runner.setup(params, grads)
-        for _ in range(max(opts.warmup, 1)):
-            runner.step()
-        live.append((cls.name, runner))
-    measure.synchronize(device)
-    timers = {name: measure.StepTimer(device) for name, _ in live}
-    budget = None if opts.time_budget_s is None else opts.time_budget_s * len(live)
-    start = time.monotonic()
-    for i in range(opts.steps):
-        for name, runner in live if i % 2 == 0 else live[::-1]:
-            timers[name].time(runner.step)
-        if budget is not None and time.monotonic() - start > budget and i + 1 >= MIN_TIMED_STEPS:
-            break
-    progress(f"[{preset.name}] interleaved: {i + 1} steps of each contender")
-    return {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
 
 
 def _run_preset(
@@ -333,15 +272,18 @@ def _run_preset(
     for cls in runners:
         rows.append(failed[cls.name] if cls.name in failed else _merge_rounds(measured[cls.name]))
     per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
+    copy_gbps = bandwidth.gbps
     if opts.interleave:
         alive = [cls for cls in runners if cls.name in measured]
-        per_round = _interleaved_ms(preset, alive, opts, device, progress)
+        per_round = interleaved_ms(preset, alive, opts, device, bandwidth.buffer_bytes, progress)
         for row in rows:
             if row.name in per_round:
                 _set_times(row, per_round[row.name])
+        roofline_ms = statistics.median(per_round[ROOFLINE])
+        copy_gbps = nbytes / (roofline_ms / 1e3) / 1e9
     _fill_ratios(rows, per_round, roofline_ms, nbytes)
     return PresetResult(
-        preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, rows
+        preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, copy_gbps, rows
     )
 
 

@@ -118,8 +118,9 @@ def format_table(preset: PresetResult, bench: BenchResult) -> str:
     """Return one preset's results as an aligned text table with its header lines."""
     header = [
         preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale),
-        f"copy bandwidth {bench.copy_bandwidth_gbps:.1f} GB/s "
-        f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write) -> roofline "
+        f"copy bandwidth {preset.copy_bandwidth_gbps:.1f} GB/s "
+        f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write"
+        f"{', timed in each interleaved iteration' if bench.interleaved else ''}) -> roofline "
         f"{bench.roofline_bytes_per_param} B/param x {preset.params:,} = "
         f"{preset.roofline_bytes / 1e6:.1f} MB = {preset.roofline_ms:.2f} ms/step "
         f"(in-place read+write: {bench.inplace_bandwidth_gbps:.1f} GB/s)",
@@ -153,7 +154,7 @@ def format_report(bench: BenchResult) -> str:
     if bench.interleaved:
         intro += (
             "\ntimed interleaved: every contender's step i in one loop iteration, states alive "
-            "at once; ×torch and ×apex are medians of same-iteration ratios"
+            "at once; roof, ×torch and ×apex are medians of same-iteration ratios"
         )
     if bench.rounds > 1:
         intro += (

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BenchResult", "ContenderResult", "PresetResult"]
+__all__ = ["ROOFLINE", "BenchResult", "ContenderResult", "PresetResult"]
+
+#: The name of every preset's roofline row.
+ROOFLINE = "roofline"
 
 
 @dataclass
@@ -43,13 +46,19 @@ class ContenderResult:
 
 @dataclass
 class PresetResult:
-    """All contenders' results on one parameter set."""
+    """All contenders' results on one parameter set.
+
+    ``copy_bandwidth_gbps`` is the bandwidth the roofline row is set at: the run's
+    (:attr:`BenchResult.copy_bandwidth_gbps`), or, timed interleaved, the median of the
+    copies timed beside the contenders' steps.
+    """
 
     preset: str
     params: int
     leaves: int
     roofline_bytes: int
     roofline_ms: float
+    copy_bandwidth_gbps: float
     results: list[ContenderResult]
 
 
