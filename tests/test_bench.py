@@ -30,6 +30,10 @@ TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
 def test_resnet18_preset_is_torchvision_resnet18() -> None:
     p = presets.preset("resnet18")
     assert (p.num_params, p.num_leaves) == (11_689_512, 62)
+    models = pytest.importorskip("torchvision.models")
+    with torch.device("meta"):
+        model = models.resnet18()
+    assert list(p.shapes) == [tuple(param.shape) for param in model.parameters()]
 
 
 def test_gpt2_preset_is_gpt2_small_with_tied_head() -> None:

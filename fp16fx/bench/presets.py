@@ -3,8 +3,8 @@
 A preset is only a list of shapes; :func:`make_param_set` turns it into FP16 params with scaled
 FP16 grads. Presets:
 
-* ``resnet18``: torchvision's ResNet-18 (11,689,512 params in 62 leaves), read from a model
-  built on the meta device, so no weights are allocated.
+* ``resnet18``: torchvision's ResNet-18 (11,689,512 params in 62 leaves), its shapes written
+  out from the architecture (checked against torchvision's model in the tests).
 * ``gpt2``: GPT-2 small as in Hugging Face's ``GPT2LMHeadModel`` with the LM head tied to the
   token embedding (124,439,808 params in 148 leaves).
 * ``many-small``: 2,000 leaves of varied small shapes, 10,000,000 params in all; the case where
@@ -53,13 +53,24 @@ class Preset:
         return len(self.shapes)
 
 
-def resnet18_shapes() -> list[Shape]:
-    """Return torchvision ResNet-18's parameter shapes, in ``model.parameters()`` order."""
-    from torchvision.models import resnet18
+def resnet18_shapes(num_classes: int = 1000) -> list[Shape]:
+    """Return ResNet-18's parameter shapes in torchvision's ``model.parameters()`` order.
 
-    with torch.device("meta"):
-        model = resnet18()
-    return [tuple(p.shape) for p in model.parameters()]
+    A 7x7 stem convolution and its batch norm, four stages of two basic blocks (3x3 conv, BN,
+    3x3 conv, BN; the first block of stages 2-4 halves the resolution and adds a 1x1 conv and
+    BN on its shortcut), then the classifier (He et al., 2016). Written out here so that the
+    bench needs no torchvision; a test checks it against torchvision's model.
+    """
+    shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]
+    channels = 64
+    for stage, width in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            shapes += [(width, channels, 3, 3), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            if stage > 0 and block == 0:
+                shapes += [(width, channels, 1, 1), (width,), (width,)]
+            channels = width
+    return [*shapes, (num_classes, 512), (num_classes,)]
 
 
 def gpt2_shapes(
