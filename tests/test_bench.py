@@ -334,7 +334,7 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeyp
     assert rows["torch-fused"].speedup_vs_torch_fused == 1.0
     assert "3 rounds in alternating order" in format_report(result)
     # The median of the rounds' ratios, not the ratio of the medians (20 / 5 = 4).
-    assert harness._speedup([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0
+    assert harness._median_ratio([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0
 
 
 def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch) -> None:

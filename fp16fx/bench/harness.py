@@ -198,9 +198,10 @@ def _merge_rounds(rounds: list[ContenderResult]) -> ContenderResult:
     )
 
 
-def _speedup(base: list[float] | None, mine: list[float]) -> float | None:
-    """Returns the median over rounds of ``base / mine`` (a single value on either side: set
-    against every round of the other)."""
+def _median_ratio(base: list[float] | None, mine: list[float]) -> float | None:
+    """Returns the median over rounds of ``base / mine``: a speed-up, or with the roofline's
+    times as ``base`` a fraction of it (a single value on either side meets every round of
+    the other)."""
     if not base:
         return None
     if len(mine) == 1:
@@ -221,9 +222,9 @@ def _fill_ratios(
             continue
         mine = per_round.get(row.name, [row.ms_per_step])
         row.gbps = nbytes / (row.ms_per_step / 1e3) / 1e9
-        row.fraction_of_roofline = _speedup(roofline, mine)
-        row.speedup_vs_torch_fused = _speedup(per_round.get(BASELINE_TORCH), mine)
-        row.speedup_vs_apex_style = _speedup(per_round.get(BASELINE_APEX), mine)
+        row.fraction_of_roofline = _median_ratio(roofline, mine)
+        row.speedup_vs_torch_fused = _median_ratio(per_round.get(BASELINE_TORCH), mine)
+        row.speedup_vs_apex_style = _median_ratio(per_round.get(BASELINE_APEX), mine)
 
 
 def _run_preset(
