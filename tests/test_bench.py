@@ -93,7 +93,7 @@ def test_storage_bytes_counts_each_storage_once() -> None:
 
 def _reference_masters(shapes, cfg: BenchConfig, steps: int) -> list[torch.Tensor]:
     """torch.optim.Adam on FP32 masters fed the unscaled grads."""
-    params, grads = presets.make_param_set(shapes, loss_scale=cfg.loss_scale)
+    params, grads = presets.make_param_set(shapes, loss_scale=cfg.loss_scale, dtype=cfg.dtype)
     masters = [p.detach().float() for p in params]
     for m, g in zip(masters, grads):
         m.grad = g.float() / cfg.loss_scale
@@ -103,10 +103,11 @@ def _reference_masters(shapes, cfg: BenchConfig, steps: int) -> list[torch.Tenso
     return masters
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("runner_cls", [TorchFusedRunner, ApexStyleRunner])
-def test_baseline_matches_torch_adam_on_fp32_masters(runner_cls: type[Runner]) -> None:
-    cfg = BenchConfig()
-    params, grads = presets.make_param_set(TINY_SHAPES, loss_scale=cfg.loss_scale)
+def test_baseline_matches_torch_adam_on_fp32_masters(runner_cls: type[Runner], dtype) -> None:
+    cfg = BenchConfig(dtype=dtype)
+    params, grads = presets.make_param_set(TINY_SHAPES, loss_scale=cfg.loss_scale, dtype=dtype)
     runner = runner_cls(cfg)
     runner.setup(params, grads)
     for _ in range(4):
@@ -114,8 +115,8 @@ def test_baseline_matches_torch_adam_on_fp32_masters(runner_cls: type[Runner]) -
     expected = _reference_masters(TINY_SHAPES, cfg, steps=4)
     for got, want in zip(runner.masters(), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    for p, m in zip(params, runner.masters()):  # the FP16 params carry the new weights
-        assert torch.equal(p, m.half())
+    for p, m in zip(params, runner.masters()):  # the FP16/BF16 params carry the new weights
+        assert p.dtype == dtype and torch.equal(p, m.to(dtype))
     assert storage_bytes(runner.persistent_tensors()) >= 20 * sum(prod(s) for s in TINY_SHAPES)
 
 
@@ -307,6 +308,22 @@ def test_cli_json_is_one_document(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     assert doc["presets"][0]["leaves"] == 4
     assert err == ""
+
+
+def test_cli_dtype_bfloat16_steps_bf16_params(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*CLI_ARGS[1:], "--dtype", "bfloat16", "--only", "fp16fx-eager"]
+    assert command.main(args) == 0
+    out, _ = capsys.readouterr()
+    assert "Adam (lr 1e-3) on BF16 params" in out and "[fp16fx-eager]" in out
+    assert command.main([*args, "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dtype"] == "bfloat16"
+    assert {r["status"] for r in doc["presets"][0]["results"]} == {"ok"}
+
+
+def test_bench_config_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match=r"FP16 or BF16 params, not torch\.float32"):
+        BenchConfig(dtype=torch.float32)
 
 
 def test_cli_rejects_params_without_leaves() -> None:

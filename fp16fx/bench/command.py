@@ -15,6 +15,7 @@ import torch
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
 from fp16fx.bench.report import format_report, to_json
+from fp16fx.bench.runner import BenchConfig
 from fp16fx.bench.sharded import (
     ShardedOptions,
     format_sharded_report,
@@ -25,8 +26,8 @@ from fp16fx.bench.sharded import (
 __all__ = ["add_arguments", "add_parser", "main", "run"]
 
 DESCRIPTION = """\
-Time one Adam step (lr 1e-3, static loss scale 2**16) on FP16 params with scaled FP16 grads,
-for fp16fx and for the baselines users would pick instead, side by side in one process:
+Time one Adam step (lr 1e-3, static loss scale 2**16) on FP16 (or --dtype bfloat16) params
+with scaled grads, for fp16fx and for the baselines users would pick instead, side by side:
 median ms/step, effective GB/s and fraction of the roofline (30 B/param / measured copy
 bandwidth), speed-ups vs torch-fused and apex-style, cold/warm compile time, recompiles,
 peak memory during the timed steps and persistent optimizer bytes per param."""
@@ -45,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="presets",
         help="parameter set from real model shapes (repeatable; default: resnet18 unless "
         "--params is given)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default="float16",
+        help="dtype of the params and grads (default float16); every contender keeps FP32 "
+        "masters either way, and the roofline is the same 30 B/param",
     )
     parser.add_argument("--params", type=int, help="custom parameter set: total params")
     parser.add_argument("--leaves", type=int, help="custom parameter set: number of tensors")
@@ -159,6 +167,10 @@ def _presets(args: argparse.Namespace) -> list[Preset]:
     return chosen or [preset("resnet18")]
 
 
+def _config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(dtype=getattr(torch, args.dtype))
+
+
 def _list_contenders() -> str:
     lines = ["roofline          30 B/param / measured copy bandwidth (always reported)"]
     for cls in select_runners(None):
@@ -187,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         rounds=args.rounds,
         interleave=args.interleave,
+        config=_config(args),
     )
     return _measure_and_print(args, lambda say: run_bench(opts, say), to_json, format_report)
 
@@ -227,6 +240,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget if args.time_budget > 0 else None,
         seed=args.seed,
         cores=args.threads,
+        config=_config(args),
     )
     return _measure_and_print(
         args, lambda say: run_sharded(opts, say), sharded_to_json, format_sharded_report

@@ -124,7 +124,9 @@ def _measure(
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
-    params, grads = make_param_set(preset.shapes, device, opts.config.loss_scale, opts.seed)
+    params, grads = make_param_set(
+        preset.shapes, device, opts.config.loss_scale, opts.seed, opts.config.dtype
+    )
     time_compiles = cls.compiled and opts.compile_times and round_ == 0
     with measure.compile_cache(fresh=time_compiles):
         runner = cls(opts.config)
@@ -330,6 +332,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         rounds=opts.rounds,
         interleaved=opts.interleave,
         loss_scale=opts.config.loss_scale,
+        dtype=opts.config.dtype_name,
         copy_bandwidth_gbps=bandwidth.gbps,
         inplace_bandwidth_gbps=bandwidth.inplace_gbps,
         copy_buffer_bytes=bandwidth.buffer_bytes,

@@ -56,7 +56,9 @@ def interleaved_ms(
     live: list[tuple[str, Callable[[], None]]] = []
     for cls in runners:
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
-        params, grads = make_param_set(preset.shapes, device, opts.config.loss_scale, opts.seed)
+        params, grads = make_param_set(
+            preset.shapes, device, opts.config.loss_scale, opts.seed, opts.config.dtype
+        )
         runner = cls(opts.config)
         runner.setup(params, grads)
         for _ in range(max(opts.warmup, 1)):

@@ -96,11 +96,15 @@ def align(names: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(names), "-" * len(line(names)), *(line(r) for r in rows)]
 
 
-def preset_line(name: str, params: int, leaves: int, loss_scale: float) -> str:
+#: How a report names the params' dtype (``BenchResult.dtype``).
+DTYPE_LABELS = {"float16": "FP16", "bfloat16": "BF16"}
+
+
+def preset_line(name: str, params: int, leaves: int, loss_scale: float, dtype: str) -> str:
     """Return a table's first header line: the preset, its size and what is stepped."""
     return (
         f"preset {name}: {params:,} params in {leaves:,} leaves; "
-        f"Adam (lr 1e-3) on FP16 params, static loss scale {loss_scale:g}"
+        f"Adam (lr 1e-3) on {DTYPE_LABELS[dtype]} params, static loss scale {loss_scale:g}"
     )
 
 
@@ -117,7 +121,7 @@ def load_note(start: float | None, end: float | None, cpu_count: int | None) -> 
 def format_table(preset: PresetResult, bench: BenchResult) -> str:
     """Return one preset's results as an aligned text table with its header lines."""
     header = [
-        preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale),
+        preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale, bench.dtype),
         f"copy bandwidth {preset.copy_bandwidth_gbps:.1f} GB/s "
         f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write"
         f"{', timed in each interleaved iteration' if bench.interleaved else ''}) -> roofline "

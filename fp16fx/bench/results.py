@@ -75,6 +75,7 @@ class BenchResult:
     rounds: int
     interleaved: bool
     loss_scale: float
+    dtype: str
     copy_bandwidth_gbps: float
     inplace_bandwidth_gbps: float
     copy_buffer_bytes: int

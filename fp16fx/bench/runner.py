@@ -52,12 +52,25 @@ class BenchConfig:
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
         loss_scale: the static loss scale the grads were multiplied by; runners unscale by it.
+        dtype: the params' and grads' dtype, ``torch.float16`` or ``torch.bfloat16`` (both 2
+            bytes: the roofline is the same). BF16 grads are scaled too, so that every
+            contender does the same work in either dtype.
     """
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     loss_scale: float = 2.0**16
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the bench steps FP16 or BF16 params, not {self.dtype}")
+
+    @property
+    def dtype_name(self) -> str:
+        """``"float16"`` or ``"bfloat16"``."""
+        return str(self.dtype).removeprefix("torch.")
 
 
 class Runner(abc.ABC):

@@ -100,6 +100,7 @@ class ShardedResult:
     steps: int
     warmup: int
     loss_scale: float
+    dtype: str
     load_avg_start: float | None
     load_avg_end: float | None
     cpu_count: int | None
@@ -211,6 +212,7 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
         steps=opts.steps,
         warmup=opts.warmup,
         loss_scale=opts.config.loss_scale,
+        dtype=opts.config.dtype_name,
         load_avg_start=load_start,
         load_avg_end=measure.load_average(),
         cpu_count=os.cpu_count(),
@@ -236,7 +238,7 @@ COLUMNS: Sequence[tuple[str, Callable[[RankResult], str]]] = (
 
 def format_sharded_table(preset: ShardedPresetResult, bench: ShardedResult) -> str:
     """Return one preset's per-rank rows as an aligned text table with its header line."""
-    header = preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale)
+    header = preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale, bench.dtype)
     rows = [[cell(r) for _, cell in COLUMNS] for r in preset.ranks]
     body = align([name for name, _ in COLUMNS], rows)
     # The ranks of one world size step together, so they share their notes: print them once.

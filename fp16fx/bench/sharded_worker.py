@@ -151,7 +151,9 @@ def _time_calls(
 
 
 def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
-    params, pristine = make_param_set(job.shapes, "cpu", job.config.loss_scale, job.seed)
+    params, pristine = make_param_set(
+        job.shapes, "cpu", job.config.loss_scale, job.seed, job.config.dtype
+    )
     state, grads, step = _build(job, params)
     del params  # now views into the state's flat buffers
     sharded = job.world_size > 1
