@@ -70,6 +70,42 @@ def test_grads_laid_out_like_the_buckets_are_read_in_place():
     assert bitwise_equal(via_views.params, via_copies.params)
 
 
+def _mutate(grads: list, i: int, how: str) -> None:
+    """Breaks the layout at leaf ``i`` in one way a user could."""
+    g = grads[i]
+    if how == "swap":
+        j = (i + 1) % len(grads)
+        grads[i], grads[j] = grads[j], g
+    else:
+        grads[i] = {
+            "flattened": lambda: g.view(-1),  # the right bytes, the wrong shape
+            "copied": lambda: g.clone(),  # the right shape elsewhere
+            "retyped": lambda: g.view(torch.bfloat16),  # the right address and shape
+            "transposed": lambda: g.t(),  # the right address, not contiguous
+            "missing": lambda: None,
+            "not a tensor": lambda: 0.0,
+        }[how]()
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(2, 4), st.integers(2, 4)), min_size=2, max_size=5),
+    leaf=st.integers(0, 4),
+    how=st.sampled_from(
+        ["swap", "flattened", "copied", "retyped", "transposed", "missing", "not a tensor"]
+    ),
+)
+def test_flat_view_accepts_exactly_the_buckets_layout(shapes, leaf, how):
+    params = [torch.zeros(shape, dtype=torch.float16) for shape in shapes]
+    state = fp16fx.init(params, fp16fx.sgd(1.0), fp16fx.NoLossScale(), buckets=True)
+    (bucket,) = state.layout.buckets
+    grads = list(fp16fx.grad_buffers(state))
+    flat = buckets.flat_view(bucket, grads)
+    assert flat is not None and flat.data_ptr() == grads[0].data_ptr()
+    assert flat.numel() == sum(g.numel() for g in grads)
+    _mutate(grads, leaf % len(grads), how)
+    assert buckets.flat_view(bucket, grads) is None
+
+
 def test_multi_transform_labels_split_buckets():
     params = [torch.ones(2).half(), torch.ones(2).half()]
     opt = fp16fx.multi_transform([fp16fx.sgd(0.5), fp16fx.sgd(1.0)], labels=[0, 1])
