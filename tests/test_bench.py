@@ -5,6 +5,7 @@ Speed is never asserted; nothing large is compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -332,24 +333,42 @@ def test_cli_rejects_params_without_leaves() -> None:
 
 
 def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeypatch) -> None:
-    order = []
+    order, fused_ms = [], [1.0, 2.0, 4.0]
     measure_one = harness._measure
 
     def spy(cls, *args):
         order.append((args[-1], cls.name))
-        return measure_one(cls, *args)
+        result = measure_one(cls, *args)
+        if cls.name == "torch-fused":  # scripted, so that the pairing of ratios shows
+            result.ms_per_step = fused_ms[args[-1]]
+        return result
 
+    # Each round measures the copy bandwidth again (after the run's first measurement).
+    bandwidths = iter([40.0, 10.0, 40.0, 20.0])
+    copy_bandwidth = measure.copy_bandwidth
     monkeypatch.setattr(harness, "_measure", spy)
+    monkeypatch.setattr(
+        measure,
+        "copy_bandwidth",
+        lambda *a: dataclasses.replace(copy_bandwidth(*a), gbps=next(bandwidths)),
+    )
     result = _tiny_run(["torch-fused", "apex-style"], rounds=3)
     assert order == [
         (0, "torch-fused"), (0, "apex-style"),
         (1, "apex-style"), (1, "torch-fused"),
         (2, "torch-fused"), (2, "apex-style"),
     ]  # fmt: skip
-    rows = {r.name: r for r in result.presets[0].results}
+    (preset,) = result.presets
+    rows = {r.name: r for r in preset.results}
     assert rows["apex-style"].steps == 3 * 2 and result.rounds == 3
     assert rows["torch-fused"].speedup_vs_torch_fused == 1.0
-    assert "3 rounds in alternating order" in format_report(result)
+    u = preset.roofline_bytes / 40e9 * 1e3  # the roofline at 40 GB/s, in ms
+    assert preset.roofline_ms == pytest.approx(2 * u) and preset.copy_bandwidth_gbps == 20
+    # Rounds' rooflines 4u, u, 2u against 1, 2, 4 ms: the median ratio is u/2 (the ratio of
+    # the medians would be 2u / 2 = u).
+    assert rows["torch-fused"].fraction_of_roofline == pytest.approx(u / 2)
+    report = format_report(result)
+    assert "3 rounds in alternating order" in report and "the median of 3 rounds' copies" in report
     # The median of the rounds' ratios, not the ratio of the medians (20 / 5 = 4).
     assert harness._median_ratio([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0
 

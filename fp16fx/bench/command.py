@@ -72,9 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="measure every contender this many times, in alternating order; report the "
-        "median of the rounds' medians and of their speed-ups (default 1; 3 or more on a "
-        "machine with other work)",
+        help="measure every contender this many times, in alternating order, and the copy "
+        "bandwidth at the start of each round; report the median of the rounds' medians and "
+        "of their speed-ups and fractions of the roofline (default 1; 3 or more on a machine "
+        "with other work)",
     )
     parser.add_argument(
         "--interleave",

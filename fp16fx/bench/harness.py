@@ -241,7 +241,9 @@ def _run_preset(
 
     Odd rounds run the contenders in reverse order, so load that drifts during a run (other
     work on the machine, thermal limits) favours none of them; each speed-up is the median of
-    the rounds' ratios, each contender measured beside its baseline in the same round.
+    the rounds' ratios, each contender measured beside its baseline in the same round. With
+    more than one round, each round first measures the copy bandwidth again, and each
+    fraction of the roofline is likewise the median of the rounds' ratios.
     """
     nbytes = measure.roofline_bytes(preset.num_params)
     roofline_ms = nbytes / (bandwidth.gbps * 1e9) * 1e3
@@ -255,7 +257,11 @@ def _run_preset(
             progress(f"[{preset.name}] {cls.name}: unavailable ({reason})")
             failed[cls.name] = _row(cls, "unavailable", reason)
     measured: dict[str, list[ContenderResult]] = {}
+    round_roofline_ms = []
     for round_ in range(opts.rounds):
+        if opts.rounds > 1 and not opts.interleave:
+            gbps = measure.copy_bandwidth(device, opts.copy_buffer_bytes).gbps
+            round_roofline_ms.append(nbytes / (gbps * 1e9) * 1e3)
         order = runners if round_ % 2 == 0 else list(reversed(runners))
         for cls in order:
             if cls.name in failed:
@@ -275,15 +281,17 @@ def _run_preset(
     for cls in runners:
         rows.append(failed[cls.name] if cls.name in failed else _merge_rounds(measured[cls.name]))
     per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
-    copy_gbps = bandwidth.gbps
     if opts.interleave:
         alive = [cls for cls in runners if cls.name in measured]
         per_round = interleaved_ms(preset, alive, opts, device, bandwidth.buffer_bytes, progress)
         for row in rows:
             if row.name in per_round:
                 _set_times(row, per_round[row.name])
-        roofline_ms = statistics.median(per_round[ROOFLINE])
-        copy_gbps = nbytes / (roofline_ms / 1e3) / 1e9
+    elif round_roofline_ms:
+        per_round[ROOFLINE] = round_roofline_ms
+        _set_times(roofline, round_roofline_ms)
+    roofline_ms = roofline.ms_per_step
+    copy_gbps = nbytes / (roofline_ms / 1e3) / 1e9
     _fill_ratios(rows, per_round, roofline_ms, nbytes)
     return PresetResult(
         preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, copy_gbps, rows

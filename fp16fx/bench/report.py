@@ -118,13 +118,22 @@ def load_note(start: float | None, end: float | None, cpu_count: int | None) -> 
     ]
 
 
+def _copy_timing(bench: BenchResult) -> str:
+    """Says where the roofline's copies were timed, unless only at the start of the run."""
+    if bench.interleaved:
+        return ", timed in each interleaved iteration"
+    if bench.rounds > 1:
+        return f", the median of {bench.rounds} rounds' copies"
+    return ""
+
+
 def format_table(preset: PresetResult, bench: BenchResult) -> str:
     """Return one preset's results as an aligned text table with its header lines."""
     header = [
         preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale, bench.dtype),
         f"copy bandwidth {preset.copy_bandwidth_gbps:.1f} GB/s "
         f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write"
-        f"{', timed in each interleaved iteration' if bench.interleaved else ''}) -> roofline "
+        f"{_copy_timing(bench)}) -> roofline "
         f"{bench.roofline_bytes_per_param} B/param x {preset.params:,} = "
         f"{preset.roofline_bytes / 1e6:.1f} MB = {preset.roofline_ms:.2f} ms/step "
         f"(in-place read+write: {bench.inplace_bandwidth_gbps:.1f} GB/s)",
