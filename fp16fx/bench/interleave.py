@@ -3,7 +3,7 @@
 A cloud VM's memory speed drifts between moments, so contenders timed one after another see
 different machines. Here every contender's state is alive at once and each loop iteration
 steps each of them once (odd iterations in reverse order); every iteration also times one
-``dst.copy_(src)`` of the buffers :func:`~fp16fx.bench.measure.copy_bandwidth` used, which
+``dst.copy_(src)`` of the size :func:`~fp16fx.bench.measure.copy_bandwidth` measures, which
 gives that iteration's roofline. A speed-up or a fraction of the roofline is then the median
 of same-iteration ratios: two steps taken moments apart.
 """
