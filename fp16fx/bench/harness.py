@@ -34,7 +34,7 @@ import torch
 from fp16fx.bench import measure
 from fp16fx.bench.interleave import interleaved_ms
 from fp16fx.bench.options import MIN_TIMED_STEPS, BenchOptions
-from fp16fx.bench.presets import Preset, make_param_set
+from fp16fx.bench.presets import Preset
 from fp16fx.bench.results import ROOFLINE, BenchResult, ContenderResult, PresetResult
 from fp16fx.bench.runner import Runner, runner_classes, storage_bytes
 
@@ -124,9 +124,7 @@ def _measure(
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
-    params, grads = make_param_set(
-        preset.shapes, device, opts.config.loss_scale, opts.seed, opts.config.dtype
-    )
+    params, grads = opts.param_set(preset, device)
     time_compiles = cls.compiled and opts.compile_times and round_ == 0
     with measure.compile_cache(fresh=time_compiles):
         runner = cls(opts.config)
@@ -160,8 +158,8 @@ def _measure(
     del params, grads
     measure.release_memory(device)
 
-    median = statistics.median(times)
     _set_times(result, [t * 1e3 for t in times])
+    median = result.ms_per_step / 1e3
     if len(times) < opts.steps:
         result.notes.append(
             f"{len(times)} of {opts.steps} steps timed (time budget {opts.time_budget_s:g} s)"
@@ -214,16 +212,17 @@ def _median_ratio(base: list[float] | None, mine: list[float]) -> float | None:
 
 
 def _fill_ratios(
-    rows: list[ContenderResult], per_round: dict[str, list[float]], roofline_ms: float, nbytes: int
+    rows: list[ContenderResult], per_round: dict[str, list[float]], nbytes: int
 ) -> None:
     """Sets each row's GB/s, fraction of the roofline and speed-ups: medians of ratios taken
     round by round (or iteration by iteration) where ``per_round`` has both sides' times."""
-    roofline = per_round.get(ROOFLINE, [roofline_ms])
+    (roofline_row,) = (row for row in rows if row.name == ROOFLINE)
+    roofline = per_round.get(ROOFLINE, [roofline_row.ms_per_step])
     for row in rows:
         if row.ms_per_step is None:
             continue
         mine = per_round.get(row.name, [row.ms_per_step])
-        row.gbps = nbytes / (row.ms_per_step / 1e3) / 1e9
+        row.gbps = measure.gbps_of(nbytes, row.ms_per_step)
         row.fraction_of_roofline = _median_ratio(roofline, mine)
         row.speedup_vs_torch_fused = _median_ratio(per_round.get(BASELINE_TORCH), mine)
         row.speedup_vs_apex_style = _median_ratio(per_round.get(BASELINE_APEX), mine)
@@ -246,9 +245,11 @@ def _run_preset(
     fraction of the roofline is likewise the median of the rounds' ratios.
     """
     nbytes = measure.roofline_bytes(preset.num_params)
-    roofline_ms = nbytes / (bandwidth.gbps * 1e9) * 1e3
     roofline = ContenderResult(
-        ROOFLINE, "roofline (30 B/param ÷ copy BW)", "roofline", ms_per_step=roofline_ms
+        ROOFLINE,
+        "roofline (30 B/param ÷ copy BW)",
+        "roofline",
+        ms_per_step=measure.ms_at(nbytes, bandwidth.gbps),
     )
     failed: dict[str, ContenderResult] = {}
     for cls in runners:
@@ -261,7 +262,7 @@ def _run_preset(
     for round_ in range(opts.rounds):
         if opts.rounds > 1 and not opts.interleave:
             gbps = measure.copy_bandwidth(device, opts.copy_buffer_bytes).gbps
-            round_roofline_ms.append(nbytes / (gbps * 1e9) * 1e3)
+            round_roofline_ms.append(measure.ms_at(nbytes, gbps))
         order = runners if round_ % 2 == 0 else list(reversed(runners))
         for cls in order:
             if cls.name in failed:
@@ -290,11 +291,15 @@ def _run_preset(
     elif round_roofline_ms:
         per_round[ROOFLINE] = round_roofline_ms
         _set_times(roofline, round_roofline_ms)
-    roofline_ms = roofline.ms_per_step
-    copy_gbps = nbytes / (roofline_ms / 1e3) / 1e9
-    _fill_ratios(rows, per_round, roofline_ms, nbytes)
+    _fill_ratios(rows, per_round, nbytes)
     return PresetResult(
-        preset.name, preset.num_params, preset.num_leaves, nbytes, roofline_ms, copy_gbps, rows
+        preset.name,
+        preset.num_params,
+        preset.num_leaves,
+        nbytes,
+        roofline.ms_per_step,
+        measure.gbps_of(nbytes, roofline.ms_per_step),
+        rows,
     )
 
 

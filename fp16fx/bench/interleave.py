@@ -18,7 +18,7 @@ import torch
 from fp16fx.bench import measure
 from fp16fx.bench.measure import StepTimer
 from fp16fx.bench.options import MIN_TIMED_STEPS, BenchOptions
-from fp16fx.bench.presets import Preset, make_param_set
+from fp16fx.bench.presets import Preset
 from fp16fx.bench.results import ROOFLINE
 from fp16fx.bench.runner import Runner
 
@@ -34,9 +34,9 @@ class _CopyProbe:
     def step(self) -> None:
         self.dst.copy_(self.src)
 
-    def roofline_ms(self, copy_s: float, roofline_bytes: int) -> float:
-        """Returns the time ``roofline_bytes`` take at the bandwidth of a copy of ``copy_s``."""
-        return roofline_bytes * copy_s / (2 * self.buffer_bytes) * 1e3
+    def roofline_ms(self, copy_ms: float, roofline_bytes: int) -> float:
+        """Returns the time ``roofline_bytes`` take at the bandwidth of a copy of ``copy_ms``."""
+        return measure.ms_at(roofline_bytes, measure.gbps_of(2 * self.buffer_bytes, copy_ms))
 
 
 def interleaved_ms(
@@ -56,9 +56,7 @@ def interleaved_ms(
     live: list[tuple[str, Callable[[], None]]] = []
     for cls in runners:
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
-        params, grads = make_param_set(
-            preset.shapes, device, opts.config.loss_scale, opts.seed, opts.config.dtype
-        )
+        params, grads = opts.param_set(preset, device)
         runner = cls(opts.config)
         runner.setup(params, grads)
         for _ in range(max(opts.warmup, 1)):
@@ -79,5 +77,5 @@ def interleaved_ms(
     progress(f"[{preset.name}] interleaved: {i + 1} steps of each contender")
     ms = {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
     roofline_bytes = measure.roofline_bytes(preset.num_params)
-    ms[ROOFLINE] = [probe.roofline_ms(t / 1e3, roofline_bytes) for t in ms[ROOFLINE]]
+    ms[ROOFLINE] = [probe.roofline_ms(t, roofline_bytes) for t in ms[ROOFLINE]]
     return ms

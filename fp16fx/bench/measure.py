@@ -28,9 +28,11 @@ __all__ = [
     "copy_bandwidth",
     "cpu_name",
     "forget_compiled",
+    "gbps_of",
     "graphs_compiled",
     "load_average",
     "median_min_p90",
+    "ms_at",
     "release_memory",
     "roofline_bytes",
     "steady_allocator",
@@ -49,6 +51,16 @@ ROOFLINE_BYTES_PER_PARAM = 30
 def roofline_bytes(num_params: int) -> int:
     """Return the bytes one Adam step on ``num_params`` FP16 params must move (30 B/param)."""
     return ROOFLINE_BYTES_PER_PARAM * num_params
+
+
+def ms_at(num_bytes: float, gbps: float) -> float:
+    """Return the milliseconds moving ``num_bytes`` takes at ``gbps`` GB/s (1e9 bytes/s)."""
+    return num_bytes / gbps / 1e6
+
+
+def gbps_of(num_bytes: float, ms: float) -> float:
+    """Return the GB/s (1e9 bytes/s) of moving ``num_bytes`` in ``ms`` milliseconds."""
+    return num_bytes / ms / 1e6
 
 
 def synchronize(device: torch.device) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fp16fx.bench.presets import Preset
+import torch
+from torch import Tensor
+
+from fp16fx.bench.presets import Preset, make_param_set
 from fp16fx.bench.runner import BenchConfig
 
 #: Timed steps always run, whatever the time budget (unless ``steps`` is smaller).
@@ -41,3 +44,9 @@ class BenchOptions:
     rounds: int = 1
     interleave: bool = False
     config: BenchConfig = field(default_factory=BenchConfig)
+
+    def param_set(self, preset: Preset, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+        """Returns a contender's fresh params and scaled grads: the same for every contender."""
+        return make_param_set(
+            preset.shapes, device, self.config.loss_scale, self.seed, self.config.dtype
+        )

@@ -172,7 +172,7 @@ def format_report(bench: BenchResult) -> str:
     if bench.rounds > 1:
         intro += (
             f"\n{bench.rounds} rounds in alternating order: ms/step is the median of the rounds' "
-            "medians, ×torch and ×apex the median of the rounds' ratios"
+            "medians, roof, ×torch and ×apex the median of the rounds' ratios"
         )
     for line in load_note(bench.load_avg_start, bench.load_avg_end, bench.cpu_count):
         intro += f"\n{line}"
