@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fp16fx.consensus import default_consensus
-from fp16fx.distributed.sharded import init_sharded
+from fp16fx.distributed.sharded import all_reduce_mean, init_sharded
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import init as _init_state
 from fp16fx.transforms import GradientTransformation
@@ -75,7 +75,6 @@ def average_grads(grads: Any, group: Any = None) -> None:
     as DDP's buckets, so that a model's many small grads cost a few collectives, not one each.
     Unlike DDP it does not overlap communication with backward.
     """
-    world = dist.get_world_size(group)
     by_storage: dict[int, list[torch.Tensor]] = {}
     for g in optree.tree_leaves(grads):
         if g is not None:
@@ -87,17 +86,12 @@ def average_grads(grads: Any, group: Any = None) -> None:
             if whole is None:
                 loose += tensors
             else:
-                _average(whole, world, group)
+                all_reduce_mean(whole, group)
         for run in _coalesced_runs(loose):
             flat = torch.cat([t.reshape(-1) for t in run])
-            _average(flat, world, group)
+            all_reduce_mean(flat, group)
             for t, part in zip(run, flat.split([t.numel() for t in run])):
                 t.copy_(part.view_as(t))
-
-
-def _average(flat: torch.Tensor, world: int, group: Any) -> None:
-    flat.div_(world)  # first, as DDP: exact for d = 2**k, no overflow in the sum
-    dist.all_reduce(flat, group=group)
 
 
 def _coalesced_runs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

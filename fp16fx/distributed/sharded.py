@@ -47,6 +47,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 InplaceStep = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
 
 
+def all_reduce_mean(flat: torch.Tensor, group: Any) -> None:
+    """Replaces ``flat`` by its mean over ``group``'s ranks, in place.
+
+    Divided by d first, as DDP does: exact for a power-of-two d, and the FP16 sum cannot
+    overflow where the mean would not.
+    """
+    flat.div_(dist.get_world_size(group))
+    dist.all_reduce(flat, group=group)
+
+
 class Sharding:
     """Which slice of each padded flat buffer this rank owns, and the collectives over them.
 
@@ -98,12 +108,12 @@ class Sharding:
         shards = []
         with torch.no_grad():
             for b, flat in enumerate(flat_grads):
-                flat.div_(self.world_size)
                 try:
                     if self.scatter_by_all_reduce:
-                        dist.all_reduce(flat, group=self.group)
+                        all_reduce_mean(flat, self.group)
                         shard = flat[self.slice(b)]
                     else:
+                        flat.div_(self.world_size)
                         shard = flat.new_empty(self.shard_numel[b])
                         _reduce_scatter(shard, flat, group=self.group)
                 except RuntimeError as err:
