@@ -6,9 +6,11 @@ The functional API::
     loss = fp16fx.scale_loss(state, loss)                    # backprop this
     state, info = fp16fx.step(state, grads)                  # pure; skips on inf/NaN
     step = fp16fx.compile_step(inplace=True)                 # the same, fused and in place
+    torch.save(fp16fx.state_dict(state), path)               # keyed by each param's path
 """
 
 from fp16fx.apex_checkpoint import load_apex_checkpoint
+from fp16fx.checkpoint import StateDictError, load_state_dict, state_dict
 from fp16fx.compile import compile_step
 from fp16fx.facade import FP16_Optimizer
 from fp16fx.scaling import (
@@ -19,10 +21,9 @@ from fp16fx.scaling import (
     unscale_and_check,
 )
 from fp16fx.state import MixedPrecisionState, grad_buffers, init
-from fp16fx.step import scale_loss, set_hyperparams, step
+from fp16fx.step import StepInfo, get_hyperparams, scale_loss, set_hyperparams, step
 from fp16fx.transforms import (
     GradientTransformation,
-    TransformState,
     adam,
     adamw,
     add_decayed_weights,
@@ -44,23 +45,27 @@ __all__ = [
     "LossScaleState",
     "MixedPrecisionState",
     "NoLossScale",
+    "StateDictError",
     "StaticLossScale",
-    "TransformState",
+    "StepInfo",
     "adam",
     "adamw",
     "add_decayed_weights",
     "chain",
     "clip_by_global_norm",
     "compile_step",
+    "get_hyperparams",
     "grad_buffers",
     "init",
     "load_apex_checkpoint",
+    "load_state_dict",
     "multi_transform",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_loss",
     "set_hyperparams",
     "sgd",
+    "state_dict",
     "step",
     "trace",
     "unscale_and_check",

@@ -1,15 +1,22 @@
 """Turning the step into fused kernels with ``torch.compile``; the math stays in ``step``.
 
-Layer: ``compile`` (DESIGN.md). The compiled region sees flat lists of tensors: the pytree
-bookkeeping (validation, gathering the leaves that have a gradient, rebuilding the state) runs
-on the host around it and costs microseconds. Hyperparameters, the loss scale and step counts
-are tensor inputs, so changing them never recompiles; what does recompile is a change of
-shapes, dtypes, or of which leaves have a ``None`` gradient.
+Layer: ``compile`` (docs/design.md): the one module of the library that calls
+``torch.compile``. The compiled region sees a few flat tensors per state (one per segment):
+the bookkeeping around it (checking the grads, cutting segments, rebuilding the state) runs on
+the host and costs microseconds. Hyperparameters, the loss scale and step counts are tensor
+inputs, so changing them never recompiles.
+
+Each state layout -- which buckets and segments, which of them have gradients, which policy --
+gets a compiled region of its own, made from a fresh copy of the core's code: torch's
+recompile limits count per code object, so no number of layouts in a process (a notebook
+sweeping model widths, an optimizer per model) ever reaches them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import types
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import optree
@@ -17,9 +24,137 @@ import torch
 import torch._dynamo
 
 from fp16fx.state import MixedPrecisionState
-from fp16fx.step import Info, apply_updates, apply_updates_, run_step
+from fp16fx.step import (
+    Prepared,
+    Scratch,
+    StepInfo,
+    apply_updates,
+    apply_updates_,
+    check,
+    finish,
+    prepare,
+)
 
-StepFn = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, Info]]
+#: The errors ``torch.compile`` raises when it cannot compile (no C++ compiler, an Inductor
+#: bug); raised before the compiled code runs, so nothing has changed.
+COMPILE_ERRORS: tuple[type[Exception], ...] = tuple(
+    getattr(module, name)
+    for module, name in (
+        (torch._dynamo.exc, "BackendCompilerFailed"),
+        (torch._inductor.exc, "InductorError"),
+    )
+    if hasattr(module, name)
+)
+
+
+def _fresh_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``fn`` with a new code object: Dynamo keeps its cache and limits per code."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _exact_casts(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``compiled`` run with Inductor's ``emulate_precision_casts``.
+
+    Without it Inductor drops a cast to FP16 that feeds more arithmetic, computing on in
+    FP32; the step's check that a param is its master rounded (``p != m.to(p.dtype)``) would
+    then compare against the unrounded master, and re-sync every param from its FP16 value.
+    """
+
+    def run(*args: Any) -> Any:
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            return compiled(*args)
+
+    return run
+
+
+#: Compiled regions, shared by every StepFunction of the process: one per layout (buckets,
+#: segments, which have gradients, which params are written), policy, consensus, core and
+#: compile options. Regions differing only in the optimizer's static structure (nesterov,
+#: amsgrad...) share one, as separate graphs of it, up to ``_GRAPHS_PER_REGION``.
+_REGIONS: dict[Hashable, Callable[..., Any]] = {}
+_GRAPHS_PER_REGION = 64
+_HAS_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def _run_region(
+    key: Hashable, fn: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]
+) -> Any:
+    """Returns ``fn(*args)`` through the compiled region of ``key`` (made on first use, and
+    made anew, fresh, if it ever reaches its graph limit: no limit is process-wide)."""
+    if key not in _REGIONS:
+        limit = {"recompile_limit": _GRAPHS_PER_REGION} if _HAS_LIMIT else {}  # torch >= 2.8
+        _REGIONS[key] = _exact_casts(torch.compile(_fresh_copy(fn), **limit, **options))
+    try:
+        return _REGIONS[key](*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:  # before anything ran
+        del _REGIONS[key]
+        return _run_region(key, fn, options, args)
+
+
+class StepFunction:
+    """``fp16fx.step``, compiled or eager, pure or in place (stateful: its buffers).
+
+    Call it as ``state, info = step_fn(state, grads)``. In place, it keeps one flat buffer per
+    bucket into which grads that are not already laid out like the buckets are packed, so a
+    step allocates nothing of the model's size. ``compile_options``: ``torch.compile``'s
+    arguments, or None to run the core eagerly.
+    """
+
+    def __init__(
+        self,
+        *,
+        inplace: bool,
+        compile_options: dict[str, Any] | None,
+        cuda_graph: bool = False,
+    ) -> None:
+        self.inplace = inplace
+        self.compile_options = compile_options
+        self.cuda_graph = cuda_graph
+        self._scratch: Scratch = {}
+
+    def _run(self, fn: Callable[..., Any], prepared: Prepared, *args: Any) -> Any:
+        if self.compile_options is None:
+            return fn(*args)
+        state = prepared.state
+        key = (
+            fn.__name__,
+            tuple(sorted(self.compile_options.items())),
+            state.layout,
+            prepared.active,
+            tuple(p is not None for p in prepared.trained.params),
+            state.policy,
+            state.consensus,
+        )
+        return _run_region(key, fn, self.compile_options, args)
+
+    def _prepare(self, state: MixedPrecisionState, grads: Any) -> Prepared:
+        prepared = prepare(state, grads, self._scratch if self.inplace else None)
+        if self.cuda_graph:
+            _mark_static(optree.tree_leaves((prepared.grads, prepared.trained)))
+        return prepared
+
+    def __call__(
+        self, state: MixedPrecisionState, grads: Any
+    ) -> tuple[MixedPrecisionState, StepInfo]:
+        prepared = self._prepare(state, grads)
+        state = prepared.state
+        args = (state.optimizer, state.policy, state.consensus, prepared.grads, prepared.trained)
+        with torch.no_grad():
+            if self.inplace:
+                info = self._run(apply_updates_, prepared, *args)
+                return finish(prepared, None), info
+            new, info = self._run(apply_updates, prepared, *args)
+        return finish(prepared, new), info
+
+    def check(self, state: MixedPrecisionState, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find; nothing moves
+        (the state's segments may be cut, as the step would cut them)."""
+        prepared = self._prepare(state, grads)
+        with torch.no_grad():
+            return self._run(
+                check, prepared, state.consensus, prepared.grads, state.loss_scale.scale
+            )
 
 
 def compile_step(
@@ -29,13 +164,14 @@ def compile_step(
     mode: str | None = None,
     dynamic: bool | None = False,
     backend: str = "inductor",
-) -> StepFn:
-    """Returns ``step`` compiled with ``torch.compile(fullgraph=True)``.
+) -> StepFunction:
+    """Returns ``fp16fx.step`` compiled with ``torch.compile(fullgraph=True)``.
 
     Args:
       inplace: write the new values into the state's own tensors (params, masters, moments,
-        counts, loss scale) and return that same state. No second copy of the state is ever
-        allocated; the params you passed to ``init`` (e.g. a model's) are updated in place.
+        counts, loss scale) and return that state (a new state object over the same tensors
+        only when a None gradient cut a segment). No second copy of the state is allocated;
+        the params given to ``init`` (e.g. a model's) are updated in place.
       cuda_graph: capture the whole step (reduction, update, loss-scale adjustment) in one
         CUDA graph and replay it (``mode="reduce-overhead"``). Needs ``inplace=True``: the
         state's tensors and the grads are marked as static addresses, so keep passing the
@@ -43,7 +179,7 @@ def compile_step(
         hyperparameters with ``set_hyperparams(..., inplace=True)``, and clone ``info`` if
         you keep it past the next step (replay overwrites it).
       mode, dynamic, backend: passed to ``torch.compile``. ``dynamic=False`` (the default)
-        specialises kernels to the leaves' shapes.
+        specialises kernels to the buffers' lengths.
 
     The returned callable gives the same numbers as :func:`fp16fx.step`.
     """
@@ -51,27 +187,14 @@ def compile_step(
         if not inplace:
             raise ValueError("cuda_graph=True needs inplace=True: a graph replays fixed addresses")
         mode = "reduce-overhead"
-    core = torch.compile(
-        apply_updates_ if inplace else apply_updates,
-        fullgraph=True,
-        dynamic=dynamic,
-        mode=mode,
-        backend=backend,
-    )
-
-    def compiled_step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:
-        if cuda_graph:
-            _mark_static(optree.tree_leaves((state, grads)))
-        return run_step(core, state, grads, inplace=inplace)
-
-    compiled_step.__doc__ = f"fp16fx.step compiled (inplace={inplace}, mode={mode!r})."
-    return compiled_step
+    options = {"fullgraph": True, "dynamic": dynamic, "mode": mode, "backend": backend}
+    return StepFunction(inplace=inplace, compile_options=options, cuda_graph=cuda_graph)
 
 
-def _mark_static(tensors: list[torch.Tensor]) -> None:
+def _mark_static(tensors: list[Any]) -> None:
     """Marks each tensor as a static input (once), so graph replay reads it in place
     instead of copying it into the graph's own input buffers every step."""
     for t in tensors:
         # The attribute mark_static_address sets; checking it keeps repeat calls cheap.
-        if getattr(t, "_dynamo_static_input_type", None) is None:
+        if isinstance(t, torch.Tensor) and getattr(t, "_dynamo_static_input_type", None) is None:
             torch._dynamo.mark_static_address(t)

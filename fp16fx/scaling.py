@@ -177,22 +177,42 @@ class DynamicLossScale:
         return new_state, back_off & (wanted < self.min_scale)
 
 
-def unscale_and_check(
-    grads: Sequence[torch.Tensor], scale: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Returns ``(unscaled_grads, finite, norm)``: grads / scale in FP32, all-finite, L2 norm.
+class CheckedGrads(NamedTuple):
+    """What :func:`unscale_and_check` finds.
 
-    ``finite`` is a 0-d bool tensor, False when any element of any grad is inf or NaN;
-    ``norm`` is the global L2 norm of the unscaled grads (inf/NaN when not finite). Both come
-    from one reduction pass: the norm is finite exactly when every element is finite and the
-    norm does not overflow FP32 (a step whose unscaled norm exceeds ~3.4e38 counts as an
-    overflow). Unscaling multiplies by ``1 / scale``, exact when the scale is a power of two.
+    Attributes:
+      unscaled: the grads divided by the scale, in FP32.
+      finite: 0-d bool, False when any element of any grad is inf or NaN.
+      norm: 0-d float32, the global L2 norm of ``unscaled`` (inf or NaN when not finite; inf
+        too when finite values square past FP32's range, as in torch's own clipping).
+    """
+
+    unscaled: list[torch.Tensor]
+    finite: torch.Tensor
+    norm: torch.Tensor
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Returns the L2 norm of all ``tensors`` (at least one) together, as a 0-d tensor.
+
+    ``vector_norm`` per tensor, not ``square().sum()``: Inductor's CPU code for it is ~10x
+    faster. In FP32 it overflows to inf past ~1.8e19, as ``torch.nn.utils.clip_grad_norm_``.
+    """
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+
+
+def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> CheckedGrads:
+    """Returns the grads divided by ``scale`` in FP32, whether all are finite, and their norm.
+
+    One reduction pass computes both: ``finite`` from the largest magnitude (exactly "every
+    element is finite": grads of 1e19, whose squares overflow, are finite), ``norm`` from the
+    squares. Unscaling multiplies by ``1 / scale``, exact when the scale is a power of two.
     Nothing is synced to the host.
     """
     inv_scale = torch.reciprocal(scale)
     unscaled = [g.float() * inv_scale for g in grads]
     if not unscaled:
-        return unscaled, torch.ones((), dtype=torch.bool, device=scale.device), scale.new_zeros(())
-    # vector_norm, not square().sum(): Inductor's CPU code for it is ~10x faster.
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(u) for u in unscaled]))
-    return unscaled, torch.isfinite(norm), norm
+        zero = scale.new_zeros(())
+        return CheckedGrads(unscaled, torch.isfinite(zero), zero)
+    largest = torch.stack([u.abs().amax() for u in unscaled]).amax()
+    return CheckedGrads(unscaled, torch.isfinite(largest), global_norm(unscaled))

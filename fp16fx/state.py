@@ -1,70 +1,75 @@
-"""The training state: ``MixedPrecisionState``, ``init``, and bucketed layouts.
+"""The training state: ``MixedPrecisionState`` and ``init``.
 
-Layer: ``step`` (DESIGN.md), with :mod:`fp16fx.step`. The state is a pytree of tensors; the
-optimizer, the loss-scale policy and (for a bucketed state) the layout of its flat buffers are
-static pytree metadata, so they travel with it and never become graph inputs.
+Layer: ``step`` (docs/design.md). The state is a pytree of tensors; the optimizer, the
+loss-scale policy, the consensus and the :class:`~fp16fx.flat.Layout` are static pytree
+metadata, so they travel with it and never become graph inputs.
+
+Whatever the tree of params, the state keeps the FP32 masters and the optimizer's moments in
+flat buffers, one per *segment* of the layout (a run of leaves of one dtype and label; one per
+bucket until leaves step apart), so a compiled step sees a few large tensors however many
+leaves there are, and compiles in the same time. The params are kept as given: as views of a
+flat buffer when they are (``buckets=True`` makes them so), else as the leaves themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import itertools
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import optree
 import torch
 
-from fp16fx import buckets, tree
-from fp16fx.buckets import Layout
+from fp16fx import flat, tree
 from fp16fx.consensus import Consensus
+from fp16fx.flat import Layout
 from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
-from fp16fx.transforms import GradientTransformation, TransformState
+from fp16fx.segments import Segments, split
+from fp16fx.transforms import GradientTransformation
+
+#: A segment's params: one flat tensor (views of a bucket's buffer), or the segment's leaves.
+SegmentParams = torch.Tensor | tuple[torch.Tensor, ...]
+
+_CHILDREN = ("param_segments", "master_segments", "opt_state", "loss_scale", "count")
 
 
 class MixedPrecisionState:
-    """The whole training state: a pytree of tensors with static optimizer and policy.
+    """The whole training state: a pytree of tensors with static optimizer, policy and layout.
 
     Attributes:
-      params: the model-dtype params (FP16, BF16 or FP32), structured as given to ``init``.
-      master: FP32 master weights, same structure (an FP32 param is its own master).
-      opt_state: the optimizer's :class:`~fp16fx.transforms.TransformState`.
+      param_segments: per segment of ``layout``, its model-dtype params: a flat tensor (made
+        by ``init(..., buckets=True)`` or a pure step), or the tuple of its leaves as given.
+      master_segments: per segment, the flat FP32 master (a flat FP32 param is its own).
+      opt_state: the optimizer's state (its per-param parts: one entry per segment).
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
       count: applied (not skipped) steps, a 0-d int64 tensor.
-      optimizer, policy: the transform and the loss-scale policy (pytree metadata, not leaves).
+      optimizer, policy: the transform and the loss-scale policy (pytree metadata).
+      layout: the :class:`~fp16fx.flat.Layout` of the params: buckets and segments.
       consensus: ``None``, or a :class:`~fp16fx.consensus.Consensus` agreeing ``finite`` and
         the gradient norm with other processes before any state changes (pytree metadata).
-      layout: ``None``, or the :class:`~fp16fx.buckets.Layout` of a bucketed state, whose
-        pytree leaves are a few flat buffers; ``params``, ``master`` and ``opt_state`` then
-        present views into them, structured as the params were given.
+
+    ``params`` and ``master`` present the params and masters structured as given to ``init``.
     """
 
-    __slots__ = (
-        "_master",
-        "_opt_state",
-        "_params",
-        "_views",
-        "consensus",
-        "count",
-        "layout",
-        "loss_scale",
-        "optimizer",
-        "policy",
-    )
+    __slots__ = (*_CHILDREN, "_views", "consensus", "layout", "optimizer", "policy")
 
     def __init__(
         self,
-        params: Any,
-        master: Any,
-        opt_state: TransformState,
+        *,
+        param_segments: Segments,
+        master_segments: Segments,
+        opt_state: Any,
         loss_scale: LossScaleState,
         count: torch.Tensor,
         optimizer: GradientTransformation,
         policy: LossScalePolicy,
-        layout: Layout | None = None,
+        layout: Layout,
         consensus: Consensus | None = None,
     ) -> None:
-        self._params = params
-        self._master = master
-        self._opt_state = opt_state
+        self.param_segments = param_segments
+        self.master_segments = master_segments
+        self.opt_state = opt_state
         self.loss_scale = loss_scale
         self.count = count
         self.optimizer = optimizer
@@ -75,31 +80,30 @@ class MixedPrecisionState:
 
     @property
     def params(self) -> Any:
-        return self._present("params")
+        """The params, structured as given to ``init`` (``None`` at untrained leaves)."""
+        if "params" not in self._views:
+            self._views["params"] = self._tree(self.param_segments)
+        return self._views["params"]
 
     @property
     def master(self) -> Any:
-        return self._present("master")
+        """The FP32 masters, structured as the params (views of the flat masters)."""
+        if "master" not in self._views:
+            self._views["master"] = self._tree(self.master_segments)
+        return self._views["master"]
 
-    @property
-    def opt_state(self) -> TransformState:
-        return self._present("opt_state")
-
-    def _present(self, name: str) -> Any:
-        raw = getattr(self, "_" + name)
-        if self.layout is None:
-            return raw
-        if name not in self._views:
-            self._views[name] = _unbucket(self.layout, name, raw)
-        return self._views[name]
-
-    def children(self) -> tuple[Any, ...]:
-        """Returns the pytree children: params, master, opt_state (raw), loss_scale, count."""
-        return (self._params, self._master, self._opt_state, self.loss_scale, self.count)
+    def _tree(self, per_segment: Segments) -> Any:
+        leaves: list[Any] = [None] * self.layout.num_leaves
+        for seg, value in zip(self.layout.segments, per_segment):
+            bucket = self.layout.buckets[seg.bucket]
+            parts = value if isinstance(value, tuple) else flat.views(bucket, value, seg.lo, seg.hi)
+            for i, part in zip(bucket.indices[seg.lo : seg.hi], parts):
+                leaves[i] = part
+        return tree.unflatten(self.layout.treedef, leaves)
 
     def replace(self, **changes: Any) -> MixedPrecisionState:
-        """Returns a copy of this state with the given fields (raw, for a bucketed state)."""
-        fields = dict(zip(_CHILDREN, self.children()))
+        """Returns a copy of this state with the given fields changed."""
+        fields = {name: getattr(self, name) for name in _CHILDREN}
         fields.update(
             optimizer=self.optimizer,
             policy=self.policy,
@@ -109,53 +113,59 @@ class MixedPrecisionState:
         fields.update(changes)
         return MixedPrecisionState(**fields)
 
+    def __copy__(self) -> MixedPrecisionState:
+        return self.replace()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MixedPrecisionState:
+        children = copy.deepcopy({name: getattr(self, name) for name in _CHILDREN}, memo)
+        return self.replace(**children)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a MixedPrecisionState cannot be pickled (it holds functions); save "
+            "fp16fx.state_dict(state) with torch.save and load it with fp16fx.load_state_dict"
+        )
+
     def __repr__(self) -> str:
-        n = sum(m.numel() for m in tree.flatten(self._master)[0] if m is not None)
-        buckets = "" if self.layout is None else f", {len(self.layout.buckets)} buckets"
+        n = sum(b.numel for b in self.layout.buckets)
+        segments = len(self.layout.segments)
         return (
-            f"MixedPrecisionState({n:,} trained values{buckets}, count={self.count.tolist()}, "
-            f"loss_scale={self.loss_scale.scale.tolist()}, policy={self.policy})"
+            f"MixedPrecisionState({n:,} trained values in {segments} segment(s), "
+            f"count={self.count.tolist()}, loss_scale={self.loss_scale.scale.tolist()}, "
+            f"policy={self.policy})"
         )
 
 
-_CHILDREN = ("params", "master", "opt_state", "loss_scale", "count")
-
 optree.register_pytree_node(
     MixedPrecisionState,
-    lambda s: (s.children(), (s.optimizer, s.policy, s.layout, s.consensus), _CHILDREN),
-    lambda meta, children: MixedPrecisionState(*children, *meta),
+    lambda s: (
+        tuple(getattr(s, name) for name in _CHILDREN),
+        (s.optimizer, s.policy, s.layout, s.consensus),
+        _CHILDREN,
+    ),
+    lambda meta, children: MixedPrecisionState(
+        **dict(zip(_CHILDREN, children)),
+        **dict(zip(("optimizer", "policy", "layout", "consensus"), meta)),
+    ),
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # plain optree calls see its tensors
 )
 
 
-def _unbucket(layout: Layout, name: str, raw: Any) -> Any:
-    """Returns the user-structured tree of views into the flat buffers ``raw``."""
-    n_leaves = layout.treedef.num_leaves
-    if name == "opt_state":
-        per_leaf: list[Any] = [None] * n_leaves
-        for bucket, bucket_state in zip(layout.buckets, raw.leaves):
-            tensors, state_def = optree.tree_flatten(bucket_state)
-            # Per-element tensors (moments) split into views; scalars (counts) are shared.
-            split = [
-                buckets.views(bucket, t)
-                if t.ndim == 1 and t.shape[0] == bucket.numel
-                else [t] * len(bucket.indices)
-                for t in tensors
-            ]
-            for k, i in enumerate(bucket.indices):
-                per_leaf[i] = state_def.unflatten([parts[k] for parts in split])
-        return raw._replace(leaves=tree.unflatten(layout.treedef, per_leaf))
-    leaves: list[Any] = [None] * n_leaves
-    for bucket, flat in zip(layout.buckets, raw):
-        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
-            leaves[i] = view
-    return tree.unflatten(layout.treedef, leaves)
-
-
-def _default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
+def default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
+    """Returns ``DynamicLossScale()`` when any param is FP16, else ``NoLossScale()``."""
     if any(p is not None and p.dtype == torch.float16 for p in params):
         return DynamicLossScale()
     return NoLossScale()
+
+
+def _labels(optimizer: GradientTransformation, n_leaves: int) -> Sequence[Hashable] | None:
+    labels = optimizer.param_labels
+    if labels is not None and len(labels) != n_leaves:
+        raise ValueError(
+            f"the optimizer's multi_transform has {len(labels)} labels but the params have "
+            f"{n_leaves} leaves (None leaves included): give one label per leaf"
+        )
+    return labels
 
 
 def init(
@@ -174,43 +184,47 @@ def init(
       optimizer: a transform such as ``fp16fx.adam(1e-3)``.
       loss_scale: a policy; by default ``DynamicLossScale()`` when any param is FP16, else
         ``NoLossScale()`` (BF16 has FP32's exponent range and needs no scaling).
-      buckets: keep params, masters and optimizer moments in one flat buffer per dtype (and
-        per ``multi_transform`` label), so a compiled step runs a few large kernels whatever
-        the number of leaves. The given tensors are re-pointed (``tensor.data = view``) at
-        their place in the buffer, so a model built on them keeps training in place.
+      buckets: move the params into one flat buffer per dtype (and ``multi_transform``
+        label) and re-point each given tensor at its view (``tensor.data = view``), so that a
+        module built on them keeps training in place and the step writes the params in its
+        fused pass. Pass the module's own parameters, not detached copies. Without it, the
+        masters and moments are flat all the same, and an in-place step copies the new
+        values into the given tensors after its fused pass (one more pass over the params).
       consensus: agree "finite" and the gradient norm with other processes every step
         (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.consensus.Consensus`).
+
+    Raises:
+      TypeError, ValueError: the params cannot be trained or the optimizer or policy is not
+        one (the message names the leaf); nothing is changed.
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
             f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
         )
     leaves, treedef = tree.check_params(params)
-    device = next(p.device for p in leaves if p is not None)
-    policy = _default_policy(leaves) if loss_scale is None else loss_scale
+    policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
+    layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
+    device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
-        layout = None
-        if buckets:
-            layout = bucket_layout(leaves, treedef, optimizer)
-            params, leaves, indices = _into_buckets(layout, leaves)
-        else:
-            indices = range(len(leaves))
-        masters = [
-            None if p is None else p if p.dtype == torch.float32 else p.detach().float()
-            for p in leaves
-        ]
-        leaf_states = [
-            None if m is None else optimizer.init_leaf(m, i) for i, m in zip(indices, masters)
-        ]
-        if layout is None:
-            masters = tree.unflatten(treedef, masters)
-            leaf_states = tree.unflatten(treedef, leaf_states)
+        flats = flat.adopt(layout, leaves) if buckets else [None] * len(layout.buckets)
+        params_of, masters = [], []
+        for bucket, buffer in zip(layout.buckets, flats):
+            mine = tuple(leaves[i] for i in bucket.indices)
+            params_of.append(mine if buffer is None else buffer[: bucket.numel])
+            if bucket.dtype == torch.float32:  # its own master, where it is one flat tensor
+                buffer = flat.joined(mine, bucket.shapes) if buffer is None else buffer
+            if buffer is not None and bucket.dtype == torch.float32:
+                masters.append(buffer[: bucket.numel])
+            else:
+                masters.append(flat.pack(bucket, leaves, torch.float32))
+        labels = [b.label for b in layout.buckets]  # one segment per bucket
+        master_segments = Segments(masters, labels)
         return MixedPrecisionState(
-            params=params,
-            master=masters,
-            opt_state=TransformState(optimizer.init_hyperparams(device), leaf_states),
+            param_segments=Segments(params_of, labels),
+            master_segments=master_segments,
+            opt_state=optimizer.init(master_segments),
             loss_scale=policy.init(device),
             count=torch.zeros((), dtype=torch.int64, device=device),
             optimizer=optimizer,
@@ -220,44 +234,54 @@ def init(
         )
 
 
-def bucket_layout(
-    leaves: Sequence[torch.Tensor | None], treedef: Any, optimizer: GradientTransformation
-) -> Layout:
-    """Returns the bucket layout for ``leaves``: one bucket per dtype and optimizer label."""
-    return buckets.plan(leaves, treedef, keys=optimizer.partition)
+def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
+    """Returns ``state`` over ``layout``, whose segment boundaries include the state's own.
 
-
-def _into_buckets(
-    layout: Layout, leaves: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, ...]]:
-    """Returns ``(flat params, the same, first leaf indices)`` after moving ``leaves`` into
-    new flat buffers and re-pointing each given tensor at its view."""
-    flats = []
-    for bucket in layout.buckets:
-        flat = buckets.pack(bucket, leaves, leaves[bucket.indices[0]].dtype)
-        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
-            leaves[i].data = view
-        flats.append(flat)
-    return flats, flats, layout.first_indices
+    Nothing is copied: a segment cut in two becomes two views of its buffers (step counts and
+    other per-segment scalars are duplicated), so each part can step on its own.
+    """
+    params, masters, opt_state = state.param_segments, state.master_segments, state.opt_state
+    old = state.layout.segments
+    for k in reversed(range(len(old))):
+        seg = old[k]
+        inner = [c for c in layout.cuts[seg.bucket] if seg.lo <= c <= seg.hi]
+        if inner == [seg.lo, seg.hi]:
+            continue
+        bucket = state.layout.buckets[seg.bucket]
+        runs = list(itertools.pairwise(inner))
+        sizes = [bucket.offsets[b] - bucket.offsets[a] for a, b in runs]
+        entry = params[k]
+        if isinstance(entry, tuple):
+            parts: list[Any] = [entry[a - seg.lo : b - seg.lo] for a, b in runs]
+        else:
+            parts = list(entry.split(sizes))
+        params = Segments(
+            [*params.items[:k], *parts, *params.items[k + 1 :]],
+            [*params.labels[:k], *[params.labels[k]] * len(parts), *params.labels[k + 1 :]],
+        )
+        masters = split(masters, k, sizes)
+        opt_state = split(opt_state, k, sizes)
+    return state.replace(
+        param_segments=params, master_segments=masters, opt_state=opt_state, layout=layout
+    )
 
 
 def grad_buffers(state: MixedPrecisionState) -> Any:
     """Returns zeroed gradients structured like ``state.params``, as views into flat buffers.
 
-    For a bucketed state the buffers are laid out like its buckets, so a step reads them
-    without copying. Make them the ``.grad`` of the model's params (autograd then
-    accumulates into them in place) and zero them in place between steps::
+    The buffers are laid out like the state's buckets, so a step reads them without copying.
+    Make them the ``.grad`` of the model's params (autograd then accumulates into them in
+    place)::
 
         grads = fp16fx.grad_buffers(state)
         for p, g in zip(model.parameters(), optree.tree_leaves(grads)):
             p.grad = g
     """
-    leaves, treedef = tree.flatten(state.params)
-    layout = state.layout or buckets.plan(leaves, treedef)
-    grads: list[torch.Tensor | None] = [None] * len(leaves)
+    layout = state.layout
+    leaves: list[torch.Tensor | None] = [None] * layout.num_leaves
+    device = state.count.device
     for bucket in layout.buckets:
-        first = leaves[bucket.indices[0]]
-        flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
-        for i, view in zip(bucket.indices, buckets.views(bucket, flat)):
-            grads[i] = view
-    return tree.unflatten(treedef, grads)
+        buffer = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device)
+        for i, view in zip(bucket.indices, flat.views(bucket, buffer)):
+            leaves[i] = view
+    return tree.unflatten(layout.treedef, leaves)

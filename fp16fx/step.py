@@ -1,35 +1,353 @@
 """The mixed-precision step: a pure function of ``(state, grads)``.
 
-Layer: ``step`` (DESIGN.md). One step, for the leaves that have a gradient::
+Layer: ``step`` (docs/design.md). One step, over the segments that have a gradient::
 
     scaled grads g, scale s
-    u, finite, norm = unscale_and_check(g, s)     # one reduction pass
-    updates, opt'   = optimizer.update(u, ...)    # FP32 math on the masters
+    u, finite, norm = unscale_and_check(g, s)     # one reduction pass (+ consensus)
+    master          = param where param != master rounded, else master   # a written param wins
+    updates, opt'   = optimizer.update(u, opt, master)   # FP32 math; clipping reads ``norm``
     master'         = master + updates
-    param'          = master'.to(param.dtype)
     keep every old value where not finite         # torch.where: no host sync, exact skip
+    param'          = master'.to(param.dtype)
     loss_scale'     = policy.adjust(loss_scale, finite)
 
-Nothing is mutated; the in-place variant (``fp16fx.compile_step(inplace=True)``) writes the
-same values into the state's own tensors.
+:func:`apply_updates` is that math over flat tensors (what ``compile_step`` compiles);
+:func:`prepare` and :func:`finish` are the host-side bookkeeping around it: checking the grads,
+cutting segments so that each steps whole, and rebuilding the state. Nothing is mutated; the
+in-place variant (:func:`apply_updates_`) writes the same values into the state's own tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from fp16fx import buckets, tree
-from fp16fx.buckets import Layout
+from fp16fx import flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.scaling import LossScalePolicy, LossScaleState, unscale_and_check
-from fp16fx.state import MixedPrecisionState
-from fp16fx.transforms import GradientTransformation, replace_hyperparams
+from fp16fx.segments import Segments, merge, select
+from fp16fx.state import MixedPrecisionState, recut
+from fp16fx.transforms import (
+    GradientTransformation,
+    Hyperparams,
+    read_hyperparams,
+    with_grad_norm,
+)
+from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
 
-Info = dict[str, torch.Tensor]
+
+class StepInfo(NamedTuple):
+    """What a step reports, as 0-d tensors (nothing is synced to the host).
+
+    Also read by key, ``info["finite"]``, as the dict it used to be.
+
+    Attributes:
+      finite: False when the step was skipped (some gradient held inf or NaN).
+      loss_scale: the scale these gradients carried (the state holds the next one).
+      grad_norm: the global L2 norm of the unscaled gradients (inf/NaN when not finite).
+      loss_scale_floored: an overflow found the scale already at its minimum.
+    """
+
+    finite: torch.Tensor
+    loss_scale: torch.Tensor
+    grad_norm: torch.Tensor
+    loss_scale_floored: torch.Tensor
+
+    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+        if isinstance(key, str):
+            if key not in self._fields:
+                raise KeyError(f"{key!r}: a step reports {list(self._fields)}")
+            return getattr(self, key)
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._fields
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self._fields, self))
+
+
+#: Per bucket, a flat buffer that grads are packed into, and its views (reused every step).
+Scratch = dict[flat.Bucket, tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+class Trained(NamedTuple):
+    """The tensors a step reads and writes, one entry per segment that has a gradient.
+
+    Attributes:
+      params: the flat FP16/BF16 params to check against their masters and to write; None
+        where the param is its own master (FP32) or is not one flat tensor (written after).
+      masters, opt_state, loss_scale, count: as in :class:`~fp16fx.state.MixedPrecisionState`.
+    """
+
+    params: Segments
+    masters: Segments
+    opt_state: Any
+    loss_scale: LossScaleState
+    count: torch.Tensor
+
+
+def _is_hyperparams(x: Any) -> bool:
+    return isinstance(x, Hyperparams)
+
+
+def apply_updates(
+    optimizer: GradientTransformation,
+    policy: LossScalePolicy,
+    consensus: Consensus | None,
+    grads: Segments,
+    trained: Trained,
+) -> tuple[Trained, StepInfo]:
+    """Returns the stepped tensors and the step's info: the pure core, over flat tensors.
+
+    ``grads`` are the scaled gradients of the segments in ``trained``. ``consensus``, when
+    given, replaces this process's ``(finite, norm)`` by the one all processes agree on,
+    before anything moves. The new params are ``master.to(grad.dtype)`` (None for FP32).
+    """
+    checked = unscale_and_check(list(grads), trained.loss_scale.scale)
+    finite, norm = checked.finite, checked.norm
+    if consensus is not None:
+        finite, norm = consensus(finite, norm)
+
+    def keep_if_skipped(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return new if new is old else torch.where(finite, new, old)
+
+    # A param is always its master rounded, unless someone wrote it (load_state_dict, a
+    # clamp): then the written value is the truth, and the master takes it exactly.
+    masters = Segments(
+        [
+            m if p is None else torch.where(p != m.to(p.dtype), p.float(), m)
+            for p, m in zip(trained.params, trained.masters)
+        ],
+        trained.masters.labels,
+    )
+    updates, opt_state = optimizer.update(
+        Segments(checked.unscaled, grads.labels), with_grad_norm(trained.opt_state, norm), masters
+    )
+    new_masters = optree.tree_map(lambda m, u: keep_if_skipped(m + u, m), masters, updates)
+    new_params = Segments(
+        [None if g.dtype == torch.float32 else m.to(g.dtype) for g, m in zip(grads, new_masters)],
+        grads.labels,
+    )
+    opt_state = optree.tree_map(
+        lambda new, old: (
+            new if _is_hyperparams(new) else optree.tree_map(keep_if_skipped, new, old)
+        ),
+        opt_state,
+        trained.opt_state,
+        is_leaf=_is_hyperparams,
+    )
+    loss_scale, floored = policy.adjust(trained.loss_scale, finite)
+    info = StepInfo(
+        finite=finite,
+        loss_scale=trained.loss_scale.scale.clone(),  # an in-place step overwrites the state's
+        grad_norm=norm.float(),
+        loss_scale_floored=floored,
+    )
+    count = keep_if_skipped(trained.count + 1, trained.count)
+    return Trained(new_params, new_masters, opt_state, loss_scale, count), info
+
+
+def apply_updates_(
+    optimizer: GradientTransformation,
+    policy: LossScalePolicy,
+    consensus: Consensus | None,
+    grads: Segments,
+    trained: Trained,
+) -> StepInfo:
+    """Returns the info of :func:`apply_updates` after writing its results into ``trained``'s
+    own tensors (params only where given)."""
+    new, info = apply_updates(optimizer, policy, consensus, grads, trained)
+    for old, value in zip(trained.params, new.params):
+        if old is not None:
+            old.copy_(value)
+
+    def write(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst is not src:
+            dst.copy_(src)
+
+    optree.tree_map(write, tuple(trained)[1:], tuple(new)[1:])
+    return info
+
+
+def check(
+    consensus: Consensus | None, grads: Segments, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find (no state moves)."""
+    checked = unscale_and_check(list(grads), scale)
+    finite, norm = checked.finite, checked.norm
+    if consensus is not None:
+        finite, norm = consensus(finite, norm)
+    return finite, norm.float()
+
+
+class Prepared(NamedTuple):
+    """A step's inputs, checked and gathered on the host (:func:`prepare`).
+
+    Attributes:
+      state: the state, with segments cut so that each has a gradient for all or none of its
+        leaves (the given state when no cut was needed).
+      active: per segment of ``state``, whether it has gradients this step.
+      written: per segment, whether its params are one flat tensor the step writes itself
+        (for FP32 params: the master itself); the others are copied from the master after.
+      grads: the active segments' flat gradients.
+      trained: the active segments' tensors.
+    """
+
+    state: MixedPrecisionState
+    active: tuple[bool, ...]
+    written: tuple[bool, ...]
+    grads: Segments
+    trained: Trained
+
+
+def prepare(
+    state: MixedPrecisionState,
+    grads: Any,
+    scratch: Scratch | None = None,
+) -> Prepared:
+    """Returns the step's inputs after checking ``grads`` against ``state``'s params.
+
+    Grads laid out like the state's buckets (``grad_buffers``) prove themselves valid by
+    their addresses: one check per leaf, no copy. Any other grads get the full check, leaf by
+    leaf, and are packed into one flat buffer per bucket (``scratch``'s, reused from step to
+    step, when given). A leaf whose grad is None, in a segment whose other leaves have one,
+    gets a segment of its own (the state is cut; one recompile for a compiled step).
+
+    Raises:
+      ValueError, TypeError: the grads do not fit the params (named); nothing is changed.
+    """
+    layout = state.layout
+    flats = _laid_out(state, grads)
+    if flats is None:
+        leaves = tree.check_grads(state.params, grads)
+        has = [g is not None for g in leaves]
+        cut = layout.recut(has)
+        if cut != layout:
+            state, layout = recut(state, cut), cut
+        flats = [
+            _pack(bucket, leaves, scratch) if any(has[i] for i in bucket.indices) else None
+            for bucket in layout.buckets
+        ]
+        active = tuple(has[layout.buckets[s.bucket].indices[s.lo]] for s in layout.segments)
+    else:
+        active = (True,) * len(layout.segments)
+    seg_grads = Segments(
+        [flats[s.bucket][s.start : s.end] for s, on in zip(layout.segments, active) if on],
+        [s.label for s, on in zip(layout.segments, active) if on],
+    )
+    targets = [
+        _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
+    ]
+    written = tuple(t is not None for t in targets)
+    params = Segments(
+        [None if t is None or t.dtype == torch.float32 else t for t in targets],
+        state.param_segments.labels,
+    )
+    trained = Trained(
+        params=select(params, active),
+        masters=select(state.master_segments, active),
+        opt_state=select(state.opt_state, active),
+        loss_scale=state.loss_scale,
+        count=state.count,
+    )
+    return Prepared(state, active, written, seg_grads, trained)
+
+
+def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.Tensor | None:
+    """Returns the segment's params as one flat tensor, or None when they are not one."""
+    if isinstance(params, torch.Tensor):
+        return params
+    return flat.joined(params, layout.buckets[seg.bucket].shapes[seg.lo : seg.hi])
+
+
+def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:
+    """Returns one flat grad per bucket when ``grads`` are views laid out like the buckets
+    (every trained leaf has one, of its param's dtype and device), else None."""
+    layout = state.layout
+    leaves, treedef = tree.flatten(grads)
+    if treedef != layout.treedef:
+        return None
+    device = state.count.device
+    flats: list[torch.Tensor | None] = []
+    for bucket in layout.buckets:
+        found = flat.flat_view(bucket, leaves)
+        if found is None or found.dtype != bucket.dtype or found.device != device:
+            return None
+        flats.append(found)
+    trained = sum(len(bucket) for bucket in layout.buckets)
+    if sum(g is not None for g in leaves) != trained:  # a grad for an untrained leaf
+        return None
+    return flats
+
+
+def _pack(
+    bucket: flat.Bucket, leaves: list[torch.Tensor | None], scratch: Scratch | None
+) -> torch.Tensor:
+    """Returns the bucket's grads as one flat tensor: their own buffer when they are views of
+    one, else a copy (into ``scratch``'s buffer for the bucket, when given)."""
+    if all(leaves[i] is not None for i in bucket.indices):
+        found = flat.flat_view(bucket, leaves)
+        if found is not None:
+            return found
+    if scratch is None:
+        return flat.pack(bucket, leaves)
+    if bucket not in scratch:
+        first = next(leaves[i] for i in bucket.indices if leaves[i] is not None)
+        buffer = torch.empty(bucket.padded, dtype=bucket.dtype, device=first.device)
+        scratch[bucket] = (buffer, flat.views(bucket, buffer))
+    buffer, views = scratch[bucket]
+    return flat.pack(bucket, leaves, out=buffer, out_views=views)
+
+
+def finish(prepared: Prepared, new: Trained | None) -> MixedPrecisionState:
+    """Returns the state after the step: ``new``'s values merged into a new state (pure), or,
+    with ``new=None`` (the core wrote in place), the prepared state after copying the new
+    masters into params that are not one flat tensor."""
+    state, active = prepared.state, prepared.active
+    if new is None:
+        layout = state.layout
+        with torch.no_grad():
+            for seg, on, done, params, master in zip(
+                layout.segments,
+                active,
+                prepared.written,
+                state.param_segments,
+                state.master_segments,
+            ):
+                if on and not done:  # one more pass over them
+                    bucket = layout.buckets[seg.bucket]
+                    flat.copy_all(params, flat.views(bucket, master, seg.lo, seg.hi))
+        return state
+    params = Segments(
+        [m if p is None else p for p, m in zip(new.params, new.masters)], new.params.labels
+    )
+    return state.replace(
+        param_segments=merge(state.param_segments, params, active),
+        master_segments=merge(state.master_segments, new.masters, active),
+        opt_state=merge(state.opt_state, new.opt_state, active),
+        loss_scale=new.loss_scale,
+        count=new.count,
+    )
+
+
+def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, StepInfo]:
+    """Returns ``(new_state, info)`` after one mixed-precision step; never mutates its inputs.
+
+    ``grads`` has the structure of ``state.params`` and holds the gradients of the *scaled*
+    loss (``scale_loss``) in the params' dtypes; a ``None`` grad leaves that param and its
+    optimizer state untouched. When any grad holds inf or NaN the step is skipped exactly
+    (every value bitwise unchanged) and only the loss-scale state moves. ``info`` is a
+    :class:`StepInfo` of 0-d tensors (nothing is synced to the host).
+    """
+    prepared = prepare(state, grads)
+    with torch.no_grad():
+        new, info = apply_updates(
+            state.optimizer, state.policy, state.consensus, prepared.grads, prepared.trained
+        )
+    return finish(prepared, new), info
 
 
 def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
@@ -37,232 +355,31 @@ def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
     return loss.float() * state.loss_scale.scale
 
 
+def get_hyperparams(state: MixedPrecisionState) -> dict[str, Any] | list[dict[str, Any]]:
+    """Returns the hyperparameters by name, e.g. ``{"lr": 1e-3, "betas": (0.9, 0.999), ...}``
+    (one sync); with ``multi_transform``, a list of such dicts, one per param group."""
+    groups = read_hyperparams(state.opt_state)
+    return groups[0] if len(groups) == 1 else groups
+
+
 def set_hyperparams(
-    state: MixedPrecisionState, *, inplace: bool = False, **values: float
+    state: MixedPrecisionState,
+    *,
+    group: int | None = None,
+    inplace: bool = False,
+    **values: Any,
 ) -> MixedPrecisionState:
     """Returns ``state`` with hyperparameters changed, e.g. ``set_hyperparams(state, lr=1e-4)``.
 
-    Names: ``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``momentum``,
-    ``dampening``, ``max_norm``, as the optimizer has them. The values are tensors in the state,
-    so a compiled step is not recompiled. ``inplace=True`` overwrites the existing tensors
-    (for CUDA-graph replay, which reads fixed addresses) and returns the same state.
+    Names: ``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``, ``dampening``,
+    ``max_norm``, as the optimizer has them; ``group=k`` changes param group ``k`` of a
+    ``multi_transform`` alone. The values are tensors in the state, so a compiled step is not
+    recompiled. ``inplace=True`` overwrites the existing tensors (for CUDA-graph replay, which
+    reads fixed addresses) and returns the same state.
+
+    Raises:
+      KeyError, ValueError, TypeError: an unknown name or group, or a value out of range;
+        nothing is changed.
     """
-    hp = replace_hyperparams(state.opt_state.hyperparams, values, inplace=inplace)
-    if inplace:
-        return state
-    return state.replace(opt_state=state.opt_state._replace(hyperparams=hp))
-
-
-def apply_updates(
-    optimizer: GradientTransformation,
-    policy: LossScalePolicy,
-    grads: list[torch.Tensor],
-    params: list[torch.Tensor | None],
-    masters: list[torch.Tensor],
-    leaf_states: list[Any],
-    hyperparams: Any,
-    loss_scale: LossScaleState,
-    count: torch.Tensor,
-    indices: tuple[int, ...],
-    consensus: Consensus | None = None,
-) -> tuple[
-    list[torch.Tensor | None], list[torch.Tensor], list[Any], LossScaleState, torch.Tensor, Info
-]:
-    """Returns the stepped ``(params, masters, leaf_states, loss_scale, count, info)``.
-
-    The pure core over flat lists of the leaves that have a gradient (``params[i]`` is None
-    where the param is FP32 and so its own master; ``indices`` are their flat leaf indices).
-    This is what ``compile_step`` compiles. ``consensus``, when given, replaces this
-    process's ``(finite, grad_norm)`` by the one all processes agree on, before anything moves.
-    """
-    unscaled, finite, grad_norm = unscale_and_check(grads, loss_scale.scale)
-    if consensus is not None:
-        finite, grad_norm = consensus(finite, grad_norm)
-    updates, new_states = optimizer.update(
-        unscaled, leaf_states, masters, hyperparams, grad_norm, indices
-    )
-
-    def keep_if_skipped(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        return torch.where(finite, new, old)
-
-    new_masters = [keep_if_skipped(m + u, m) for m, u in zip(masters, updates)]
-    # A param is always its master rounded (``init`` makes it so and every step keeps it so),
-    # so rounding the selected master writes an unchanged param on a skip without reading the
-    # old one: 2 of the fused pass's 32 bytes per param.
-    new_params = [None if p is None else m.to(p.dtype) for p, m in zip(params, new_masters)]
-    new_states = optree.tree_map(keep_if_skipped, new_states, leaf_states)
-    new_loss_scale, floored = policy.adjust(loss_scale, finite)
-    info = {
-        "finite": finite,
-        "loss_scale": loss_scale.scale.clone(),  # an in-place step overwrites the state's
-        "grad_norm": grad_norm,
-        "loss_scale_floored": floored,
-    }
-    return (
-        new_params,
-        new_masters,
-        new_states,
-        new_loss_scale,
-        keep_if_skipped(count + 1, count),
-        info,
-    )
-
-
-def apply_updates_(
-    optimizer: GradientTransformation,
-    policy: LossScalePolicy,
-    grads: list[torch.Tensor],
-    params: list[torch.Tensor | None],
-    masters: list[torch.Tensor],
-    leaf_states: list[Any],
-    hyperparams: Any,
-    loss_scale: LossScaleState,
-    count: torch.Tensor,
-    indices: tuple[int, ...],
-    consensus: Consensus | None = None,
-) -> Info:
-    """Returns ``info`` after writing :func:`apply_updates`' results into its own inputs."""
-    *new, info = apply_updates(
-        optimizer,
-        policy,
-        grads,
-        params,
-        masters,
-        leaf_states,
-        hyperparams,
-        loss_scale,
-        count,
-        indices,
-        consensus,
-    )
-    old = (params, masters, leaf_states, loss_scale, count)
-    optree.tree_map(lambda dst, src: dst.copy_(src), old, tuple(new))
-    return info
-
-
-Core = Callable[..., Any]
-
-
-def run_step(
-    core: Core, state: MixedPrecisionState, grads: Any, *, inplace: bool
-) -> tuple[MixedPrecisionState, Info]:
-    """Returns ``core`` applied to the leaves of ``state`` that have a gradient in ``grads``.
-
-    Validates ``grads`` first (nothing is touched when they do not fit), gathers the flat
-    lists ``core`` takes, and scatters its results back into a new state (or, ``inplace``,
-    lets ``core`` write them into ``state``'s tensors and returns ``state``).
-
-    A bucketed state runs ``core`` on its flat buffers. Its grads are used in place when they
-    are views laid out like the bucket (as :func:`grad_buffers` makes them); other grads are
-    first copied into a flat buffer, one extra pass over them.
-    """
-    layout = state.layout
-    if layout is None:
-        grad_leaves = tree.check_grads(state.params, grads)
-        params, treedef = tree.flatten(state.params)
-        masters = treedef.flatten_up_to(state.master)
-        leaf_states = treedef.flatten_up_to(state.opt_state.leaves)
-        active = [i for i, g in enumerate(grad_leaves) if g is not None]
-        grad_list = [grad_leaves[i] for i in active]
-        indices = tuple(active)
-    else:
-        params, masters = list(state.children()[0]), list(state.children()[1])
-        leaf_states = list(state.children()[2].leaves)
-        active = list(range(len(layout.buckets)))
-        grad_list = _bucket_grads(state, grads)
-        indices = layout.first_indices
-    args = (
-        state.optimizer,
-        state.policy,
-        grad_list,
-        [None if params[i].dtype == torch.float32 else params[i] for i in active],
-        [masters[i] for i in active],
-        [leaf_states[i] for i in active],
-        state.children()[2].hyperparams,
-        state.loss_scale,
-        state.count,
-        indices,
-        state.consensus,
-    )
-    with torch.no_grad():
-        if inplace:
-            return state, core(*args)
-        new_params, new_masters, new_states, loss_scale, count, info = core(*args)
-    for slot, i in enumerate(active):
-        masters[i] = new_masters[slot]
-        params[i] = new_masters[slot] if new_params[slot] is None else new_params[slot]
-        leaf_states[i] = new_states[slot]
-    if layout is None:
-        params = tree.unflatten(treedef, params)
-        masters = tree.unflatten(treedef, masters)
-        leaf_states = tree.unflatten(treedef, leaf_states)
-    new_state = state.replace(
-        params=params,
-        master=masters,
-        opt_state=state.children()[2]._replace(leaves=leaf_states),
-        loss_scale=loss_scale,
-        count=count,
-    )
-    return new_state, info
-
-
-def _bucket_grads(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor]:
-    """Returns one flat grad per bucket of ``state``, after checking ``grads`` fit it.
-
-    Grads laid out like the buckets (``grad_buffers``) prove themselves valid by their layout:
-    one address check per leaf. Any other grads get the full check, leaf by leaf, and are
-    packed into new flat buffers.
-    """
-    layout, params = state.layout, state.children()[0]
-    leaves, treedef = tree.flatten(grads)
-    if treedef == layout.treedef:
-        flats = [buckets.flat_view(bucket, leaves) for bucket in layout.buckets]
-        # flat_view checked shapes and that each bucket's grads share one storage (so one
-        # device and dtype); untrained (None) params must have None grads.
-        trained = sum(len(bucket.indices) for bucket in layout.buckets)
-        if (
-            all(
-                f is not None and f.dtype == p.dtype and f.device == p.device
-                for f, p in zip(flats, params)
-            )
-            and sum(g is not None for g in leaves) == trained
-        ):
-            return flats
-    leaves = tree.check_grads(state.params, grads)
-    _check_whole_buckets(layout, leaves, grads)
-    flats = []
-    for bucket, param in zip(layout.buckets, params):
-        flat = buckets.flat_view(bucket, leaves)
-        flats.append(buckets.pack(bucket, leaves, param.dtype) if flat is None else flat)
-    return flats
-
-
-def _check_whole_buckets(layout: Layout, leaves: list[torch.Tensor | None], grads: Any) -> None:
-    """Raises ValueError if a trained leaf of a bucketed state has no gradient.
-
-    A bucket keeps one step count for all its leaves, so it can only step as a whole: letting
-    one leaf sit out would still advance that leaf's count (torch.optim would not).
-    """
-    for bucket in layout.buckets:
-        for i in bucket.indices:
-            if leaves[i] is None:
-                raise ValueError(
-                    f"{tree.leaf_names(grads, root='grads')[i]} is None, but a bucketed state "
-                    "(init(..., buckets=True)) steps whole buckets; pass a zero gradient, or "
-                    "use buckets=False for leaves that sometimes have no gradient"
-                )
-
-
-def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, Info]:
-    """Returns ``(new_state, info)`` after one mixed-precision step; never mutates its inputs.
-
-    ``grads`` has the structure of ``state.params`` and holds the gradients of the *scaled*
-    loss (``scale_loss``) in the params' dtypes; a ``None`` grad leaves that param and its
-    optimizer state untouched. When any grad holds inf or NaN the step is skipped exactly
-    (every value bitwise unchanged) and only the loss-scale state moves.
-
-    ``info`` holds 0-d tensors (nothing is synced to the host): ``finite``, ``loss_scale``
-    (the scale these grads carry), ``grad_norm`` (global L2 norm of the unscaled grads) and
-    ``loss_scale_floored`` (an overflow found the scale already at its minimum).
-    """
-    return run_step(apply_updates, state, grads, inplace=False)
+    opt_state = _replace_hyperparams(state.opt_state, values, group=group, inplace=inplace)
+    return state if inplace else state.replace(opt_state=opt_state)

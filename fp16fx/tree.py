@@ -9,6 +9,8 @@ params, masters, grads and optimizer state stay aligned index by index.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +18,9 @@ import optree
 import torch
 
 PyTree = Any
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 #: Parameter dtypes fp16fx trains. FP64 is refused: its master would be less precise than it.
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,6 +40,18 @@ def leaf_names(tree: PyTree, root: str = "params") -> list[str]:
     """Returns a readable name per flat leaf of ``tree``, e.g. ``params['fc'][0]``."""
     paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return [root + "".join(f"[{key!r}]" for key in path) for path in paths]
+
+
+def leaf_paths(treedef: optree.PyTreeSpec) -> list[str]:
+    """Returns a key per leaf of ``treedef``: its path joined by dots (``fc.weight`` for a
+    dict keyed like ``named_parameters()``, ``layers.0.bias`` for nested containers), or the
+    full accessor (``['a.b'][0]``) for every leaf when dots would make two keys equal. A lone
+    tensor's key is ``params``."""
+    paths = treedef.paths()
+    keys = [".".join(str(k) for k in path) or "params" for path in paths]
+    if len(set(keys)) == len(keys):
+        return keys
+    return [a.codify("") for a in treedef.accessors()]
 
 
 def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTreeSpec]:
@@ -89,6 +106,9 @@ def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:
             "grads do not have the structure of params:\n"
             f"  params: {param_def}\n  grads:  {grad_def}"
         )
+    pairs = [(p, g) for p, g in zip(param_leaves, grad_leaves) if g is not None]
+    if _all_fit(pairs):  # the common case, checked with maps over the leaves
+        return grad_leaves
     for i, (param, grad) in enumerate(zip(param_leaves, grad_leaves)):
         if grad is None:
             continue
@@ -97,6 +117,17 @@ def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:
             error, message = problem
             raise error(f"{leaf_names(grads, root='grads')[i]} {message}")
     return grad_leaves
+
+
+def _all_fit(pairs: list[tuple[Any, Any]]) -> bool:
+    params, grads = [p for p, _ in pairs], [g for _, g in pairs]
+    return (
+        all(map(isinstance, params, itertools.repeat(torch.Tensor)))
+        and all(map(isinstance, grads, itertools.repeat(torch.Tensor)))
+        and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
+        and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
+        and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
+    )
 
 
 def _grad_problem(param: Any, grad: Any) -> tuple[type[Exception], str] | None:

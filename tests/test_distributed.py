@@ -25,8 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp16fx
 import fp16fx.distributed as fdist
-from fp16fx.compile import compile_step
-from fp16fx.step import apply_updates_, run_step
+from fp16fx.compile import StepFunction, compile_step
 
 STEPS = 20
 BATCH = 8  # per rank
@@ -122,8 +121,9 @@ def train_facade(
         views.append(  # after backward: are the grads still the facade's flat views?
             all(
                 p.grad is v
-                for b in getattr(opt._engine, "buckets", [])  # the generic path has none
-                for p, v in zip(b.params, b.grad_views)
+                for flat in [getattr(opt._engine, "flat", None)]  # the generic path has none
+                if flat is not None
+                for p, v in zip(flat.params, flat.grad_views)
             )
         )
         opt.step()
@@ -156,9 +156,7 @@ def functional(rank: int, world: int, compiled: bool, ddp: bool = True) -> dict[
     if compiled:
         step = compile_step(inplace=True)
     else:
-
-        def step(state, grads):
-            return run_step(apply_updates_, state, grads, inplace=True)
+        step = StepFunction(inplace=True, compile_options=None)
 
     finite = []
     for i in range(6):

@@ -1,5 +1,5 @@
 """Sharded (ZeRO-1 style) state on CPU/gloo: 2 and 4 processes, uneven last shards,
-checkpoints saved at d=2 and loaded at d=4, d=1 and into an unsharded state."""
+checkpoints saved at d=2 and loaded at d=4, d=1 and, consolidated, into an unsharded state."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fp16fx
 import fp16fx.distributed as fdist
-from fp16fx.step import apply_updates_, run_step
+from fp16fx.compile import StepFunction
 from tests.test_distributed import results, spawn
 
 STEPS, SAVE_AT, INF_AT = 20, 10, 7
@@ -47,7 +47,7 @@ def local_grads(step: int, rank: int | None, scale: torch.Tensor) -> dict[str, t
 
 
 def eager(state, grads):
-    return run_step(apply_updates_, state, grads, inplace=True)
+    return StepFunction(inplace=True, compile_options=None)(state, grads)
 
 
 def sharded_vs_replicated(rank: int, world: int, name: str) -> dict[str, Any]:
@@ -114,8 +114,8 @@ def scatter_routes(rank: int, world: int) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     for route in ("reduce_scatter", "all_reduce"):
         state = fdist.init(make_params(), OPTIMIZERS["adam"](), shard=True)
-        runs["gloo_default"] = state.scatter_by_all_reduce
-        state.scatter_by_all_reduce = route == "all_reduce"
+        runs["gloo_default"] = state.sharding.scatter_by_all_reduce
+        state.sharding.scatter_by_all_reduce = route == "all_reduce"
         for i in range(4):
             grads = local_grads(i, rank, state.shard.loss_scale.scale)
             fdist.sharded_step(state, grads)
@@ -214,7 +214,8 @@ def test_compiled_shard_step_matches_eager(runs):
 
 def uninterrupted() -> dict[str, torch.Tensor]:
     state = fp16fx.init(make_params(), OPTIMIZERS["adam"](), buckets=True)
-    train_common(state, 0, STEPS, eager)
+    for i in range(STEPS):
+        state, _ = eager(state, local_grads(i, None, state.loss_scale.scale))
     return state.params
 
 
@@ -228,9 +229,10 @@ def test_checkpoint_saved_at_2_loads_at_4_and_1(runs_4):
     # d=1, and the unsharded state: load the d=2 files into fp16fx.init(..., buckets=True).
     saved = [torch.load(runs["dir"] / f"ckpt_rank{r}.pt", weights_only=True) for r in range(2)]
     state = fp16fx.init(make_params(), OPTIMIZERS["adam"](), buckets=True)
-    fdist.load_unsharded(state, saved)
+    state = fp16fx.load_state_dict(state, fdist.consolidate(saved))
     assert int(state.count) == SAVE_AT
-    train_common(state, SAVE_AT, STEPS, eager)
+    for i in range(SAVE_AT, STEPS):
+        state, _ = eager(state, local_grads(i, None, state.loss_scale.scale))
     for k in SHAPES:
         assert torch.equal(state.params[k], expected[k]), k
 
@@ -238,10 +240,10 @@ def test_checkpoint_saved_at_2_loads_at_4_and_1(runs_4):
 def test_a_checkpoint_missing_a_rank_is_refused(runs):
     saved = torch.load(runs["dir"] / "ckpt_rank0.pt", weights_only=True)
     state = fp16fx.init(make_params(), OPTIMIZERS["adam"](), buckets=True)
-    before = [t.clone() for t in state.children()[1]]
+    before = [t.clone() for t in state.master_segments]
     with pytest.raises(ValueError, match="needs all their dicts"):
-        fdist.load_unsharded(state, [saved])
-    assert all(torch.equal(a, b) for a, b in zip(before, state.children()[1]))
+        fp16fx.load_state_dict(state, fdist.consolidate([saved]))
+    assert all(torch.equal(a, b) for a, b in zip(before, state.master_segments))
 
 
 def test_a_missing_grad_is_refused_before_any_collective(runs):

@@ -241,7 +241,7 @@ def test_a_param_without_grad_is_not_updated_and_its_state_is_untouched(path):
     b_entries = [e for e in opt.param_groups[0]["params"][-2:]]
     assert all(e not in opt.state for e in b_entries)
     if path == "fast":  # head b sits in a segment of its own, which the step leaves out
-        assert len(opt._engine.segments) == 2
+        assert len(opt._engine.state.layout.segments) == 2
 
 
 def test_params_missing_grads_in_some_steps_keep_torch_step_counts():
@@ -299,16 +299,14 @@ def test_fast_path_grads_are_views_of_one_buffer_and_zero_grad_keeps_them():
     model = TwoHeads()
     opt = wrap(model, "fast")
     train(model, opt, 1)
-    (bucket,) = opt._engine.buckets
-    start, end = (
-        bucket.grad_buffer.data_ptr(),
-        bucket.grad_buffer.data_ptr() + 2 * bucket.offsets[-1],
-    )
-    assert all(start <= p.grad.data_ptr() < end for p in model.parameters())
-    assert all(
-        start - 1 < p.data_ptr() - bucket.param_buffer.data_ptr() + start < end
-        for p in model.parameters()
-    )
+    flat = opt._engine.flat
+    ((grad_buffer,), (param_buffer,)) = flat.grad_buffers, flat.param_buffers
+    for buffer, tensors in (
+        (grad_buffer, [p.grad for p in model.parameters()]),
+        (param_buffer, list(model.parameters())),
+    ):
+        start, end = buffer.data_ptr(), buffer.data_ptr() + 2 * buffer.numel()
+        assert all(start <= t.data_ptr() < end for t in tensors)
     grads = [p.grad for p in model.parameters()]
     opt.zero_grad()
     assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), grads))

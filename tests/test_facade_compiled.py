@@ -101,7 +101,7 @@ def test_every_lr_scheduler_drives_the_compiled_step_without_recompiling(name):
             compiled = graphs()
         in_state = opt._engine.hyperparams_now()
         assert [h["lr"] for h in in_state] == lrs  # what the compiled step just used
-        assert [h["beta1"] for h in in_state] == beta1s  # CyclicLR/OneCycleLR cycle these
+        assert [h["betas"][0] for h in in_state] == beta1s  # CyclicLR/OneCycleLR cycle these
         seen.append(lrs)
         scheduler.step(float(i)) if name == "ReduceLROnPlateau" else scheduler.step()
     assert len({tuple(lrs) for lrs in seen}) > 1, "the scheduler never changed the lr"

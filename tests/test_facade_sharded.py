@@ -104,7 +104,7 @@ def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
 def kept_bytes(opt: FP16_Optimizer) -> int:
     """Returns the bytes of every tensor the facade keeps between steps."""
     engine = opt._engine
-    buffers = [t for b in engine.buckets for t in (b.param_buffer, b.grad_buffer)]
+    buffers = [*engine.flat.param_buffers, *engine.flat.grad_buffers]
     return fdist.persistent_bytes(engine.state, buffers)
 
 

@@ -6,8 +6,8 @@ Every test runs both engines against a reference loop, bitwise:
   out with torch.optim on FP32 masters and the dynamic-scale rule;
 * ``fast`` (flat buffers, segments, the core's transforms; run eagerly here) against the same
   loop with the optimizer update done by the functional core on per-param leaves
-  (``fp16fx.step.apply_updates_``). Elementwise math does not care about flat buffers, so any
-  difference is a bookkeeping bug of the facade.
+  (``fp16fx.compile.StepFunction``, eager). Elementwise math does not care about flat buffers,
+  so any difference is a bookkeeping bug of the facade.
 
 That the fast path's transforms match torch.optim's options is tested over a few steps with a
 tight tolerance (its arithmetic is ordered differently, and over many steps a last-bit
@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fp16fx
+from fp16fx.compile import StepFunction
 from fp16fx.facade.policy import NO_FLOOR
 from fp16fx.fp16_utils import (
     FP16_Optimizer,
@@ -35,7 +36,6 @@ from fp16fx.fp16_utils import (
     network_to_half,
     prep_param_lists,
 )
-from fp16fx.step import apply_updates_, run_step
 
 PATHS = ["fast", "generic"]
 INF = float("inf")
@@ -142,6 +142,7 @@ def core_run(model, transform, data, poison=(), *, scale, window=None, micro=1):
         else fp16fx.StaticLossScale(scale)
     )
     state = fp16fx.init(params, transform, policy)
+    step = StepFunction(inplace=True, compile_options=None)  # the core, eagerly, in place
     for i, (x, y) in enumerate(data):
         for p in params:
             p.grad = None
@@ -150,7 +151,7 @@ def core_run(model, transform, data, poison=(), *, scale, window=None, micro=1):
         for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
             loss = loss_fn(model, xs, ys)
             fp16fx.scale_loss(state, loss).backward()
-        _, info = run_step(apply_updates_, state, [p.grad for p in params], inplace=True)
+        state, info = step(state, [p.grad for p in params])
         trace.append((loss.item(), scale, not bool(info["finite"])))
     return trace, list(state.master)
 

@@ -11,10 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fp16fx"
 
 #: docs/design.md's table, top to bottom: a module may import from its own row and rows above.
 LAYERS = [
-    ("tree", ["tree", "buckets"]),
+    ("tree", ["tree", "flat", "segments"]),
     ("scaling", ["scaling"]),
     ("transforms", ["transforms"]),
-    ("step", ["consensus", "state", "step"]),
+    ("step", ["consensus", "state", "step", "checkpoint"]),
     ("compile", ["compile"]),
     ("distributed", ["distributed"]),
     ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),

@@ -165,7 +165,9 @@ def test_functional_checkpoint_weights_load_into_a_plain_module(capsys, tmp_path
     ckpt = torch.load(path, weights_only=True)
     model = to_half(build_model("cnn", 1, 10))
     model.load_state_dict(ckpt["stepper"]["model"])  # strict: every key, every shape
-    assert ckpt["stepper"]["optimizer"]["names"][0].startswith("state")
+    optimizer = ckpt["stepper"]["optimizer"]  # fp16fx.state_dict: keyed like the model
+    trained = {name for name, p in model.named_parameters()}
+    assert optimizer["format"] == "fp16fx.state/1" and set(optimizer["params"]) == trained
 
 
 # --- bad checkpoints: one line, nothing trained ---------------------------------------------
@@ -218,14 +220,14 @@ def test_foreign_torch_file_is_refused(capsys, tmp_path) -> None:
 
 def test_checkpoint_with_a_misshapen_tensor_names_it(capsys, tmp_path, saved) -> None:
     ckpt = torch.load(saved, weights_only=True)
-    opt = ckpt["stepper"]["optimizer"]
-    i = next(i for i, t in enumerate(opt["tensors"]) if t.dim() == 4)
-    opt["tensors"][i] = torch.zeros(3, 3, dtype=opt["tensors"][i].dtype)
+    params = ckpt["stepper"]["optimizer"]["params"]
+    path = next(path for path, entry in params.items() if entry["master"].dim() == 4)
+    params[path]["opt[1].mu"] = torch.zeros(3, 3)
     bad = str(tmp_path / "bad.pt")
     torch.save(ckpt, bad)
     code, _, err = train_cli(capsys, "--api", "functional", "--resume", bad)
     line = one_line(err)
-    assert code == 1 and opt["names"][i] in line and "(3, 3)" in line
+    assert code == 1 and f"['params'][{path!r}]['opt[1].mu']" in line and "(3, 3)" in line
 
 
 def test_load_checkpoint_checks_every_identity_field(tmp_path) -> None:

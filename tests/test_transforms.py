@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fp16fx
+from fp16fx.transforms import with_grad_norm
 
 STEPS = 20
 
@@ -109,11 +110,12 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm():
         h.grad = g.clone()
     torch.nn.utils.clip_grad_norm_(holders, max_norm=1.5)
     clip = fp16fx.clip_by_global_norm(1.5)
-    hp = clip.init_hyperparams(torch.device("cpu"))
-    for norm in (None, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))):
-        out, _ = clip.update(grads, [(), ()], grads, hp, norm, (0, 1))
-        for o, h in zip(out, holders):
-            torch.testing.assert_close(o, h.grad, rtol=1e-6, atol=0)
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    state = with_grad_norm(clip.init(grads), norm)  # as the step fills it
+    out, same = clip.update(grads, state, grads)
+    assert same is state
+    for o, h in zip(out, holders):
+        torch.testing.assert_close(o, h.grad, rtol=1e-6, atol=0)
 
 
 def test_chain_and_multi_transform_apply_each_group_its_own_hyperparameters():
@@ -125,23 +127,45 @@ def test_chain_and_multi_transform_apply_each_group_its_own_hyperparameters():
     assert state.params[1].tolist() == [0.0, 0.0]
 
 
-def test_hyperparameters_are_float64_tensors_and_can_be_replaced():
+def test_hyperparameters_are_float64_tensors_read_and_replaced_by_name():
     state = fp16fx.init([torch.ones(2)], fp16fx.adam(1e-3), fp16fx.NoLossScale())
-    lr = state.opt_state.hyperparams[2]["lr"]
+    got = fp16fx.get_hyperparams(state)
+    assert sorted(got) == ["betas", "eps", "lr", "weight_decay"]
+    assert got["betas"] == pytest.approx((0.9, 0.999)) and got["lr"] == pytest.approx(1e-3)
+    lr = state.opt_state[2]["lr"]
     assert lr.dtype == torch.float64 and lr.shape == ()
-    new = fp16fx.set_hyperparams(state, lr=0.5, beta1=0.5)
-    assert new.opt_state.hyperparams[2]["lr"].item() == 0.5
-    assert new.opt_state.hyperparams[1]["beta1"].item() == 0.5
-    assert state.opt_state.hyperparams[2]["lr"].item() == pytest.approx(1e-3)  # pure
+    new = fp16fx.set_hyperparams(state, lr=0.5, betas=(0.5, 0.75))
+    assert fp16fx.get_hyperparams(new)["lr"] == 0.5
+    assert fp16fx.get_hyperparams(new)["betas"] == (0.5, 0.75)
+    assert fp16fx.get_hyperparams(state)["lr"] == pytest.approx(1e-3)  # pure
     same = fp16fx.set_hyperparams(state, inplace=True, lr=0.25)
     assert same is state and lr.item() == 0.25  # the same tensor, overwritten
+
+
+def test_multi_transform_hyperparameters_are_per_group():
+    opt = fp16fx.chain(
+        fp16fx.clip_by_global_norm(2.0),
+        fp16fx.multi_transform([fp16fx.sgd(0.1, momentum=0.9), fp16fx.adam(1e-3)], labels=[1, 0]),
+    )
+    state = fp16fx.init([torch.ones(2), torch.ones(3)], opt, fp16fx.NoLossScale())
+    sgd_group, adam_group = fp16fx.get_hyperparams(state)
+    assert sgd_group["lr"] == pytest.approx(0.1) and sgd_group["max_norm"] == 2.0
+    assert adam_group["betas"] == pytest.approx((0.9, 0.999)) and adam_group["max_norm"] == 2.0
+    state = fp16fx.set_hyperparams(state, group=1, lr=0.5)
+    assert [g["lr"] for g in fp16fx.get_hyperparams(state)] == pytest.approx([0.1, 0.5])
+    state = fp16fx.set_hyperparams(state, max_norm=3.0)
+    assert [g["max_norm"] for g in fp16fx.get_hyperparams(state)] == [3.0, 3.0]
+    with pytest.raises(KeyError, match=r"no hyperparameter named \['betas'\] in group 0"):
+        fp16fx.set_hyperparams(state, group=0, betas=(0.5, 0.5))
+    with pytest.raises(KeyError, match="no param group 2"):
+        fp16fx.set_hyperparams(state, group=2, lr=0.5)
 
 
 @pytest.mark.parametrize(
     ("values", "error", "message"),
     [
         ({"lr": -1.0}, ValueError, "'lr' must be >= 0"),
-        ({"beta2": 1.0}, ValueError, r"'beta2' must be in \[0, 1\)"),
+        ({"betas": (0.9, 1.0)}, ValueError, r"'betas' must be a pair of numbers in \[0, 1\)"),
         ({"eps": float("nan")}, ValueError, "'eps' must be >= 0"),
         ({"lr": "fast"}, TypeError, "'lr' must be a number"),
         ({"momentum": 0.9}, KeyError, "no hyperparameter named"),
@@ -149,11 +173,11 @@ def test_hyperparameters_are_float64_tensors_and_can_be_replaced():
 )
 def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, message):
     state = fp16fx.init([torch.ones(2)], fp16fx.adam(1e-3), fp16fx.NoLossScale())
-    before = [dict((k, v.clone()) for k, v in d.items()) for d in state.opt_state.hyperparams]
+    before = {k: v.clone() for k, v in fp16fx.state_dict(state)["hyperparams"].items()}
     with pytest.raises(error, match=message):
         fp16fx.set_hyperparams(state, inplace=True, **{"lr": 0.5, **values})
-    for old, now in zip(before, state.opt_state.hyperparams):
-        assert all(torch.equal(old[k], now[k]) for k in old)
+    now = fp16fx.state_dict(state)["hyperparams"]
+    assert before.keys() == now.keys() and all(torch.equal(before[k], now[k]) for k in before)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +185,7 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, messa
     [
         (lambda: fp16fx.adam(lr=-1e-3), "'lr' must be >= 0"),
         (lambda: fp16fx.sgd(0.1, momentum=-0.5), "'momentum' must be >= 0"),
-        (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'beta1' must be in \[0, 1\)"),
+        (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'betas' must be a pair of numbers in \[0, 1\)"),
         (lambda: fp16fx.clip_by_global_norm(0.0), "'max_norm' must be > 0"),
         (lambda: fp16fx.chain(), "at least one transform"),
         (lambda: fp16fx.multi_transform([fp16fx.sgd(1.0)], [0, 1]), r"labels \[1\] name no"),

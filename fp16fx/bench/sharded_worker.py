@@ -121,11 +121,11 @@ def _collectives(state: fdist.ShardedState) -> Callable[[], None]:
     The state's own reduce-scatter and all-gather (:class:`fp16fx.distributed.sharded.Sharding`),
     on padded flat FP16 buffers of their own (zeros).
     """
-    flats = [torch.zeros_like(flat) for flat in state.flat_params]
+    flats = [torch.zeros_like(flat) for flat in state.flat.param_buffers]
 
     def run() -> None:
-        state.reduce_scatter(flats)
-        state.all_gather(flats)
+        state.sharding.reduce_scatter(state.buckets, flats)
+        state.sharding.all_gather(state.buckets, flats)
 
     return run
 

@@ -8,19 +8,23 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
     grads = fdist.grad_buffers(state)                           # make them the params' .grad
     state, info = fdist.sharded_step(state, grads)              # local grads in, in place
     fdist.average_grads(grads)                                  # DDP's average, without DDP
+    torch.save(fdist.state_dict(state), f"shard{rank}.pt")      # one file per rank
+    fp16fx.load_state_dict(one, fdist.consolidate(shards))      # any of them: one format
 
 See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
 
 from fp16fx.consensus import Consensus, default_consensus
 from fp16fx.distributed.api import average_grads, init
-from fp16fx.distributed.checkpoint import consolidate, load_state_dict, load_unsharded, state_dict
+from fp16fx.distributed.checkpoint import consolidate, load_state_dict, state_dict
 from fp16fx.distributed.sharded import (
     ShardedState,
     grad_buffers,
     init_sharded,
     persistent_bytes,
+    reduce_grads,
     sharded_step,
+    step_shards,
 )
 
 __all__ = [
@@ -33,8 +37,9 @@ __all__ = [
     "init",
     "init_sharded",
     "load_state_dict",
-    "load_unsharded",
     "persistent_bytes",
+    "reduce_grads",
     "sharded_step",
     "state_dict",
+    "step_shards",
 ]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fp16fx.consensus import default_consensus
-from fp16fx.distributed.sharded import all_reduce_mean, init_sharded
+from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import init as _init_state
 from fp16fx.transforms import GradientTransformation
@@ -54,10 +54,9 @@ def init(
         group = consensus.group
         return init_sharded(params, optimizer, loss_scale, group=group)
     if consensus is not None:
-        first = 0 if consensus.group is None else dist.get_global_rank(consensus.group, 0)
         with torch.no_grad():
             for p in optree.tree_leaves(params):
-                dist.broadcast(p, src=first, group=consensus.group)
+                dist.broadcast(p, src=first_rank(consensus.group), group=consensus.group)
     return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)
 
 

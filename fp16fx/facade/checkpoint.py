@@ -1,14 +1,18 @@
 """``FP16_Optimizer.state_dict`` / ``load_state_dict``: apex's keys, validated before any change.
 
-Layer: ``facade`` (DESIGN.md). The dict keeps apex's keys and meanings:
+Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 
 * ``optimizer_state_dict`` -- the wrapped optimizer's state dict in torch.optim's format, FP32
-  masters in place of FP16/BF16 params (on the fast path it is produced from the compiled
+  masters in place of FP16/BF16 params (on the fast path it is produced from the core's
   state: ``exp_avg``, ``momentum_buffer``, ``step``... as torch names them);
 * ``fp32_from_fp16`` -- per param group, the FP32 masters of its FP16/BF16 params;
 * ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
   pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
 * ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools.
+
+A sharded optimizer's dict is its rank's: ``fp16fx.distributed.state_dict`` of its state, its
+param groups and the scaler entries; :func:`consolidate_state_dict` joins every rank's
+(through ``fp16fx.distributed.consolidate``, the one consolidator) into the apex-format dict.
 
 Loading accepts that dict, apex's own dicts as :func:`fp16fx.load_apex_checkpoint` returns them
 (scaler formats ``apex.amp``, ``apex.fp16_utils.dynamic``, ``apex.fp16_utils.static``), and
@@ -21,19 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
+import fp16fx.distributed as fdist
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.facade import torch_state
+from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
-from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec, group_values
-from fp16fx.facade.policy import FacadePolicy, ScaleValues, scaler_from_dict, scaler_to_dict
+from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec
+from fp16fx.facade.params import ParamSet
+from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict, scaler_to_dict
 from fp16fx.scaling import DynamicLossScale
-
-if TYPE_CHECKING:
-    from fp16fx.facade.optimizer import FP16_Optimizer
 
 KEYS = (
     "loss_scaler",
@@ -44,6 +49,8 @@ KEYS = (
     "fp32_from_fp16",
 )
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
+_FLAGS = ("overflow", "first_closure_call_this_step")
+SHARDED_FORMAT = "fp16fx.FP16_Optimizer.sharded/2"
 #: Per-param state keys of the optimizers whose states are checked entry by entry.
 _STATE_KEYS: dict[type, tuple[str, ...]] = {
     torch.optim.SGD: ("momentum_buffer",),
@@ -62,31 +69,84 @@ def _added(state: dict[torch.Tensor, Any], extra: dict[torch.Tensor, Any]) -> It
             state.pop(key, None)
 
 
-def scaler_entries(opt: FP16_Optimizer) -> dict[str, Any]:
+def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     """Returns the entries beside the optimizer state: ``loss_scaler`` (a plain dict),
-    ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` (one sync)."""
-    scale, good_steps, overflows = torch.stack([t.double() for t in opt._scaler.state]).tolist()
+    ``dynamic_loss_scale``, and the ``flags`` (``overflow``, ``first_closure_call_this_step``)."""
+    scale, good_steps, overflows = torch.stack([t.double() for t in scaler.state]).tolist()
     return {
-        "loss_scaler": scaler_to_dict(opt._scaler.policy, (scale, good_steps, overflows)),
-        "dynamic_loss_scale": opt.dynamic_loss_scale,
-        "overflow": opt.overflow,
-        "first_closure_call_this_step": opt.first_closure_call_this_step,
+        "loss_scaler": scaler_to_dict(scaler.policy, (scale, good_steps, overflows)),
+        "dynamic_loss_scale": isinstance(scaler.policy, DynamicLossScale),
+        **{key: flags[key] for key in _FLAGS},
     }
 
 
-def state_dict(opt: FP16_Optimizer) -> dict[str, Any]:
-    """Returns ``opt``'s checkpoint dict (see the module docstring)."""
-    inner, engine = opt.optimizer, opt._engine
+def state_dict(
+    inner: torch.optim.Optimizer,
+    engine: Engine,
+    params: ParamSet,
+    scaler: Scaler,
+    flags: Mapping[str, bool],
+) -> dict[str, Any]:
+    """Returns the checkpoint dict (see the module docstring); one sync."""
+    if isinstance(engine, FastEngine) and engine.sharded is not None:
+        groups = inner.state_dict()["param_groups"]  # the state is the engine's
+        trainable = [
+            [pid for pid, p in zip(g["params"], group["params"]) if p.requires_grad]
+            for g, group in zip(groups, inner.param_groups)
+        ]
+        return {
+            "format": SHARDED_FORMAT,
+            "shard": fdist.state_dict(engine.sharded),
+            "param_groups": groups,
+            "trainable": trainable,
+            **scaler_entries(scaler, flags),
+        }
     extra = engine.export() if isinstance(engine, FastEngine) else {}
     with _added(inner.state, extra):
         osd = inner.state_dict()
     return {
-        **scaler_entries(opt),
+        **scaler_entries(scaler, flags),
         "optimizer_state_dict": osd,
         "fp32_from_fp16": [
-            [m for p, m in zip(params, masters) if m is not p]
-            for params, masters in zip(opt._trainable, opt._masters)
+            [m for p, m in zip(ps, ms) if m is not p]
+            for ps, ms in zip(params.trainable, params.masters)
         ],
+    }
+
+
+def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Returns the apex-format ``FP16_Optimizer`` dict of a sharded run from all its ranks'
+    dicts (any order); no process group needed.
+
+    It loads into any ``FP16_Optimizer`` over the same params and optimizer: unsharded, or
+    sharded at any world size. Tensors are views of one joined tensor per bucket and key.
+
+    Raises:
+      ValueError: the dicts are not one complete sharded ``FP16_Optimizer`` checkpoint.
+    """
+    if not all(isinstance(d, Mapping) and d.get("format") == SHARDED_FORMAT for d in shards):
+        raise ValueError(f"expected the per-rank dicts of an {SHARDED_FORMAT!r} checkpoint")
+    full = fdist.consolidate([d["shard"] for d in shards])
+    first = shards[0]
+    groups, trainable = first["param_groups"], first["trainable"]
+    leaves = iter(full["params"][str(k)] for k in range(len(full["params"])))
+    state, masters = {}, []
+    for group_trainable in trainable:
+        group_masters = []
+        for pid in group_trainable:
+            leaf = next(leaves)
+            count_key = torch_state.count_key(leaf)
+            count = 0 if count_key is None else int(leaf[count_key])
+            torch_format = torch_state.to_torch(leaf, count, None)
+            if torch_format:
+                state[pid] = torch_format
+            if "master" in leaf:
+                group_masters.append(leaf["master"])
+        masters.append(group_masters)
+    return {
+        **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *_FLAGS)},
+        "optimizer_state_dict": {"state": state, "param_groups": groups},
+        "fp32_from_fp16": masters,
     }
 
 
@@ -100,6 +160,7 @@ class Plan:
     groups: list[dict[str, Any]]  # the param groups as they will be after loading
     masters: list[tuple[torch.Tensor, torch.Tensor]]  # (FP16/BF16 param, its saved FP32 master)
     specs: list[GroupSpec] | None  # the fast path's group structures after loading; None: generic
+    overflow: bool | None
     first_closure_call: bool
 
 
@@ -132,17 +193,17 @@ def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
     dynamic = sd.get("dynamic_loss_scale", isinstance(policy, DynamicLossScale))
     if dynamic is not isinstance(policy, DynamicLossScale):
         raise _fail(f"dynamic_loss_scale is {dynamic!r} but loss_scaler is {scaler}")
-    for key in ("overflow", "first_closure_call_this_step"):
+    for key in _FLAGS:
         if key in sd and not isinstance(sd[key], bool):
             raise _fail(f"{key} must be a bool, got {sd[key]!r}")
     return policy, values
 
 
-def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
+def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
     """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading."""
     if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
         raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
-    saved_groups, groups = osd["param_groups"], opt.param_groups
+    saved_groups, groups = osd["param_groups"], inner.param_groups
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
         n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
         raise _fail(f"optimizer_state_dict has {n} param group(s), this optimizer {len(groups)}")
@@ -161,7 +222,7 @@ def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
     state = osd["state"]
     if not isinstance(state, Mapping):
         raise _fail("optimizer_state_dict['state'] must be a dict")
-    known = _STATE_KEYS.get(type(opt.optimizer))
+    known = _STATE_KEYS.get(type(inner))
     for key, value in state.items():
         if key not in entries:
             raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
@@ -169,7 +230,7 @@ def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
             raise _fail(f"optimizer_state_dict['state'][{key!r}] is not a dict")
         if known is None:
             continue
-        name = type(opt.optimizer).__name__
+        name = type(inner).__name__
         extra = sorted(set(value) - set(known))
         if extra:
             raise _fail(
@@ -189,8 +250,8 @@ def _parse_optimizer(opt: FP16_Optimizer, osd: Any) -> list[dict[str, Any]]:
     return merged
 
 
-def _parse_masters(opt: FP16_Optimizer, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    current = [[p for p in params if p.dtype != torch.float32] for params in opt._trainable]
+def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    current = [[p for p in ps if p.dtype != torch.float32] for ps in params.trainable]
     if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
         n = len(saved) if isinstance(saved, (list, tuple)) else saved
         raise _fail(f"fp32_from_fp16 has {n} group(s), this optimizer {len(current)}")
@@ -208,8 +269,8 @@ def _parse_masters(opt: FP16_Optimizer, saved: Any) -> list[tuple[torch.Tensor, 
     return pairs
 
 
-def parse(opt: FP16_Optimizer, sd: Any) -> Plan:
-    """Returns the plan for loading ``sd`` into ``opt``; raises naming what does not fit."""
+def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> Plan:
+    """Returns the plan for loading ``sd``; raises naming what does not fit."""
     if not isinstance(sd, Mapping):
         raise TypeError(
             "load_state_dict expects a dict (or the list of a sharded optimizer's per-rank "
@@ -225,55 +286,78 @@ def parse(opt: FP16_Optimizer, sd: Any) -> Plan:
     if unknown:
         raise _fail(f"it has unknown entries {unknown}")
     policy, values = _parse_scaler(sd)
-    groups = _parse_optimizer(opt, sd["optimizer_state_dict"])
-    masters = _parse_masters(opt, sd["fp32_from_fp16"])
+    groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
+    masters = _parse_masters(params, sd["fp32_from_fp16"])
     specs = None
-    if isinstance(opt._engine, FastEngine):
+    if isinstance(engine, FastEngine):
         try:
-            specs = [group_spec(opt._engine.kind, g, k) for k, g in enumerate(groups)]
+            specs = [group_spec(engine.kind, g, k) for k, g in enumerate(groups)]
         except Unsupported:
             specs = None  # the loaded options need the generic path
-        for k, spec in enumerate(specs or []):
+        if specs is not None:
             try:
-                build_transform(spec, group_values(spec, groups[k]))
+                build_transform(specs, groups, engine.labels)
             except (ValueError, TypeError, KeyError) as err:
-                raise _fail(f"param group {k}: {err}") from None
+                raise _fail(str(err)) from None
+        if engine.sharded is not None:
+            if specs is None:
+                raise ValueError(
+                    "the state dict's param groups need the generic path (e.g. maximize=True), "
+                    "which a sharded FP16_Optimizer does not have"
+                )
+            engine.check_structure(specs)
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
-        sd.get("first_closure_call_this_step", True),
+        sd.get("overflow"), sd.get("first_closure_call_this_step", True),
     )  # fmt: skip
 
 
-def load_state_dict(opt: FP16_Optimizer, sd: Any) -> None:
-    """Loads ``sd`` into ``opt``, or raises having changed nothing (see the module docstring)."""
-    plan = parse(opt, sd)
-    inner, scaler = opt.optimizer, opt._scaler
+def load(
+    inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, scaler: Scaler, plan: Plan
+) -> None:
+    """Loads a checked ``plan``, or raises having changed nothing.
+
+    Raises:
+      Unsupported: the engine is the fast one and the loaded groups need the generic path.
+      ValueError: a saved state does not fit its param (found while converting it).
+    """
+    if isinstance(engine, FastEngine) and plan.specs is None:
+        raise Unsupported("the loaded param groups need it")
     saved = (inner.state, inner.param_groups, scaler.policy)
     try:
-        inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
+        sharded = isinstance(engine, FastEngine) and engine.sharded is not None
+        if sharded:
+            ids = {}
+            for saved_group, group in zip(plan.osd["param_groups"], inner.param_groups):
+                ids.update(zip(saved_group["params"], group["params"]))
+            per_param = {ids[key]: dict(value) for key, value in plan.osd["state"].items()}
+        else:
+            inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
+            trained = [m for masters in params.masters for m in masters]
+            per_param = {m: inner.state.pop(m) for m in trained if m in inner.state}
         scaler.policy = plan.policy
-        engine = opt._engine
+        master_values = {id(p): value for p, value in plan.masters}
         if isinstance(engine, FastEngine):
-            trained = [m for masters in opt._masters for m in masters]
-            loaded = {m: inner.state.pop(m) for m in trained if m in inner.state}
-            if plan.specs is None:
-                inner.state.update(loaded)
-                opt._handover("the loaded param groups need it", keep_state=False)
-            else:
-                engine.restructure(plan.specs, loaded)
+            if plan.specs != engine.specs:
+                engine.check_state(per_param, plan.specs)
+                engine.set_specs(plan.specs)
+            engine.load(per_param, master_values, plan.policy)
+            if sharded:  # last: the sharded groups hold the model's params, not new dicts
+                for group, loaded in zip(inner.param_groups, plan.groups):
+                    group.update(loaded)
+        else:
+            inner.state.update(per_param)
+            master_of = params.master_of()
+            with torch.no_grad():
+                for param, value in plan.masters:
+                    master_of[id(param)].copy_(value)
+                for ps, ms in zip(params.trainable, params.masters):
+                    for p, master in zip(ps, ms):
+                        if master is not p:
+                            p.copy_(master)
     except BaseException:
         inner.state, inner.param_groups, scaler.policy = saved
         raise
     with torch.no_grad():
         for dst, value in zip(scaler.state, plan.values):
             dst.fill_(value)
-        master_of = {
-            id(p): m for ps, ms in zip(opt._trainable, opt._masters) for p, m in zip(ps, ms)
-        }
-        for param, value in plan.masters:
-            master_of[id(param)].copy_(value)
-        for params, masters in zip(opt._trainable, opt._masters):
-            for p, master in zip(params, masters):
-                if master is not p:
-                    p.copy_(master)
-    opt.first_closure_call_this_step = plan.first_closure_call

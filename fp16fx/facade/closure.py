@@ -1,11 +1,12 @@
 """``FP16_Optimizer.step(closure)``: apex's re-run-until-finite closure protocol.
 
-Layer: ``facade`` (DESIGN.md). The closure zeroes the grads, calls ``optimizer.backward(loss)``
-and returns the loss. apex re-ran it while its gradients overflowed (each overflow lowering the
-scale), so that an optimizer calling it several times per step (LBFGS) never sees inf/NaN.
-fp16fx does the same, and raises FloatingPointError where apex looped forever: when the
-gradients cannot become finite because the scale cannot go lower (static, or at its floor).
-Knowing whether to re-run needs the answer on the host: one sync per closure call.
+Layer: ``facade`` (docs/design.md). The closure zeroes the grads, calls
+``optimizer.backward(loss)`` and returns the loss. apex re-ran it while its gradients
+overflowed (each overflow lowering the scale), so that an optimizer calling it several times
+per step (LBFGS) never sees inf/NaN. fp16fx does the same, and raises FloatingPointError where
+apex looped forever: when the gradients cannot become finite because the scale cannot go lower
+(static, or at its floor). Knowing whether to re-run needs the answer on the host: one sync per
+closure call.
 """
 
 from __future__ import annotations
@@ -16,69 +17,74 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import Unsupported
+from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import StaticLossScale
+from fp16fx.step import StepInfo
 
 if TYPE_CHECKING:
-    from fp16fx.facade.optimizer import FP16_Optimizer
+    from fp16fx.facade.optimizer import Phase
 
 logger = logging.getLogger("fp16fx")
 
 
-def step_with_closure(opt: FP16_Optimizer, closure: Callable[[], Any]) -> Any:
-    """Returns the loss (or the wrapped optimizer's result) of one step driven by ``closure``.
+def fast_step(
+    closure: Callable[[], Any],
+    attempt: Callable[[], StepInfo],
+    scaler: Scaler,
+    stepped: Callable[[Any], Any],
+) -> Any:
+    """Returns the loss of the first ``closure()`` whose step (``attempt()``: the fast path's
+    compiled step, skipped exactly on overflow) applied; ``stepped`` is told of each step."""
+    while True:
+        with torch.enable_grad():
+            loss = closure()
+        info = attempt()
+        stepped(None)
+        finite, floored = torch.stack([info.finite, info.loss_scale_floored]).tolist()
+        if finite:
+            return loss
+        _overflowed(scaler, floored)
 
-    Fast path: call the closure, run the compiled step (skipped exactly on overflow), repeat
-    until a step applied. Generic path: hand the wrapped optimizer a closure that refreshes the
-    FP16 params from the masters before every call but the first and re-runs ``closure`` until
-    its gradients are finite, as apex's ``_step_with_closure`` did.
+
+def generic_step(
+    closure: Callable[[], Any], engine: GenericEngine, phase: Phase, scaler: Scaler
+) -> Any:
+    """Returns the wrapped optimizer's result of one ``step`` driven by ``closure``.
+
+    The wrapped optimizer gets a closure that refreshes the FP16 params from the masters
+    before every call but the first and re-runs ``closure`` until its gradients are finite
+    (moving the scale after each overflow), as apex's ``_step_with_closure`` did.
     """
-    if isinstance(opt._engine, FastEngine):
-        while True:
-            with torch.enable_grad():
-                loss = closure()
-            try:
-                info = opt._engine.step()
-            except Unsupported as err:
-                opt._handover(err)
-                break
-            opt._stepped(None)
-            finite, floored = torch.stack([info["finite"], info["loss_scale_floored"]]).tolist()
-            if finite:
-                return loss
-            _overflowed(opt, floored)
-    engine = opt._engine
-    assert isinstance(engine, GenericEngine)
 
     def wrapped_closure() -> Any:
-        if opt.first_closure_call_this_step:
-            opt.first_closure_call_this_step = False
+        if phase.first_closure_call:
+            phase.first_closure_call = False
         else:  # the wrapped optimizer may have moved the masters since the last call
             engine.masters_to_model()
         while True:
-            opt._processed = False
             loss = closure()
-            if not opt._processed:
+            if phase.grads != "unscaled":
                 engine.update_master_grads()
+            floored = engine.adjust_scale()
             if engine.finite():
                 return loss
-            _overflowed(opt, engine.floored())
+            _overflowed(scaler, floored)
 
-    result = opt.optimizer.step(wrapped_closure)
-    opt.first_closure_call_this_step = True
+    result = engine.optimizer.step(wrapped_closure)
+    phase.first_closure_call = True
     engine.masters_to_model()
-    return opt._stepped(result)
+    return result
 
 
-def _overflowed(opt: FP16_Optimizer, floored: bool) -> None:
+def _overflowed(scaler: Scaler, floored: bool) -> None:
     """Returns if re-running the closure can help (the scale went down), else raises."""
-    if isinstance(opt._scaler.policy, StaticLossScale) or floored:
+    scale = float(scaler.state.scale)
+    if isinstance(scaler.policy, StaticLossScale) or floored:
         where = "minimum" if floored else "static"
         raise FloatingPointError(
-            f"the closure's gradients are not finite at the {where} loss scale "
-            f"{opt.loss_scale:g}: re-running it cannot help. The model produces inf/NaN; "
-            "lower the learning rate or the static loss scale, or use a dynamic one"
+            f"the closure's gradients are not finite at the {where} loss scale {scale:g}: "
+            "re-running it cannot help. The model produces inf/NaN; lower the learning rate "
+            "or the static loss scale, or use a dynamic one"
         )
-    logger.debug("fp16fx: overflow within the closure; re-running it at scale %g", opt.loss_scale)
+    logger.debug("fp16fx: overflow within the closure; re-running it at scale %g", scale)

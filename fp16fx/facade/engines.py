@@ -1,9 +1,8 @@
 """Choosing and building ``FP16_Optimizer``'s engine, and the masters its param groups hold.
 
-Layer: ``facade`` (DESIGN.md). The engines: :class:`~fp16fx.facade.fast.FastEngine` (the
-compiled core over flat buffers), :class:`~fp16fx.facade.sharded.ShardedEngine` (the same over
-this rank's slices) and :class:`~fp16fx.facade.generic.GenericEngine` (the wrapped optimizer on
-FP32 masters, apex's algorithm).
+Layer: ``facade`` (docs/design.md). The engines: :class:`~fp16fx.facade.fast.FastEngine` (the
+core over flat buffers, whole or sharded) and :class:`~fp16fx.facade.generic.GenericEngine`
+(the wrapped optimizer on FP32 masters, apex's algorithm).
 """
 
 from __future__ import annotations
@@ -13,17 +12,43 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.fast import NOT_SHARDED, FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import replace_params
 from fp16fx.facade.policy import Scaler
-from fp16fx.facade.sharded import ShardedEngine
 
 logger = logging.getLogger("fp16fx")
 
 Engine = FastEngine | GenericEngine
+
+
+def shard_group(shard: Any, process_group: Any, path: str) -> Any:
+    """Returns the process group to shard over (None: the world), or NOT_SHARDED.
+
+    Raises:
+      ValueError: sharding was asked for but cannot be done (named), before anything changed.
+    """
+    if shard is False or shard is None:
+        return NOT_SHARDED
+    if path == "generic":
+        raise ValueError("shard=... runs on the fast path only; path='generic' cannot shard")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "shard=... needs torch.distributed initialized (dist.init_process_group) with more "
+            "than one process: the masters and moments are split across the processes"
+        )
+    group = None if shard is True else shard
+    if dist.get_world_size(group) == 1:
+        raise ValueError("shard=... needs more than one process: there is nothing to shard across")
+    if not (isinstance(process_group, str) and process_group == "auto"):
+        raise ValueError(
+            "with shard=..., the found-inf consensus runs over the shard's group; pass a group "
+            "as shard=group and leave process_group='auto'"
+        )
+    return group
 
 
 def build_engine(
@@ -33,24 +58,36 @@ def build_engine(
     *,
     path: str,
     compiled: bool,
-    sharded: bool,
-    group: Any,
+    shard: Any,
     names: Mapping[int, str],
 ) -> tuple[Engine, list[list[torch.Tensor]]]:
     """Returns ``(engine, masters)`` for ``optimizer``, after putting ``masters`` (per group,
     what it holds for each trainable param) into its param groups.
 
-    ``sharded``: shard over the process ``group`` (None: the world). ``path``:
+    ``shard``: a process group to shard over (None: the world), or NOT_SHARDED. ``path``:
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
     """
     engine: Engine | None = None
-    if sharded:
-        engine = ShardedEngine(optimizer, trainable, scaler, group, compiled=compiled, names=names)
+    if shard is not NOT_SHARDED:
+        try:
+            engine = FastEngine(
+                optimizer, trainable, scaler, compiled=compiled, names=names, shard=shard
+            )
+        except Unsupported as err:  # raised before anything changed
+            raise ValueError(f"shard=... needs the fast path, which cannot run: {err}") from None
+        scaler.consensus = engine.state.consensus
     elif path != "generic":
         try:
-            engine = FastEngine(optimizer, trainable, scaler, compiled=compiled)
+            engine = FastEngine(
+                optimizer,
+                trainable,
+                scaler,
+                compiled=compiled,
+                names=names,
+                consensus=scaler.consensus,
+            )
         except Unsupported as err:
             if path == "fast":
                 raise ValueError(f"path='fast' is not possible: {err}") from None
@@ -63,11 +100,13 @@ def build_engine(
         replace_params(optimizer, group, params, group_masters)
     if engine is not None:
         existing = {m: optimizer.state.pop(m, None) for ms in masters for m in ms}
-        engine.rebuild({m: s for m, s in existing.items() if s})
+        existing = {m: s for m, s in existing.items() if s}
+        if existing:
+            engine.load(existing, {}, scaler.policy)
         return engine, masters
     if optimizer.state:  # cast existing state to the masters' dtype, as apex did
         optimizer.load_state_dict(optimizer.state_dict())
     return GenericEngine(optimizer, trainable, masters, scaler), masters
 
 
-__all__ = ["Engine", "build_engine"]
+__all__ = ["NOT_SHARDED", "Engine", "build_engine", "shard_group"]

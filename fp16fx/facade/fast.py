@@ -1,31 +1,28 @@
-"""The fast path: SGD/Adam/AdamW param groups stepped by the compiled core over flat buckets.
+"""The fast path: SGD/Adam/AdamW param groups stepped by fp16fx's core over flat buffers.
 
-Layer: ``facade`` (DESIGN.md). No optimizer math here: each param group becomes the core's
-transform (:mod:`fp16fx.facade.groups`) and every step is :func:`fp16fx.step.apply_updates_`,
-compiled once per process and shared by every ``FP16_Optimizer``, over a few flat tensors.
-
-The core's leaves are *segments*: runs of consecutive params of one
-:class:`~fp16fx.facade.buffers.FlatBucket` -- normally one segment per bucket. The core keeps one
-step count per leaf, so params whose optimizer state must differ go to different segments: one
-that has no gradient in a step (torch.optim leaves it and its state untouched; so does the core
-for a leaf whose grad is None), or states loaded with different step counts. Segments are views
-of their bucket's flat buffers (params, masters, moments), so re-segmenting moves no memory; it
-changes the compiled graph's inputs, which costs one compile per new layout.
+Layer: ``facade`` (docs/design.md). No optimizer math and no buffer handling of its own: the
+params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param group and dtype,
+``p.data`` and ``p.grad`` become views), the param groups become the core's transform
+(:mod:`fp16fx.facade.groups`), and every step is the functional API's in-place step --
+``fp16fx.compile_step(inplace=True)`` -- on an ``fp16fx.init`` state over those params; with
+``shard=...``, ``fp16fx.distributed``'s sharded state and step. What this module adds is the
+translation: hyperparameters read from ``param_groups`` before each step, and the state shown
+and loaded in torch.optim's per-param format.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import optree
 import torch
 
+import fp16fx.distributed as fdist
+from fp16fx import checkpoint, tree
+from fp16fx.compile import StepFunction, compile_step
+from fp16fx.consensus import Consensus
 from fp16fx.facade import torch_state
-from fp16fx.facade.buffers import FlatBucket, group_buckets
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -36,62 +33,27 @@ from fp16fx.facade.groups import (
     group_values,
 )
 from fp16fx.facade.policy import Scaler
-from fp16fx.facade.torch_state import PerParamState, Segment
-from fp16fx.scaling import unscale_and_check
+from fp16fx.facade.torch_state import PerParamState
+from fp16fx.flat import FlatParams
 from fp16fx.state import MixedPrecisionState, init
-from fp16fx.step import Info, apply_updates_, run_step
-from fp16fx.transforms import GradientTransformation, TransformState, multi_transform
-from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
+from fp16fx.step import StepInfo
+from fp16fx.transforms import read_hyperparams, replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
 
-
-def apply_and_count(*args: Any) -> Info:
-    """:func:`apply_updates_`, then adds this step's (skipped, floored) to ``args[-1]``."""
-    *core_args, stats = args
-    info = apply_updates_(*core_args)
-    stats.add_(torch.stack([~info["finite"], info["loss_scale_floored"]]).to(stats.dtype))
-    return info
-
-
-def finite_and_norm(grads: list[torch.Tensor], scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Returns ``(finite, norm)`` of ``grads`` unscaled by ``scale`` (no consensus)."""
-    _, finite, norm = unscale_and_check(grads, scale)
-    return finite, norm
-
-
-_COMPILED: dict[str, Callable[..., Any]] = {}
-_COMPILE_ERRORS = tuple(
-    getattr(module, name)
-    for module, name in (
-        (torch._dynamo.exc, "FailOnRecompileLimitHit"),
-        (torch._dynamo.exc, "BackendCompilerFailed"),
-        (torch._inductor.exc, "InductorError"),
-    )
-    if hasattr(module, name)
-)
-
-
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``fn`` compiled once per process (every FP16_Optimizer shares its graphs).
-
-    Each layout of buckets and segments is one graph; torch's default limit of 8 graphs per
-    function is raised where torch allows it, since a process may build many optimizers.
-    """
-    if fn.__name__ not in _COMPILED:
-        options: dict[str, Any] = {"fullgraph": True, "dynamic": False}
-        if "recompile_limit" in inspect.signature(torch.compile).parameters:
-            options["recompile_limit"] = 64
-        _COMPILED[fn.__name__] = torch.compile(fn, **options)
-    return _COMPILED[fn.__name__]
+#: ``shard`` for an engine that keeps the whole state on every rank.
+NOT_SHARDED = object()
 
 
 class FastEngine:
-    """Steps an SGD/Adam/AdamW's param groups with the compiled core (stateful).
+    """Steps an SGD/Adam/AdamW's param groups with fp16fx's core (stateful).
 
     Built over ``trainable[k]``, the params of group ``k`` that require grad (any mix of FP16,
-    BF16, FP32 on one device): they move into flat buckets, FP16/BF16 ones get FP32 masters
-    (views of one flat master per bucket; ``entry(p)`` is what the param group holds for ``p``).
+    BF16, FP32 on one device). Unsharded, FP16/BF16 params get FP32 masters (views of the
+    core state's flat masters; ``entry(p)`` is what the param group holds for ``p``). With
+    ``shard`` a process group (None: the world), each rank keeps 1/d of the masters and
+    moments and the param groups keep the model's params.
+
     Raises Unsupported, before changing anything, when the core cannot run the optimizer.
     """
 
@@ -102,163 +64,75 @@ class FastEngine:
         scaler: Scaler,
         *,
         compiled: bool,
+        names: Mapping[int, str],
+        consensus: Consensus | None = None,
+        shard: Any = NOT_SHARDED,
     ) -> None:
         kind = fast_kind(optimizer)
         if kind is None:
             raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
-        specs = [group_spec(kind, g, k) for k, g in enumerate(optimizer.param_groups)]
-        for spec, group in zip(specs, optimizer.param_groups):
-            build_transform(spec, group_values(spec, group))  # validates the numbers
-        self.optimizer, self.kind, self.scaler, self.compiled = optimizer, kind, scaler, compiled
-        self.device = scaler.state.scale.device
-        self.count = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.specs: list[GroupSpec] = []
-        self.transforms: list[GradientTransformation] = []
-        self.hyperparams: list[Any] = []
-        self._written: list[dict[str, Any]] = []  # the values last written into hyperparams
-        self.buckets: list[FlatBucket] = []
-        self.masters: list[torch.Tensor] = []  # per bucket: flat FP32 (the params if FP32)
-        self.bucket_leaves: list[Any] = []  # per bucket: the flat optimizer state
-        self._entries: dict[int, torch.Tensor] = {}
+        groups = optimizer.param_groups
+        specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
+        self.labels = [k for k, params in enumerate(trainable) for _ in params]
+        transform = build_transform(specs, groups, self.labels)  # validates the numbers
+        self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
+        self.names = names  # {id(param): readable name}, for errors
+        self.step_fn = (
+            compile_step(inplace=True)
+            if compiled
+            else StepFunction(inplace=True, compile_options=None)
+        )
+        params = [p for group_params in trainable for p in group_params]
+        self.sharded: fdist.ShardedState | None = None
+        if shard is NOT_SHARDED:
+            self.flat = FlatParams(params, self.labels)
+            self._state = init(self.flat.params, transform, scaler.policy, consensus=consensus)
+        else:
+            self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
+            self.flat = self.sharded.flat
+        self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
+        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
         self.max_norm = NO_CLIP  # clip_master_grads' request for the next step
         self._clip_written = NO_CLIP
-        self.last_info: Info | None = None
+        self.last_info: StepInfo | None = None
         self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._build(trainable, specs)
+        self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
+        self._entries = self._make_entries()
 
-    # -- building ------------------------------------------------------------------------
+    # -- the state ---------------------------------------------------------------------
 
-    def _build(self, trainable: Sequence[Sequence[torch.Tensor]], specs: list[GroupSpec]) -> None:
-        """Moves the params into flat buckets and makes their masters and core state."""
-        for k, params in enumerate(trainable):
-            self._add_group(k, params, specs[k])
-        self.rebuild({})
+    @property
+    def state(self) -> MixedPrecisionState:
+        """The core state: over the params (unsharded) or over this rank's slices."""
+        return self._state if self.sharded is None else self.sharded.shard
 
-    def _add_spec(self, k: int, spec: GroupSpec) -> None:
-        """Makes param group ``k``'s transform and hyperparameter tensors."""
-        group = self.optimizer.param_groups[k]
-        self.specs.append(spec)
-        self.transforms.append(build_transform(spec, group_values(spec, group)))
-        self.hyperparams.append(self.transforms[k].init_hyperparams(self.device))
-        self._written.append(group_values(spec, group))
+    @state.setter
+    def state(self, value: MixedPrecisionState) -> None:
+        if self.sharded is None:
+            self._state = value
+        else:
+            self.sharded.shard = value
 
-    def _add_group(self, k: int, params: Sequence[torch.Tensor], spec: GroupSpec) -> None:
-        self._add_spec(k, spec)
-        new = group_buckets(k, params)
-        if not new:
-            return
-        # fp16fx.init makes each FP16/BF16 bucket's FP32 master and each bucket's zero state.
-        state = init(
-            [b.param_buffer for b in new],
-            multi_transform(self.transforms, labels=[b.group for b in new]),
-            self.scaler.policy,
-        )
-        for bucket, master, leaf in zip(new, state.master, state.opt_state.leaves):
-            self.buckets.append(bucket)
-            self.masters.append(master)
-            self.bucket_leaves.append(leaf)
-            for p, (a, b) in zip(bucket.params, bucket.spans()):
-                entry = p if p.dtype == torch.float32 else master[a:b].view(p.shape)
-                self._entries[id(p)] = entry.requires_grad_(True)
+    def _make_entries(self) -> dict[int, torch.Tensor]:
+        if self.sharded is not None:
+            return {id(p): p for p in self.flat.params}
+        masters = tree.flatten(self.state.master)[0]
+        return {
+            id(p): p if p.dtype == torch.float32 else master.requires_grad_(True)
+            for p, master in zip(self.flat.params, masters)
+        }
 
     def entry(self, param: torch.Tensor) -> torch.Tensor:
         """Returns what the param group holds for model param ``param`` (its FP32 master)."""
         return self._entries[id(param)]
 
-    def _bucket_entries(self, b: int) -> list[torch.Tensor]:
-        return [self._entries[id(p)] for p in self.buckets[b].params]
-
-    def add_group(self, k: int, params: Sequence[torch.Tensor]) -> None:
-        """Adds param group ``k`` (already appended to the wrapped optimizer): new buckets."""
-        group = self.optimizer.param_groups[k]
-        spec = group_spec(self.kind, group, k)
-        build_transform(spec, group_values(spec, group))
-        current = self.export()
-        self._add_group(k, params, spec)
-        self.rebuild(current)
-
-    def rebuild(self, per_param: PerParamState, has_grad: list[list[bool]] | None = None) -> None:
-        """Re-segments the buckets for ``per_param`` (torch's format) and loads it.
-
-        Segment boundaries fall where the params' signatures (step count, momentum buffer or
-        not) differ and, given ``has_grad``, where having a gradient this step differs.
-        """
-        for b, bucket in enumerate(self.buckets):
-            spec = self.specs[bucket.group]
-            for entry in self._bucket_entries(b):
-                torch_state.check(spec, entry, per_param.get(entry, {}))
-        signatures = [
-            [
-                torch_state.signature(self.specs[bucket.group], per_param.get(e, {}))
-                for e in self._bucket_entries(b)
-            ]
-            for b, bucket in enumerate(self.buckets)
-        ]
-        cuts = []
-        for b, bucket in enumerate(self.buckets):
-            marks = signatures[b] if has_grad is None else list(zip(signatures[b], has_grad[b]))
-            inner = [i for i in range(1, len(bucket)) if marks[i] != marks[i - 1]]
-            cuts.append([0, *inner, len(bucket)])
-        self._assemble(cuts)
-        for seg, leaf in zip(self.segments, self.state.opt_state.leaves):
-            bucket, entries = self.buckets[seg.bucket], self._bucket_entries(seg.bucket)
-            spans = [(a - seg.start, z - seg.start) for a, z in bucket.spans()[seg.lo : seg.hi]]
-            saved = [per_param.get(e, {}) for e in entries[seg.lo : seg.hi]]
-            torch_state.fill(leaf, spans, saved, signatures[seg.bucket][seg.lo])
-
-    def restructure(self, specs: list[GroupSpec], per_param: PerParamState) -> None:
-        """Rebuilds the transforms for new group ``specs`` and loads ``per_param``."""
-        groups = self.optimizer.param_groups
-        transforms = [build_transform(s, group_values(s, g)) for s, g in zip(specs, groups)]
-        for b, bucket in enumerate(self.buckets):
-            for entry in self._bucket_entries(b):
-                torch_state.check(specs[bucket.group], entry, per_param.get(entry, {}))
-        for k, spec in enumerate(specs):
-            if spec != self.specs[k]:
-                for b, bucket in enumerate(self.buckets):
-                    if bucket.group == k:
-                        self.bucket_leaves[b] = transforms[k].init_leaf(self.masters[b], 0)
-            self.specs[k], self.transforms[k] = spec, transforms[k]
-            self.hyperparams[k] = transforms[k].init_hyperparams(self.device)
-            self._written[k] = group_values(spec, groups[k])
-        self._clip_written = NO_CLIP
-        self.rebuild(per_param)
-
-    def _assemble(self, cuts: list[list[int]]) -> None:
-        """Builds the core's state with one leaf per segment (views of the bucket buffers)."""
-        params, masters, leaves, labels = [], [], [], []
-        self.segments: list[Segment] = []
-        self.segment_grads: list[torch.Tensor] = []
-        for b, bucket in enumerate(self.buckets):
-            whole = cuts[b] == [0, len(bucket)]
-            for lo, hi in itertools.pairwise(cuts[b]):
-                seg = Segment(b, lo, hi, bucket.offsets[lo], bucket.offsets[hi])
-                part = slice(seg.start, seg.end)
-                param = bucket.param_buffer if whole else bucket.param_buffer[part]
-                if bucket.dtype == torch.float32:
-                    master = param  # an FP32 param is its own master
-                else:
-                    master = self.masters[b] if whole else self.masters[b][part]
-                leaf = self.bucket_leaves[b]
-                if not whole:
-                    leaf = torch_state.slice_leaf(leaf, seg.start, seg.end, bucket.offsets[-1])
-                params.append(param)
-                masters.append(master)
-                leaves.append(leaf)
-                labels.append(bucket.group)
-                self.segments.append(seg)
-                self.segment_grads.append(bucket.grad_buffer if whole else bucket.grad_buffer[part])
-        self.cuts = cuts
-        self.state = MixedPrecisionState(
-            params=params,
-            master=masters,
-            opt_state=TransformState(hyperparams=tuple(self.hyperparams), leaves=leaves),
-            loss_scale=self.scaler.state,
-            count=self.count,
-            optimizer=multi_transform(self.transforms, labels=labels),
-            policy=self.scaler.policy,
-            consensus=self.scaler.consensus,
-        )
+    def _require_unsharded(self, what: str) -> None:
+        if self.sharded is not None:
+            raise RuntimeError(
+                f"{what} is not available on a sharded FP16_Optimizer: each rank keeps only "
+                "its 1/d slice of every flat bucket's masters, moments and averaged gradients. "
+                "Use state_dict() (this rank's shard) and fp16fx.facade.consolidate_state_dict."
+            )
 
     def export(self) -> PerParamState:
         """Returns the optimizer state in torch.optim's per-param format (one sync).
@@ -266,124 +140,265 @@ class FastEngine:
         Keyed by param-group entry; moments are views of the live buffers, as torch's own
         ``state_dict`` holds references. Params that never took a step have no entry.
         """
-        leaves = self.state.opt_state.leaves
-        found = [(s, leaf) for s, leaf in zip(self.segments, leaves) if torch_state.stateful(leaf)]
-        if not found:
+        self._require_unsharded("the per-param optimizer state (optimizer.state)")
+        leaves = checkpoint.per_leaf(self.state)
+        count_keys = [torch_state.count_key(leaf) for leaf in leaves]
+        counts_at = [k for k, key in enumerate(count_keys) if key is not None]
+        if not counts_at:
             return {}
-        counts = torch.stack([torch_state.stateful(leaf).count for _, leaf in found]).tolist()
+        counts = torch.stack([leaves[k][count_keys[k]] for k in counts_at]).tolist()
+        count_of = dict(zip(counts_at, counts))
         out: PerParamState = {}
-        for (seg, leaf), count in zip(found, counts):
-            bucket = self.buckets[seg.bucket]
-            group = self.optimizer.param_groups[bucket.group]
+        for k, (p, leaf) in enumerate(zip(self.flat.params, leaves)):
+            label = self.labels[k]
+            group = self.optimizer.param_groups[label]
             on_device = group.get("capturable") or group.get("fused")
-            spans = [(a - seg.start, z - seg.start) for a, z in bucket.spans()[seg.lo : seg.hi]]
-            entries = self._bucket_entries(seg.bucket)[seg.lo : seg.hi]
-            device = self.device if on_device else None
-            out.update(torch_state.export(leaf, count, spans, entries, device))
+            device = self.scaler.state.scale.device if on_device else None
+            state = torch_state.to_torch(leaf, count_of.get(k, 0), device)
+            if state:
+                out[self.entry(p)] = state
         return out
+
+    def check_state(self, per_param: PerParamState, specs: Sequence[GroupSpec]) -> None:
+        """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it."""
+        for k, p in enumerate(self.flat.params):
+            entry = self.entry(p)
+            torch_state.check(specs[self.labels[k]], entry, per_param.get(entry, {}))
+
+    def load(
+        self, per_param: PerParamState, masters: Mapping[int, torch.Tensor], policy: Any
+    ) -> None:
+        """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
+        ``masters`` given (``{id(model param): value}``; the others keep theirs) under loss-scale
+        ``policy``. The FP16/BF16 params are set to their masters rounded.
+
+        Raises ValueError, before changing anything, when a state does not fit its param (or,
+        sharded, a bucket's params have different step counts).
+        """
+        self.check_state(per_param, self.specs)
+        if self.sharded is None:
+            template = checkpoint.state_dict(self.state)
+        else:
+            template = fdist.checkpoint.template(self.sharded)
+        paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
+        params = {}
+        for k, (path, p) in enumerate(zip(paths, self.flat.params)):
+            mine = template["params"][path]
+            spec = self.specs[self.labels[k]]
+            opt = {key: value for key, value in mine.items() if key.startswith("opt")}
+            entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
+            master = masters[id(p)] if id(p) in masters else mine.get("master", p)
+            entry["param"] = master.detach().to(p.dtype).reshape(p.shape)
+            if "master" in mine:
+                entry["master"] = master.detach().float().reshape(p.shape)
+            params[path] = entry
+        sd = {**template, "policy": checkpoint.policy_dict(policy), "params": params}
+        state = self.state
+        self.state = state.replace(policy=policy)
+        try:
+            if self.sharded is None:
+                self.state = checkpoint.load_state_dict(self.state, sd)
+            else:
+                fdist.load_state_dict(self.sharded, sd)
+        except BaseException:
+            self.state = state
+            raise
+
+    # -- changing the groups -------------------------------------------------------------
+
+    def restructure(self, specs: list[GroupSpec], per_param: PerParamState) -> None:
+        """Rebuilds the transform for new group ``specs`` and loads ``per_param``; masters and
+        the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
+        self.check_state(per_param, specs)
+        self.set_specs(specs)
+        self.load(per_param, {}, self.state.policy)
+
+    def set_specs(self, specs: list[GroupSpec]) -> None:
+        """Rebuilds the transform for new group ``specs``, its state fresh (masters stay).
+
+        Raises ValueError for a sharded engine, whose structure is fixed.
+        """
+        if self.sharded is not None:
+            self.check_structure(specs)
+            return
+        groups = self.optimizer.param_groups
+        transform = build_transform(specs, groups, self.labels)
+        state = self.state
+        self.state = state.replace(
+            optimizer=transform, opt_state=transform.init(state.master_segments)
+        )
+        self.specs = specs
+        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
+        self._clip_written = NO_CLIP
+
+    def check_structure(self, specs: list[GroupSpec]) -> None:
+        """Raises ValueError if a sharded engine's groups change structure."""
+        if specs != self.specs:
+            raise ValueError(
+                "a sharded FP16_Optimizer cannot change a param group's structure (momentum "
+                "on/off, nesterov, amsgrad, Adam/AdamW) after it was built; build a new one"
+            )
+
+    def add_group(self, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Adds the last param group (already appended to the wrapped optimizer) over
+        ``params``; returns ``{id(old entry): new entry}`` for every param already trained.
+
+        Every param moves into new flat buffers; the core state is rebuilt and keeps every
+        master, moment and count (one recompile).
+        """
+        if self.sharded is not None:
+            raise ValueError(
+                "a sharded FP16_Optimizer cannot add a param group; give every group to the "
+                "wrapped optimizer before building the FP16_Optimizer"
+            )
+        groups = self.optimizer.param_groups
+        spec = group_spec(self.kind, groups[-1], len(groups) - 1)
+        specs = [*self.specs, spec]
+        labels = [*self.labels, *[len(groups) - 1] * len(params)]
+        transform = build_transform(specs, groups, labels)
+        saved = self.export()
+        masters = {
+            id(p): self.entry(p).detach().clone()
+            for p in self.flat.params
+            if p.dtype != torch.float32
+        }
+        old = list(self.flat.params)
+        old_entries = [self.entry(p) for p in old]
+        self.flat = FlatParams([*old, *params], labels)
+        self.labels, self.specs = labels, specs
+        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
+        consensus = self.state.consensus
+        state = init(self.flat.params, transform, self.scaler.policy, consensus=consensus)
+        self.state = state.replace(loss_scale=self.scaler.state)
+        self._entries = self._make_entries()
+        moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}
+        self.load({moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy)
+        return moved
 
     # -- stepping ------------------------------------------------------------------------
 
     def sync_groups(self) -> None:
-        """Writes the param groups' current numbers into the core's 0-d tensors (no sync).
+        """Writes the param groups' current numbers into the core's tensors (no sync).
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
-        transforms (one recompile); one the core lacks (maximize) raises Unsupported.
+        transform (one recompile); one the core lacks (maximize) raises Unsupported.
         """
         groups = self.optimizer.param_groups
-        specs = [group_spec(self.kind, g, k) for k, g in enumerate(groups)]
+        try:
+            specs = [group_spec(self.kind, g, k) for k, g in enumerate(groups)]
+        except Unsupported as err:
+            if self.sharded is None:
+                raise
+            raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
-            self.restructure(specs, self.export())
-        for k, group in enumerate(groups):
-            values, written = group_values(self.specs[k], group), self._written[k]
-            changed = {
-                n: v for n, v in values.items() if isinstance(v, torch.Tensor) or written[n] != v
-            }
+            self.restructure(specs, self.export() if self.sharded is None else {})
+        for k, (spec, group) in enumerate(zip(self.specs, groups)):
+            values, written = group_values(spec, group), self._written[k]
+            changed = {name: v for name, v in values.items() if written[name] != v}
             if changed:
-                _replace_hyperparams(self.hyperparams[k], changed, inplace=True)
+                replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)
                 written.update(changed)
         if self.max_norm != self._clip_written:
-            for hp in self.hyperparams:
-                _replace_hyperparams(hp, {"max_norm": self.max_norm}, inplace=True)
+            replace_hyperparams(self.state.opt_state, {"max_norm": self.max_norm}, inplace=True)
             self._clip_written = self.max_norm
 
-    def gather(self) -> list[torch.Tensor | None]:
-        """Returns one grad per segment (None: no param of it has one), re-segmenting if needed."""
-        has_grad = [bucket.collect_grads() for bucket in self.buckets]
-        if any(len(set(has_grad[s.bucket][s.lo : s.hi])) > 1 for s in self.segments):
-            logger.info(
-                "fp16fx: some params have no gradient this step; splitting their flat bucket "
-                "so that they and their optimizer state stay untouched (one recompile)"
+    def grads(self) -> list[torch.Tensor | None]:
+        """Returns each trained param's grad, a view of its flat buffer (None: it has none).
+
+        Raises ValueError for a sharded engine when a param has none (before any collective).
+        """
+        grads = self.flat.grads()
+        if self.sharded is not None and None in grads:
+            p = self.flat.params[grads.index(None)]
+            raise ValueError(
+                f"{self.names.get(id(p), 'a param')} has no gradient; a sharded FP16_Optimizer "
+                "steps every param in every step (its bucket keeps one step count). Give it a "
+                "zero gradient, or set requires_grad=False before building the optimizer"
             )
-            self.rebuild(self.export(), has_grad)
-        return [
-            grad if has_grad[seg.bucket][seg.lo] else None
-            for seg, grad in zip(self.segments, self.segment_grads)
-        ]
+        return grads
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self.compiled:
-            try:
-                return _compiled(fn)(*args)
-            except _COMPILE_ERRORS as err:  # nothing ran yet: the step is still to do
-                logger.warning("fp16fx: torch.compile failed (%s); stepping eagerly", err)
-                self.compiled = False
-        return fn(*args)
+    def _scatter(self) -> list[torch.Tensor]:
+        """Returns this rank's slices of the mean gradient (one reduce-scatter per step)."""
+        assert self.sharded is not None
+        if self._scattered is None:
+            self._scattered = fdist.reduce_grads(self.sharded, self.grads())
+        return self._scattered
 
-    def step(self) -> Info:
+    def step(self) -> StepInfo:
         """Runs the core on the current grads (skipped exactly on inf/NaN); returns its info."""
         self.sync_groups()
-        grads = self.gather()
-
-        def core(*args: Any) -> Info:
-            return self._call(apply_and_count, *args, self.scaler.stats)
-
-        _, info = run_step(core, self.state, grads, inplace=True)
-        self.last_info, self._checked, self.max_norm = info, None, NO_CLIP
+        if self.sharded is None:
+            self.state, info = self.step_fn(self.state, self.grads())
+        else:
+            info = fdist.step_shards(self.sharded, self._scatter(), self.step_fn)
+        stats = self.scaler.stats
+        stats.add_(torch.stack([~info.finite, info.loss_scale_floored]).to(stats.dtype))
+        self.last_info, self._checked, self._scattered = info, None, None
+        self.max_norm = NO_CLIP
         return info
 
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached."""
+        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
+        sharded, of the mean grads (a collective: every rank calls it)."""
         if self._checked is None:
-            grads = [g for g in self.gather() if g is not None]
-            self._checked = self._call(finite_and_norm, grads, self.scaler.state.scale)
+            if self.sharded is None:
+                self._checked = self.step_fn.check(self.state, self.grads())
+            else:
+                self._checked = self.step_fn.check(self.state, self._scatter())
         return self._checked
 
-    def local_check(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns :meth:`check`: with replicated grads, this rank's check is every rank's."""
-        return self.check()
+    def local_finite(self) -> bool:
+        """Returns whether this rank's current grads are all finite (one sync, no collective;
+        sharded, the mean grads once they were reduce-scattered)."""
+        if self._scattered is not None:
+            return bool(self.check()[0])
+        self.flat.collect_grads()
+        largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in self.flat.grad_buffers]
+        return bool(torch.isfinite(torch.stack(largest)).all())
 
     def forget_check(self) -> None:
+        """Forgets the cached check (new grads arrived).
+
+        Raises RuntimeError if a sharded engine's grads were already reduce-scattered (and so
+        divided by d in place) without a step or ``zero_grad()`` since: new grads would add
+        to them.
+        """
+        if self._scattered is not None:
+            raise RuntimeError(
+                "the gradients were already reduce-scattered (by clip_master_grads) and so "
+                "divided by the world size; call step() or zero_grad() before another backward"
+            )
         self._checked = None
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad."""
-        pairs = [
-            (self._entries[id(p)], p.grad)
-            for bucket in self.buckets
-            for p in bucket.params
-            if p.grad is not None
-        ]
-        unscaled, _, _ = unscale_and_check([g for _, g in pairs], self.scaler.state.scale)
-        return {entry: u for (entry, _), u in zip(pairs, unscaled)}
+        self._require_unsharded("inspect_master_grad_data()")
+        inv_scale = torch.reciprocal(self.scaler.state.scale)
+        return {
+            self.entry(p): g.float() * inv_scale
+            for p, g in zip(self.flat.params, self.grads())
+            if g is not None
+        }
 
-    def check_params(self, names: dict[int, str]) -> None:
+    def check_params(self, names: Mapping[int, str]) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""
-        for bucket in self.buckets:
-            bucket.check_params(names)
+        i = self.flat.moved()
+        if i is not None:
+            raise RuntimeError(
+                f"{names.get(id(self.flat.params[i]), 'a param')} no longer lives in "
+                "FP16_Optimizer's flat buffer: its .data was replaced (e.g. by model.half(), "
+                "model.to(...), or load_state_dict(..., assign=True)) after the optimizer was "
+                "built. Convert and move the model first, then build the FP16_Optimizer."
+            )
 
     def zero_grad(self, set_to_none: bool) -> None:
-        for bucket in self.buckets:
-            bucket.zero_grads(set_to_none)
-        self._checked = None
+        self.flat.zero_grads(set_to_none)
+        self._checked = self._scattered = None
 
-    def hyperparams_now(self) -> list[dict[str, float]]:
-        """Returns, per group, the hyperparameters the compiled step reads (syncs)."""
-        out = []
-        for hp in self.hyperparams:
-            flat: dict[str, float] = {}
-            for d in optree.tree_leaves(hp, is_leaf=lambda x: isinstance(x, dict)):
-                flat.update({name: t.item() for name, t in d.items()})
-            out.append(flat)
-        return out
+    def hyperparams_now(self) -> list[dict[str, Any]]:
+        """Returns, per group, the hyperparameters the compiled step reads (one sync)."""
+        return read_hyperparams(self.state.opt_state)
+
+
+__all__ = ["NOT_SHARDED", "FastEngine"]

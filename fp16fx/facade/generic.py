@@ -1,9 +1,11 @@
 """The generic path: any torch optimizer stepped on FP32 master copies, as apex did it.
 
-Layer: ``facade`` (DESIGN.md). The optimizer math is the wrapped optimizer's own; the loss-scale
-math is :func:`fp16fx.scaling.unscale_and_check` (one fused reduction over all grads) and the
-policy's ``adjust``. The only host-device sync is the skip decision, one bool per step, read
-in :meth:`GenericEngine.finite` -- the same price torch's ``GradScaler.step`` pays.
+Layer: ``facade`` (docs/design.md). The optimizer math is the wrapped optimizer's own; the
+loss-scale math is :func:`fp16fx.scaling.unscale_and_check` (one fused reduction over all
+grads) and the policy's ``adjust``, applied once per step as on the fast path (apex moved the
+scale in every ``update_master_grads``, so accumulated gradients mixed scales). The only
+host-device sync is the skip decision, one bool per step -- the price torch's
+``GradScaler.step`` pays.
 """
 
 from __future__ import annotations
@@ -49,19 +51,18 @@ class GenericEngine:
         self.pairs.extend(zip(params, masters, strict=True))
 
     def update_master_grads(self) -> None:
-        """Unscales the model grads into the masters' grads, checks them and adjusts the scale.
+        """Unscales the model grads into the masters' grads and checks them (no state moves).
 
         A param without a grad gives its master a None grad, so the wrapped optimizer leaves it
         and its state alone (apex left the previous step's master grad there).
         """
         with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
-        unscaled, finite, norm = unscale_and_check(
-            [p.grad for p, _ in with_grad], self.scaler.state.scale
-        )
+        checked = unscale_and_check([p.grad for p, _ in with_grad], self.scaler.state.scale)
+        finite = checked.finite
         if self.scaler.consensus is not None:  # every process skips or applies together
-            finite, _ = self.scaler.consensus(finite, norm)
+            finite, _ = self.scaler.consensus(finite, checked.norm)
         with torch.no_grad():
-            for (p, master), grad in zip(with_grad, unscaled):
+            for (p, master), grad in zip(with_grad, checked.unscaled):
                 if master is p:
                     p.grad.copy_(grad)
                 else:
@@ -69,19 +70,32 @@ class GenericEngine:
             for p, master in self.pairs:
                 if p.grad is None and master is not p:
                     master.grad = None
-            new_state, floored = self.scaler.policy.adjust(self.scaler.state, finite)
-            for dst, src in zip(self.scaler.state, new_state):
-                dst.copy_(src)
-            stats = self.scaler.stats
-            stats.add_(torch.stack([~finite, floored]).to(stats.dtype))
-        self._finite, self._floored = finite, floored
+        self._finite = finite
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
         return True if self._finite is None else bool(self._finite)
 
-    def floored(self) -> bool:
-        return False if self._floored is None else bool(self._floored)
+    def adjust_scale(self) -> bool:
+        """Moves the loss scale for the last checked grads (once per step); returns whether
+        an overflow found the scale at its floor (one sync)."""
+        finite = torch.ones((), dtype=torch.bool) if self._finite is None else self._finite
+        finite = finite.to(self.scaler.state.scale.device)
+        with torch.no_grad():
+            new_state, floored = self.scaler.policy.adjust(self.scaler.state, finite)
+            for dst, src in zip(self.scaler.state, new_state):
+                dst.copy_(src)
+            stats = self.scaler.stats
+            stats.add_(torch.stack([~finite, floored]).to(stats.dtype))
+        return bool(floored)
+
+    def resync_masters(self) -> None:
+        """Makes each master take its param's value where the param no longer is the master
+        rounded (written since the last step: ``load_state_dict``, a clamp); exact."""
+        with torch.no_grad():
+            for p, master in self.pairs:
+                if master is not p:
+                    master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
 
     def masters_to_model(self) -> None:
         """Copies every master into its FP16/BF16 model param."""
@@ -91,7 +105,9 @@ class GenericEngine:
                     p.copy_(master)
 
     def step(self) -> object:
-        """Steps the wrapped optimizer unless the grads overflowed; returns its result."""
+        """Moves the scale, then steps the wrapped optimizer unless the grads overflowed;
+        returns its result."""
+        self.adjust_scale()
         if not self.finite():
             return None
         result = self.optimizer.step()

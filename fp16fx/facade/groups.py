@@ -1,22 +1,32 @@
 """torch.optim param groups -> the core's transforms (which groups the fast path can run).
 
-Layer: ``facade`` (DESIGN.md). A param group of ``torch.optim.SGD``, ``Adam`` or ``AdamW``
-becomes ``chain(clip_by_global_norm(max_norm), sgd | adam | adamw)`` from
-:mod:`fp16fx.transforms`, the one definition of each optimizer's math. Its *structure*
-(:class:`GroupSpec`: momentum on/off, nesterov, amsgrad, decoupled decay) is fixed when the
-transform is built; its *numbers* (lr, betas, eps, weight decay, momentum, dampening, and the
-clipping threshold) are 0-d tensors in the state, rewritten from ``param_groups`` each step.
+Layer: ``facade`` (docs/design.md). The param groups of ``torch.optim.SGD``, ``Adam`` or
+``AdamW`` become ``chain(clip_by_global_norm(max_norm), multi_transform([sgd | adam | adamw per
+group], labels))`` from :mod:`fp16fx.transforms`, the one definition of each optimizer's math.
+A group's *structure* (:class:`GroupSpec`: momentum on/off, nesterov, amsgrad, decoupled decay)
+is fixed when the transform is built; its *numbers* (lr, betas, eps, weight decay, momentum,
+dampening) and the clipping threshold are tensors in the state, rewritten from
+``param_groups`` each step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fp16fx.transforms import GradientTransformation, adam, adamw, chain, clip_by_global_norm, sgd
+from fp16fx.transforms import (
+    GradientTransformation,
+    adam,
+    adamw,
+    chain,
+    clip_by_global_norm,
+    multi_transform,
+    sgd,
+)
 
 #: ``max_norm`` meaning "do not clip": the clip coefficient is then exactly 1.
 NO_CLIP = sys.float_info.max
@@ -59,27 +69,43 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
 
 
 def group_values(spec: GroupSpec, group: dict[str, Any]) -> dict[str, Any]:
-    """Returns the core's hyperparameters for ``group`` (torch's ``betas`` -> beta1, beta2)."""
+    """Returns the core's hyperparameters for ``group`` (tensors, e.g. a tensor lr, as floats)."""
     values = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
     if spec.name == "sgd":
         if spec.momentum:
             values.update(momentum=group["momentum"], dampening=group["dampening"])
     else:
-        beta1, beta2 = group["betas"]
-        values.update(beta1=beta1, beta2=beta2, eps=group["eps"])
-    return values
+        values.update(betas=tuple(group["betas"]), eps=group["eps"])
+    return {
+        name: tuple(float(v) for v in value) if isinstance(value, tuple) else float(value)
+        for name, value in values.items()
+    }
 
 
-def build_transform(spec: GroupSpec, values: dict[str, Any]) -> GradientTransformation:
-    """Returns ``chain(clip_by_global_norm(NO_CLIP), <the group's optimizer>)``.
+def group_transform(spec: GroupSpec, values: dict[str, Any]) -> GradientTransformation:
+    """Returns the group's optimizer: ``sgd``, ``adam`` or ``adamw`` with ``values``.
 
     Raises ValueError/TypeError (from the transforms) when a value is out of range.
     """
-    v = {k: float(x) if isinstance(x, torch.Tensor) else x for k, x in values.items()}
     if spec.name == "sgd":
-        momentum, dampening = v.get("momentum", 0.0), v.get("dampening", 0.0)
-        named = sgd(v["lr"], momentum, dampening, v["weight_decay"], spec.nesterov)
-    else:
-        make = adamw if spec.name == "adamw" else adam
-        named = make(v["lr"], (v["beta1"], v["beta2"]), v["eps"], v["weight_decay"], spec.amsgrad)
-    return chain(clip_by_global_norm(NO_CLIP), named)
+        momentum, dampening = values.get("momentum", 0.0), values.get("dampening", 0.0)
+        return sgd(values["lr"], momentum, dampening, values["weight_decay"], spec.nesterov)
+    make = adamw if spec.name == "adamw" else adam
+    return make(values["lr"], values["betas"], values["eps"], values["weight_decay"], spec.amsgrad)
+
+
+def build_transform(
+    specs: Sequence[GroupSpec], groups: Sequence[dict[str, Any]], labels: Sequence[int]
+) -> GradientTransformation:
+    """Returns ``chain(clip_by_global_norm(NO_CLIP), multi_transform(groups' optimizers))``
+    for params labelled with their group's index.
+
+    Raises ValueError/TypeError naming the group whose value is out of range.
+    """
+    named = []
+    for k, (spec, group) in enumerate(zip(specs, groups)):
+        try:
+            named.append(group_transform(spec, group_values(spec, group)))
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"param group {k}: {err}") from None
+    return chain(clip_by_global_norm(NO_CLIP), multi_transform(named, labels))

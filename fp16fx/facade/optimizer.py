@@ -1,13 +1,15 @@
-"""apex's ``FP16_Optimizer``, running on fp16fx's compiled core.
+"""apex's ``FP16_Optimizer``, running on fp16fx's core.
 
-Layer: ``facade`` (DESIGN.md): a stateful, apex-compatible object. It owns no optimizer math and
-no loss-scale math; it chooses an engine (``fast``: the compiled core over flat buffers,
-:mod:`fp16fx.facade.fast`; ``generic``: the wrapped optimizer on FP32 masters,
-:mod:`fp16fx.facade.generic`) and keeps apex's methods, attributes and checkpoint keys.
+Layer: ``facade`` (docs/design.md): a stateful, apex-compatible object. It owns no optimizer
+math and no loss-scale math; it chooses an engine (``fast``: the functional API's compiled step
+over flat buffers, :mod:`fp16fx.facade.fast`; ``generic``: the wrapped optimizer on FP32
+masters, :mod:`fp16fx.facade.generic`) and keeps apex's methods, attributes and checkpoint
+keys. Its few states between two steps live in one :class:`Phase`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -17,20 +19,39 @@ from typing import Any, Literal
 import torch
 
 from fp16fx.consensus import default_consensus
-from fp16fx.facade import checkpoint, sharded_checkpoint
-from fp16fx.facade.closure import step_with_closure
-from fp16fx.facade.engines import build_engine
+from fp16fx.facade import checkpoint, closure
+from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
-from fp16fx.facade.params import check_trainable, param_names, replace_params
+from fp16fx.facade.params import ParamSet, check_trainable, param_names, replace_params
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
-from fp16fx.facade.sharded import ShardedEngine, shard_group
 from fp16fx.scaling import DynamicLossScale
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
+
+
+@dataclasses.dataclass
+class Phase:
+    """Where an ``FP16_Optimizer`` is between two steps (the table in its docstring).
+
+    Attributes:
+      grads: ``"stale"`` (none since the last step), ``"fresh"`` (new, not yet unscaled) or
+        ``"unscaled"`` (generic path: unscaled into the masters' grads and checked).
+      overflow: the value ``overflow`` reads, when known without looking at grads (loaded
+        from a state dict, or set); None: computed from the grads when read.
+      first_closure_call: apex's flag: the closure of the current ``step`` runs for the first
+        time (the generic path refreshes the FP16 params from the masters before later calls).
+    """
+
+    grads: Literal["stale", "fresh", "unscaled"] = "stale"
+    overflow: bool | None = None
+    first_closure_call: bool = True
+
+    def new_grads(self) -> None:
+        self.grads, self.overflow = "fresh", None
 
 
 class FP16_Optimizer(torch.optim.Optimizer):
@@ -54,19 +75,38 @@ class FP16_Optimizer(torch.optim.Optimizer):
     Each FP16/BF16 param the wrapped optimizer holds gets an FP32 master that replaces it in
     ``param_groups`` (as in apex); FP32 params are their own masters; params with
     ``requires_grad=False`` are left alone. A param whose grad is None in a step is not
-    updated and its optimizer state is untouched.
+    updated and its optimizer state is untouched. A param written between steps (``model.
+    load_state_dict``, a weight clamp) keeps the written value: its master takes it exactly.
 
     Two engines, chosen at construction (``path``; ``self.path`` says which one runs):
 
     * ``"fast"`` -- when the wrapped optimizer is exactly ``torch.optim.SGD``, ``Adam`` or
       ``AdamW`` without ``maximize``/``differentiable``. The model's params and grads move into
       one flat buffer per (param group, dtype) (``p.data`` and ``p.grad`` become views) and
-      each step is fp16fx's compiled core (unscale, check, clip, update, cast, skip, adjust
-      the scale) over those few tensors, with no host-device sync. Hyperparameters are read
-      from ``param_groups`` every step into 0-d tensors: LR schedulers never recompile.
+      each step is ``fp16fx.compile_step(inplace=True)`` over them (unscale, check, clip,
+      update, cast, skip, adjust the scale) with no host-device sync. Hyperparameters are read
+      from ``param_groups`` every step into tensors: LR schedulers never recompile.
     * ``"generic"`` -- anything else (LBFGS, RMSprop, your own optimizer): apex's algorithm,
       the wrapped optimizer stepping FP32 masters; one bool is read on the host per step to
       decide the skip (as torch's GradScaler does).
+
+    Both move the loss scale once per ``step()``, so gradients accumulated over several
+    ``backward`` calls all carry one scale.
+
+    Between two steps it is in one :class:`Phase`; the events move it so:
+
+    ===============================================  ===================  ==================
+    event                                            ``phase.grads``      ``overflow`` reads
+    ===============================================  ===================  ==================
+    built, ``step()``, ``zero_grad()``               stale                the last step's
+    ``load_state_dict(sd)``                          stale                ``sd["overflow"]``
+    ``backward(loss, update_master_grads=False)``    fresh                these grads (sync)
+    ``update_master_grads()``, ``backward(loss)``    generic: unscaled    these grads (sync)
+    ``clip_master_grads(n)``                         generic: unscaled    these grads
+    ``step(closure)``                                stale after;         the last attempt's
+                                                     ``first_closure_call`` False while
+                                                     the closure re-runs
+    ===============================================  ===================  ==================
 
     Args:
       init_optimizer: the ``torch.optim.Optimizer`` to wrap (built on the model's params).
@@ -85,15 +125,15 @@ class FP16_Optimizer(torch.optim.Optimizer):
         ``"auto"`` turns it on when torch.distributed is initialized with more than one
         process, ``None`` turns it off, a process group scopes it to that group. With it,
         every process skips or applies each step together, on the device.
-      shard: ``True`` (the world group) or a process group: ZeRO-1 sharding
-        (:mod:`fp16fx.facade.sharded`; docs/distributed.md). Each of d ranks keeps the whole
-        FP16 params and grads but only its 1/d of the FP32 masters and moments (Adam: 4 + 12/d
-        bytes per param instead of 16). Do not wrap the model in DDP: ``step()`` averages the
-        ranks' grads itself (reduce-scatter), steps its slice with the same compiled core
-        (skip and global norm agreed by all ranks) and all-gathers the params, so every rank
-        ends with the same params; they are broadcast from the first rank when it is built.
-        Fast path only (SGD/Adam/AdamW). ``clip_master_grads`` is then a collective (every
-        rank calls it); every trained param needs a gradient in every step; ``state`` and
+      shard: ``True`` (the world group) or a process group: ZeRO-1 sharding with
+        ``fp16fx.distributed``'s sharded state (docs/distributed.md). Each of d ranks keeps the
+        whole FP16 params and grads but only its 1/d of the FP32 masters and moments (Adam:
+        4 + 12/d bytes per param instead of 16). Do not wrap the model in DDP: ``step()``
+        averages the ranks' grads itself (reduce-scatter), steps its slice (skip and global
+        norm agreed by all ranks) and all-gathers the params, so every rank ends with the same
+        params; they are broadcast from the first rank when it is built. Fast path only
+        (SGD/Adam/AdamW). ``clip_master_grads`` is then a collective (every rank calls it);
+        every trained param needs a gradient in every step; ``state`` and
         ``inspect_master_grad_data()`` raise (no rank holds them whole); ``param_groups``
         keep the model's params; ``state_dict()`` is this rank's shard, and
         ``load_state_dict`` takes every rank's dicts (any world size) or an apex-format dict
@@ -123,32 +163,28 @@ class FP16_Optimizer(torch.optim.Optimizer):
             )
         if path not in ("auto", "fast", "generic"):
             raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
-        sharded, shard_over = shard_group(shard, process_group, path)
+        group = shard_group(shard, process_group, path)
         policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
-        self._names = param_names(init_optimizer)
+        names = param_names(init_optimizer)
         groups = init_optimizer.param_groups
         trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
-        check_trainable([p for params in trainable for p in params], self._names)
+        check_trainable([p for params in trainable for p in params], names)
         device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
         stats = torch.zeros(2, dtype=torch.int64, device=device)
-        consensus = None if sharded else default_consensus(process_group)  # the engine's
+        consensus = default_consensus(process_group) if group is NOT_SHARDED else None
         self._scaler = Scaler(policy, policy.init(device), stats, consensus)
         self.optimizer = init_optimizer
         self.verbose = verbose
         self._init_hooks()
-
         engine, masters = build_engine(
             init_optimizer, trainable, self._scaler,
-            path=path, compiled=compiled, sharded=sharded, group=shard_over, names=self._names,
+            path=path, compiled=compiled, shard=group, names=names,
         )  # fmt: skip
-        self._trainable, self._masters = trainable, masters
-        self._frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
-        self._engine: FastEngine | GenericEngine = engine
-        self.first_closure_call_this_step = True
-        self._processed = False  # generic: grads unscaled into the masters since the last step
-        self._fresh_grads = False  # grads changed since the last step
-        self._overflow_loaded: bool | None = None
+        frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
+        self._params = ParamSet(trainable, masters, frozen, names)
+        self._engine: Engine = engine
+        self._phase = Phase()
 
     def _init_hooks(self) -> None:
         """Sets up what torch.optim.Optimizer's own __init__ would (hooks, profiling)."""
@@ -179,7 +215,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
     def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
         """The per-param optimizer state, keyed by the param groups' tensors (as in apex).
 
-        On the fast path this is a snapshot built from the compiled state (moments are views
+        On the fast path this is a snapshot built from the core's state (moments are views
         of the live buffers); on the generic path the wrapped optimizer's own ``state``.
         A sharded optimizer raises RuntimeError: each rank holds 1/d of every bucket's state.
         """
@@ -189,13 +225,13 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     @property
     def path(self) -> str:
-        """``"fast"`` (compiled core over flat buffers) or ``"generic"`` (wrapped optimizer)."""
+        """``"fast"`` (the core over flat buffers) or ``"generic"`` (the wrapped optimizer)."""
         return "fast" if isinstance(self._engine, FastEngine) else "generic"
 
     @property
     def sharded(self) -> bool:
         """Whether this rank keeps only its 1/d of the masters and moments (``shard=...``)."""
-        return isinstance(self._engine, ShardedEngine)
+        return isinstance(self._engine, FastEngine) and self._engine.sharded is not None
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -215,18 +251,29 @@ class FP16_Optimizer(torch.optim.Optimizer):
     @property
     def overflow(self) -> bool:
         """Whether the latest gradients held inf/NaN (computed when read: one sync)."""
-        if self._overflow_loaded is not None:
-            return self._overflow_loaded
+        if self._phase.overflow is not None:
+            return self._phase.overflow
         engine = self._engine
-        if isinstance(engine, GenericEngine):  # as in apex: the last update_master_grads' check
+        if isinstance(engine, GenericEngine):
+            if self._phase.grads == "fresh":
+                self.update_master_grads()
             return not engine.finite()
-        if self._fresh_grads:
-            return not bool(engine.local_check()[0])
-        return engine.last_info is not None and not bool(engine.last_info["finite"])
+        if self._phase.grads == "fresh":
+            return not engine.local_finite()
+        return engine.last_info is not None and not bool(engine.last_info.finite)
 
     @overflow.setter
     def overflow(self, value: bool) -> None:
-        self._overflow_loaded = bool(value)
+        self._phase.overflow = bool(value)
+
+    @property
+    def first_closure_call_this_step(self) -> bool:
+        """apex's flag: the closure of the current ``step`` has not run yet."""
+        return self._phase.first_closure_call
+
+    @first_closure_call_this_step.setter
+    def first_closure_call_this_step(self, value: bool) -> None:
+        self._phase.first_closure_call = bool(value)
 
     @property
     def skipped_steps(self) -> int:
@@ -237,7 +284,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
 
     def __repr__(self) -> str:
-        return describe(self)
+        return describe(self.optimizer, self._engine, self._params, self._scaler)
 
     # -- apex's API ----------------------------------------------------------------------
 
@@ -248,25 +295,27 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
         Use instead of ``loss.backward()``. For gradient accumulation call
         ``backward(loss, update_master_grads=False)`` per micro-batch, then
-        ``update_master_grads()`` once before ``step()``.
+        ``update_master_grads()`` once before ``step()`` (or keep the default: the scale
+        moves once per step, so each call's grads carry the same scale either way).
         """
+        if isinstance(self._engine, FastEngine):
+            self._engine.forget_check()
         (loss.float() * self._scaler.state.scale).backward(retain_graph=retain_graph)
-        self._fresh_grads = True
+        self._phase.new_grads()
         if update_master_grads:
             self.update_master_grads()
 
     def update_master_grads(self) -> None:
         """Makes the model grads the next step's (unscaled, checked) gradient.
 
-        Generic path: copies them, unscaled, into the FP32 masters' grads, checks them and moves
-        the loss scale, as apex did. Fast path: the grads already sit in the flat buffer, and
-        the compiled step unscales, checks and moves the scale in ``step()``.
+        Generic path: copies them, unscaled, into the FP32 masters' grads and checks them, as
+        apex did (the scale moves in ``step()``). Fast path: the grads already sit in the flat
+        buffer, and the step unscales and checks them.
         """
-        self._fresh_grads = True
-        self._overflow_loaded = None
+        self._phase.new_grads()
         if isinstance(self._engine, GenericEngine):
             self._engine.update_master_grads()
-            self._processed = True
+            self._phase.grads = "unscaled"
         else:
             self._engine.forget_check()
 
@@ -280,12 +329,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         taken as grads of the scaled loss.
         """
         if closure is not None:
-            return step_with_closure(self, closure)
+            return self._step_with_closure(closure)
         self._check_frozen()
-        self._overflow_loaded = None
+        self._phase.overflow = None
         if isinstance(self._engine, FastEngine):
             try:
-                self._engine.check_params(self._names)
+                self._engine.check_params(self._params.names)
                 self._engine.step()
             except Unsupported as err:
                 self._handover(err)
@@ -293,16 +342,33 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 return self._stepped(None)
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        if not self._processed:
+        if self._phase.grads != "unscaled":  # also grads made without backward()
             engine.update_master_grads()
+        engine.resync_masters()
         return self._stepped(engine.step())
+
+    def _step_with_closure(self, fn: Callable[[], Any]) -> Any:
+        if isinstance(self._engine, FastEngine):
+            fast = self._engine
+            try:
+                loss = closure.fast_step(fn, fast.step, self._scaler, self._stepped)
+            except Unsupported as err:
+                self._handover(err)
+            else:
+                self._phase.grads = "stale"
+                return loss
+        engine = self._engine
+        assert isinstance(engine, GenericEngine)
+        engine.resync_masters()
+        result = closure.generic_step(fn, engine, self._phase, self._scaler)
+        return self._stepped(result)
 
     def update(self, closure: Callable[[], Any] | None = None) -> Any:
         """Alias of :meth:`step` (a widely copied apex tutorial calls ``optimizer.update()``)."""
         return self.step(closure)
 
     def _stepped(self, result: Any) -> Any:
-        self._processed = self._fresh_grads = False
+        self._phase.grads = "stale"
         self._reporter.stepped(self._scaler.stats, self._scaler.state.scale)
         return result
 
@@ -319,19 +385,18 @@ class FP16_Optimizer(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
         if isinstance(self._engine, FastEngine):
             if float(norm_type) == 2.0:
-                norm = float(self._engine.check()[1])
-                if not math.isfinite(norm):
+                finite, norm = self._engine.check()
+                if not bool(finite):
                     return -1.0
                 self._engine.max_norm = float(max_norm)
-                return norm
+                return float(norm)
             if self.sharded:
                 raise ValueError("a sharded FP16_Optimizer clips by the L2 norm (norm_type=2) only")
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        if not self._processed:
-            engine.update_master_grads()
-            self._processed = True
+        if self._phase.grads != "unscaled":
+            self.update_master_grads()
         return engine.clip(max_norm, norm_type)
 
     def zero_grad(
@@ -345,12 +410,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """
         to_none = set_grads_to_None if set_to_none is None else set_to_none
         self._engine.zero_grad(to_none)
-        for p in self._frozen:
+        for p in self._params.frozen:
             if to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        self._fresh_grads = self._processed = False
+        self._phase.grads = "stale"
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """Returns per param group the unscaled FP32 grad of each param (None: no grad).
@@ -370,15 +435,15 @@ class FP16_Optimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group, as ``torch.optim.Optimizer.add_param_group`` (apex lacked it).
 
-        Its FP16/BF16 params get FP32 masters; on the fast path its params join new flat
-        buckets (one recompile).
+        Its FP16/BF16 params get FP32 masters; on the fast path every param moves into new
+        flat buffers (one recompile; the masters of the other groups become new tensors).
         """
         n = len(self.param_groups)
         self.optimizer.add_param_group(param_group)  # torch's checks, defaults filled in
         try:
             group = self.param_groups[n]
             names = param_names(self.optimizer)
-            known = {id(p) for p in self._frozen} | {id(p) for ps in self._trainable for p in ps}
+            known = self._params.known()
             again = [names[id(p)] for p in group["params"] if id(p) in known]
             if again:  # torch cannot see it: the groups hold its master, not the param itself
                 raise ValueError(
@@ -387,9 +452,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 )
             params = [p for p in group["params"] if p.requires_grad]
             check_trainable(params, names, self._scaler.state.scale.device)
+            moved: dict[int, torch.Tensor] = {}
             if isinstance(self._engine, FastEngine):
                 try:
-                    self._engine.add_group(n, params)
+                    moved = self._engine.add_group(params)
                 except Unsupported as err:
                     self._handover(err)
             if isinstance(self._engine, FastEngine):
@@ -400,11 +466,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         except BaseException:
             self.optimizer.param_groups.pop()
             raise
+        for old_group in self.param_groups[:n]:
+            old_group["params"] = [moved.get(id(e), e) for e in old_group["params"]]
+        self._params.masters = [[moved.get(id(e), e) for e in ms] for ms in self._params.masters]
         replace_params(self.optimizer, group, params, masters)
-        self._names.update(names)
-        self._trainable.append(params)
-        self._masters.append(masters)
-        self._frozen.extend(p for p in group["params"] if not p.requires_grad)
+        self._params.add(params, masters, group, names)
 
     def state_dict(self) -> dict[str, Any]:
         """Returns apex's checkpoint dict; only tensors and Python primitives (weights_only).
@@ -414,11 +480,15 @@ class FP16_Optimizer(torch.optim.Optimizer):
         dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
         ``overflow``, ``first_closure_call_this_step``. Tensors are references to the live
         state, as in torch.optim: save or copy the dict before stepping again. A sharded
-        optimizer returns this rank's shard instead (:mod:`fp16fx.facade.sharded_checkpoint`).
+        optimizer returns this rank's shard instead (:mod:`fp16fx.facade.checkpoint`).
         """
-        if self.sharded:
-            return sharded_checkpoint.state_dict(self)
-        return checkpoint.state_dict(self)
+        flags = {
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self._phase.first_closure_call,
+        }
+        return checkpoint.state_dict(
+            self.optimizer, self._engine, self._params, self._scaler, flags
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Loads a dict from :meth:`state_dict`, from apex's ``FP16_Optimizer.state_dict()``
@@ -431,13 +501,14 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if isinstance(state_dict, (list, tuple)) and all(
             isinstance(d, Mapping) for d in state_dict
         ):  # every rank's dict of a sharded run
-            state_dict = sharded_checkpoint.consolidate_state_dict(state_dict)
-        if self.sharded:
-            sharded_checkpoint.load_state_dict(self, state_dict)
-        else:
-            checkpoint.load_state_dict(self, state_dict)
-        self._processed = self._fresh_grads = False
-        self._overflow_loaded = state_dict.get("overflow")
+            state_dict = checkpoint.consolidate_state_dict(state_dict)
+        plan = checkpoint.parse(self.optimizer, self._engine, self._params, state_dict)
+        try:
+            checkpoint.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+        except Unsupported as err:  # the loaded groups need the generic path
+            self._handover(err, keep_state=False)
+            checkpoint.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+        self._phase = Phase(overflow=plan.overflow, first_closure_call=plan.first_closure_call)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -452,14 +523,17 @@ class FP16_Optimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if keep_state:
             self.optimizer.state.update(fast.export())
-        self._engine = GenericEngine(self.optimizer, self._trainable, self._masters, self._scaler)
-        self._processed = False
+        self._engine = GenericEngine(
+            self.optimizer, self._params.trainable, self._params.masters, self._scaler
+        )
+        if self._phase.grads == "unscaled":
+            self._phase.grads = "fresh"
 
     def _check_frozen(self) -> None:
-        for p in self._frozen:
+        for p in self._params.frozen:
             if p.requires_grad and p.grad is not None:
                 raise RuntimeError(
-                    f"{self._names.get(id(p), 'a param')} had requires_grad=False when the "
-                    "FP16_Optimizer was built and now has a gradient; FP16_Optimizer does not "
-                    "train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
+                    f"{self._params.names.get(id(p), 'a param')} had requires_grad=False when "
+                    "the FP16_Optimizer was built and now has a gradient; FP16_Optimizer does "
+                    "not train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
                 )

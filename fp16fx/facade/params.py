@@ -1,10 +1,11 @@
 """The params an FP16_Optimizer trains: readable names, checks, masters put in their groups.
 
-Layer: ``facade`` (DESIGN.md).
+Layer: ``facade`` (docs/design.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -58,3 +59,42 @@ def replace_params(
         group["params"][i] = master
         if p in optimizer.state:
             optimizer.state[master] = optimizer.state.pop(p)
+
+
+@dataclasses.dataclass
+class ParamSet:
+    """What an ``FP16_Optimizer`` trains, group by group.
+
+    Attributes:
+      trainable: per param group, its params that require grad (the model's tensors).
+      masters: per param group, what the group holds for each of them (an FP32 master for an
+        FP16/BF16 param, the param itself for an FP32 one).
+      frozen: the params that had ``requires_grad=False`` when it was built (never trained).
+      names: ``{id(param): readable name}``, for errors.
+    """
+
+    trainable: list[list[torch.Tensor]]
+    masters: list[list[torch.Tensor]]
+    frozen: list[torch.Tensor]
+    names: dict[int, str]
+
+    def known(self) -> set[int]:
+        """Returns the ids of every param it holds, trained or frozen."""
+        return {id(p) for p in self.frozen} | {id(p) for ps in self.trainable for p in ps}
+
+    def add(
+        self,
+        params: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        group: dict[str, Any],
+        names: dict[int, str],
+    ) -> None:
+        """Records a new param group: ``params`` (requiring grad) with their ``masters``."""
+        self.trainable.append(params)
+        self.masters.append(masters)
+        self.frozen.extend(p for p in group["params"] if not p.requires_grad)
+        self.names.update(names)
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        """Returns ``{id(param): its master}`` over every group."""
+        return {id(p): m for ps, ms in zip(self.trainable, self.masters) for p, m in zip(ps, ms)}

@@ -1,8 +1,8 @@
 """Overflow and minimum-scale reports through ``logging``: rate-limited, no per-step sync.
 
-Layer: ``facade`` (DESIGN.md). apex printed a line for every skipped step, from a decision it had
-already synced to the host. fp16fx's fast path never syncs in a step, so the step itself counts,
-on the device, the steps it skipped and the back-offs that hit the scale's floor
+Layer: ``facade`` (docs/design.md). apex printed a line for every skipped step, from a decision
+it had already synced to the host. fp16fx's fast path never syncs in a step, so the step itself
+counts, on the device, the steps it skipped and the back-offs that hit the scale's floor
 (``info["loss_scale_floored"]``) into a 2-element tensor. The :class:`OverflowReporter` reads
 that tensor every ``interval`` steps -- one 16-byte device-to-host copy, the only sync it adds --
 and turns what happened since into at most two log lines on the ``fp16fx`` logger:
@@ -16,14 +16,14 @@ and turns what happened since into at most two log lines on the ``fp16fx`` logge
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
+from fp16fx.facade.engines import Engine
+from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.params import ParamSet
+from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import StaticLossScale
-
-if TYPE_CHECKING:
-    from fp16fx.facade.optimizer import FP16_Optimizer
 
 logger = logging.getLogger("fp16fx")
 
@@ -72,26 +72,29 @@ class OverflowReporter:
             )  # fmt: skip
 
 
-def describe(opt: FP16_Optimizer) -> str:
-    """Returns ``repr(opt)``: wrapped optimizer, path, groups, values trained, scaling (syncs)."""
-    params = [p for ps in opt._trainable for p in ps]
-    low = sum(p.numel() for p in params if p.dtype != torch.float32)
-    full = sum(p.numel() for p in params if p.dtype == torch.float32)
-    policy = opt._scaler.policy
+def describe(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, scaler: Scaler) -> str:
+    """Returns ``repr`` of an FP16_Optimizer: wrapped optimizer, path, groups, values trained,
+    scaling (reads the scale: one sync)."""
+    trained = [p for ps in params.trainable for p in ps]
+    low = sum(p.numel() for p in trained if p.dtype != torch.float32)
+    full = sum(p.numel() for p in trained if p.dtype == torch.float32)
+    policy = scaler.policy
     if isinstance(policy, StaticLossScale):
         scaling = f"static loss scale {policy.scale:g}"
     else:
         scaling = (
-            f"dynamic loss scale {opt.loss_scale:g} (x{policy.growth_factor:g} after "
-            f"{policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
+            f"dynamic loss scale {float(scaler.state.scale):g} (x{policy.growth_factor:g} "
+            f"after {policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
             f"{policy.hysteresis} overflow(s), in [{policy.min_scale:g}, {policy.max_scale:g}])"
         )
-    how = "compiled" if getattr(opt._engine, "compiled", False) else "eager"
-    where = f"fast path ({how})" if opt.path == "fast" else "generic path"
-    if opt.sharded:
-        where += f", sharded over {opt._engine.sharding.world_size} ranks"  # type: ignore[union-attr]
+    if isinstance(engine, FastEngine):
+        how = "compiled" if engine.step_fn.compile_options is not None else "eager"
+        where = f"fast path ({how})"
+        if engine.sharded is not None:
+            where += f", sharded over {engine.sharded.sharding.world_size} ranks"
+    else:
+        where = "generic path"
     return (
-        f"FP16_Optimizer({type(opt.optimizer).__name__}, {where}, "
-        f"{len(opt.param_groups)} param group(s), {low:,} FP16/BF16 values with FP32 "
-        f"masters, {full:,} FP32 values, {scaling})"
+        f"FP16_Optimizer({type(inner).__name__}, {where}, {len(inner.param_groups)} param "
+        f"group(s), {low:,} FP16/BF16 values with FP32 masters, {full:,} FP32 values, {scaling})"
     )

@@ -1,69 +1,41 @@
-"""The core's per-segment optimizer state <-> torch.optim's per-param state dicts.
+"""The core's per-param state <-> torch.optim's per-param state dicts.
 
-Layer: ``facade`` (DESIGN.md). Bookkeeping only: which tensor of the core's leaf state
-(:class:`~fp16fx.transforms.TraceState`, :class:`~fp16fx.transforms.ScaleByAdamState`) holds
-what torch.optim calls ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and
-``step``. A *segment* is a run of consecutive params of one flat bucket; its leaf state holds
-one step count and flat moments, of which each param owns a slice.
+Layer: ``facade`` (docs/design.md). Bookkeeping only: which entry of a param's part of the
+core's state (:func:`fp16fx.checkpoint.per_leaf`: ``opt[...].mu``, ``opt[...].count``...)
+torch.optim calls ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer`` and
+``step``. torch keeps no state for a param before its first step, and SGD without momentum
+keeps none at all.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import optree
 import torch
 
 from fp16fx.facade.groups import GroupSpec
-from fp16fx.transforms import ScaleByAdamState, TraceState
 
 #: torch.optim's per-param state, keyed by the tensor its param group holds.
 PerParamState = dict[torch.Tensor, dict[str, Any]]
-_STATEFUL = (TraceState, ScaleByAdamState)
+
+#: The core's names (the last part of a per-param key) -> torch.optim's.
+TORCH_NAMES = {
+    "mu": "exp_avg",
+    "nu": "exp_avg_sq",
+    "nu_max": "max_exp_avg_sq",
+    "momentum_buffer": "momentum_buffer",
+}
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Params ``[lo, hi)`` of bucket ``bucket``, at ``[start, end)`` of its flat buffers."""
-
-    bucket: int
-    lo: int
-    hi: int
-    start: int
-    end: int
+def field(key: str) -> str:
+    """Returns the core's name of a per-param key, e.g. ``mu`` for ``opt[1].inner[0][0].mu``."""
+    return key.rsplit(".", 1)[-1]
 
 
-def slice_leaf(leaf: Any, start: int, end: int, length: int) -> Any:
-    """Returns the leaf state of elements ``[start, end)`` of a flat leaf state of ``length``.
-
-    Moments become views (no copy); step counts become new 0-d tensors.
-    """
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.ndim == 0:
-            return t.clone()
-        if t.numel() == 0:
-            return t.new_empty(0)
-        if t.shape != (length,):
-            raise RuntimeError(f"cannot segment a leaf state of shape {tuple(t.shape)}")
-        return t[start:end]
-
-    return optree.tree_map(cut, leaf)
-
-
-def stateful(leaf: Any) -> TraceState | ScaleByAdamState | None:
-    """Returns the part of a chain's leaf state that torch.optim would keep, if any."""
-    found = optree.tree_leaves(leaf, is_leaf=lambda x: isinstance(x, _STATEFUL))
-    return next((x for x in found if isinstance(x, _STATEFUL)), None)
-
-
-def named_tensors(inner: TraceState | ScaleByAdamState) -> dict[str, torch.Tensor]:
-    """Returns the leaf state's flat tensors under torch.optim's names (some may be empty)."""
-    if isinstance(inner, TraceState):
-        return {"momentum_buffer": inner.momentum_buffer}
-    return {"exp_avg": inner.mu, "exp_avg_sq": inner.nu, "max_exp_avg_sq": inner.nu_max}
+def count_key(leaf: Mapping[str, Any]) -> str | None:
+    """Returns the key of a param's step count in its part of the core's state, if any."""
+    return next((key for key in leaf if field(key) == "count"), None)
 
 
 def keys(spec: GroupSpec) -> tuple[str, ...]:
@@ -73,14 +45,53 @@ def keys(spec: GroupSpec) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if spec.amsgrad else ()))
 
 
-def signature(spec: GroupSpec, saved: dict[str, Any]) -> int:
-    """Returns what must be equal across a segment: Adam's step, or whether SGD has a buffer."""
-    if spec.name == "sgd":
-        return int(spec.momentum and saved.get("momentum_buffer") is not None)
-    return int(float(saved.get("step", 0)))
+def to_torch(
+    leaf: Mapping[str, torch.Tensor], count: int, step_device: torch.device | None
+) -> dict[str, Any]:
+    """Returns torch.optim's state of a param whose part of the core's state is ``leaf``
+    (``{}`` before its first step, or when torch keeps none: SGD without momentum). Tensors are
+    views of the core's; Adam's ``step`` is a new float32 tensor on ``step_device`` (torch
+    keeps it on the CPU unless the optimizer is capturable or fused)."""
+    out: dict[str, Any] = {}
+    for key, tensor in leaf.items():
+        name = TORCH_NAMES.get(field(key))
+        if name is not None:
+            out[name] = tensor
+    if count == 0 or not out:
+        return {}
+    if "exp_avg" in out:
+        out = {"step": torch.tensor(float(count), dtype=torch.float32, device=step_device), **out}
+    return out
 
 
-def check(spec: GroupSpec, entry: torch.Tensor, saved: dict[str, Any]) -> None:
+def from_torch(
+    spec: GroupSpec, mine: Mapping[str, torch.Tensor], saved: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Returns a param's part of the core's state dict (keys and shapes of ``mine``, its
+    current part) holding torch.optim's state ``saved`` (``{}``: a param that never stepped).
+
+    Moments torch starts lazily (SGD's buffer, AMSGrad's maximum) and absent ones are zeros;
+    SGD's step count is 1 once it has a momentum buffer, so the next step decays it.
+    """
+    out: dict[str, Any] = {}
+    for key, like in mine.items():
+        name = field(key)
+        if name == "count":
+            if spec.name == "sgd":
+                has = saved.get("momentum_buffer") is not None
+                out[key] = torch.tensor(int(has), dtype=like.dtype)
+            else:
+                out[key] = torch.tensor(int(float(saved.get("step", 0))), dtype=like.dtype)
+            continue
+        value = saved.get(TORCH_NAMES.get(name, ""))
+        if value is None:
+            out[key] = torch.zeros_like(like, device="cpu")
+        else:
+            out[key] = value.detach().reshape(like.shape).to(like.dtype)
+    return out
+
+
+def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> None:
     """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``."""
     if not saved:
         return
@@ -93,54 +104,3 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: dict[str, Any]) -> None:
         if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
             raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
-
-
-def fill(
-    leaf: Any, spans: Sequence[tuple[int, int]], saved: Sequence[dict[str, Any]], count: int
-) -> None:
-    """Writes torch states ``saved`` (one per param, ``{}``: fresh) into a segment's leaf.
-
-    ``spans`` are the params' ranges within the segment; ``count`` is their common signature.
-    """
-    inner = stateful(leaf)
-    if inner is None:
-        return
-    with torch.no_grad():
-        inner.count.fill_(count)
-        for key, flat in named_tensors(inner).items():
-            if flat.numel() == 0:
-                continue
-            for (a, z), state in zip(spans, saved):
-                value = state.get(key)
-                if value is None:
-                    flat[a:z].zero_()
-                else:
-                    flat[a:z].copy_(value.reshape(-1))
-
-
-def export(
-    leaf: Any,
-    count: int,
-    spans: Sequence[tuple[int, int]],
-    entries: Sequence[torch.Tensor],
-    step_device: torch.device | None,
-) -> PerParamState:
-    """Returns torch states for a segment's params (``{}`` if they never took a step).
-
-    Moments are views of the segment's buffers; ``step`` is a new float32 tensor on
-    ``step_device`` (torch keeps it on the CPU unless the optimizer is capturable or fused).
-    """
-    inner = stateful(leaf)
-    if inner is None or count == 0:
-        return {}
-    tensors = named_tensors(inner)
-    out: PerParamState = {}
-    for (a, z), entry in zip(spans, entries):
-        state: dict[str, Any] = {}
-        if isinstance(inner, ScaleByAdamState):
-            state["step"] = torch.tensor(float(count), dtype=torch.float32, device=step_device)
-        for key, flat in tensors.items():
-            if flat.numel():
-                state[key] = flat[a:z].view(entry.shape)
-        out[entry] = state
-    return out

@@ -39,8 +39,8 @@ from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel
 
 import fp16fx
+import fp16fx.checkpoint
 import fp16fx.distributed as fdist
-from fp16fx import tree
 
 __all__ = [
     "APIS",
@@ -289,44 +289,26 @@ class FunctionalStepper(Stepper):
         # In place: a tensor in the state changes, the compiled step is not recompiled.
         fp16fx.set_hyperparams(self.state, lr=lr, inplace=True)
 
-    def _named_leaves(self) -> list[tuple[str, torch.Tensor]]:
-        leaves, _ = tree.flatten(self.state)
-        names = tree.leaf_names(self.state, root="state")
-        return [(n, leaf) for n, leaf in zip(names, leaves) if isinstance(leaf, torch.Tensor)]
-
     def state_dict(self) -> dict[str, Any]:
-        leaves = self._named_leaves()
         return {
             # Keyed like model.state_dict(): a plain nn.Module can load these weights.
             "model": {**self.state.params, **self.buffers},
-            "optimizer": {
-                "names": [name for name, _ in leaves],
-                "tensors": [t for _, t in leaves],
-            },
+            "optimizer": fp16fx.state_dict(self.state),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state, opt_state = state["model"], state["optimizer"]
-        if not isinstance(opt_state, dict) or set(opt_state) != {"names", "tensors"}:
-            raise StateMismatchError("the optimizer state is not a functional-API state")
-        mine = self._named_leaves()
-        names, tensors = opt_state["names"], opt_state["tensors"]
-        if len(names) != len(mine) or len(tensors) != len(mine):
-            raise StateMismatchError(
-                f"the optimizer state holds {len(tensors)} tensors, this model's {len(mine)}"
-            )
-        for (name, dst), saved_name, src in zip(mine, names, tensors):
-            if saved_name != name:
-                raise StateMismatchError(f"the optimizer state has {saved_name} where {name} goes")
-            _check_like(name, src, dst)
         for name, dst in self.buffers.items():
             if name not in model_state:
                 raise StateMismatchError(f"the model weights lack buffer {name!r}")
             _check_like(name, model_state[name], dst)
+        try:
+            fp16fx.checkpoint.check_fits(fp16fx.state_dict(self.state), opt_state)
+        except (ValueError, TypeError) as exc:
+            raise StateMismatchError(str(exc)) from None
         # Everything fits: copy into the existing tensors (the compiled step keeps them).
+        self.state = fp16fx.load_state_dict(self.state, opt_state)
         with torch.no_grad():
-            for (_, dst), src in zip(mine, tensors):
-                dst.copy_(src)
             for name, dst in self.buffers.items():
                 dst.copy_(model_state[name])
 

@@ -1,14 +1,23 @@
-"""Optimizer math as pure transforms on FP32 values (DESIGN.md layer ``transforms``)."""
+"""Optimizer math as pure transforms on FP32 values (docs/design.md layer ``transforms``)."""
 
 from fp16fx.transforms.base import (
     GradientTransformation,
-    TransformState,
+    GradNorm,
+    Hyperparams,
     chain,
+    check_hyperparam,
+    with_grad_norm,
+)
+from fp16fx.transforms.groups import (
+    MultiTransformState,
+    hyperparam_groups,
     multi_transform,
+    read_hyperparams,
     replace_hyperparams,
 )
 from fp16fx.transforms.optimizers import adam, adamw, sgd
 from fp16fx.transforms.primitives import (
+    ClipByGlobalNormState,
     ScaleByAdamState,
     TraceState,
     add_decayed_weights,
@@ -19,19 +28,26 @@ from fp16fx.transforms.primitives import (
 )
 
 __all__ = [
+    "ClipByGlobalNormState",
+    "GradNorm",
     "GradientTransformation",
+    "Hyperparams",
+    "MultiTransformState",
     "ScaleByAdamState",
     "TraceState",
-    "TransformState",
     "adam",
     "adamw",
     "add_decayed_weights",
     "chain",
+    "check_hyperparam",
     "clip_by_global_norm",
+    "hyperparam_groups",
     "multi_transform",
+    "read_hyperparams",
     "replace_hyperparams",
     "scale_by_adam",
     "scale_by_learning_rate",
     "sgd",
     "trace",
+    "with_grad_norm",
 ]

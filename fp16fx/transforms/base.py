@@ -1,73 +1,86 @@
-"""The transform protocol, ``chain``, and hyperparameters as tensors.
+"""The transform protocol, hyperparameters as named tensors, and ``chain``.
 
-Layer: ``transforms`` (DESIGN.md). Optimizer math on FP32 values; knows nothing of FP16 or
-loss scales.
+Layer: ``transforms`` (docs/design.md). Optimizer math on FP32 values; knows nothing of FP16,
+loss scales or flat buffers.
 
-A :class:`GradientTransformation` maps incoming updates (at first: unscaled FP32 gradients) to
-outgoing updates, optax-style, over *flat lists* aligned with the trained leaves. It keeps two
-kinds of state:
+A :class:`GradientTransformation` is optax's pair of pure functions::
 
-* hyperparameters, a dict of 0-d float64 tensors shared by all leaves. Being tensors, they can
-  change between steps (``set_hyperparams``) without recompiling a compiled step; float64 keeps
-  scalar arithmetic such as Adam's bias corrections as precise as torch.optim's host-side math.
-* one leaf state per trained leaf (moments, step count), so that a leaf whose gradient is
-  missing in a step keeps its state untouched, as in torch.optim.
+    state            = transform.init(params)
+    updates, state'  = transform.update(updates, state, params)
+
+``params`` are the FP32 masters and ``updates`` start as the unscaled gradients; the step hands
+both over as :class:`~fp16fx.segments.Segments` (one flat tensor per segment of its state), and
+a transform treats them as any pytree: its per-param state is a tree like the params
+(``tree_map(torch.zeros_like, params)``). The one thing a transform may need beyond its
+arguments, the global norm of the step's gradients (for clipping), the step puts into the
+transform's own state, in a :class:`GradNorm` slot. Hyperparameters live in the state as
+:class:`Hyperparams`, 0-d float64 tensors under their names, so they can change between steps
+(:func:`set_hyperparams`) without recompiling a compiled step; float64 keeps scalar arithmetic
+such as Adam's bias corrections as precise as torch.optim's host-side math.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
-Hyperparams = dict[str, torch.Tensor]
-LeafState = Any
-Updates = list[torch.Tensor]
+from fp16fx.segments import Segments
 
-
-class TransformState(NamedTuple):
-    """Optimizer state: shared hyperparameters and one state per param leaf.
-
-    Attributes:
-      hyperparams: name -> 0-d float64 tensor (a tuple of such dicts for ``chain``).
-      leaves: a tree with the structure of the params, holding each leaf's state
-        (``None`` at untrained leaves).
-    """
-
-    hyperparams: Any
-    leaves: Any
+Params = Any
+Updates = Any
+State = Any
 
 
 class GradientTransformation(NamedTuple):
-    """A pure optimizer piece: ``init_hyperparams``, ``init_leaf`` and ``update``.
+    """A pure optimizer piece: ``init(params) -> state``, ``update(updates, state, params) ->
+    (updates, state)``; neither mutates its inputs.
 
-    ``init_leaf(param, index)`` returns the state of the flat leaf ``index``.
-    ``update(updates, leaf_states, params, hyperparams, grad_norm, indices)`` takes lists
-    aligned leaf by leaf (``params`` are the FP32 masters, ``indices`` the flat leaf indices
-    they stand for) and returns ``(updates, leaf_states)`` without mutating its inputs.
-    ``grad_norm`` is the global L2 norm of ``updates`` when the caller knows it (the first
-    transform of a step), else ``None``.
-
-    ``partition`` is ``None``, or a label per flat leaf: leaves with different labels are
-    updated differently (``multi_transform``) and so never share a flat bucket.
+    ``param_labels`` is None, or a label per flat leaf of the params tree given to
+    ``fp16fx.init``: leaves with different labels are updated by different transforms
+    (:func:`~fp16fx.transforms.multi_transform`) and so never share a flat buffer.
     """
 
-    init_hyperparams: Callable[[torch.device], Any]
-    init_leaf: Callable[[torch.Tensor, int], LeafState]
-    update: Callable[
-        [
-            Updates,
-            Sequence[LeafState],
-            Sequence[torch.Tensor],
-            Any,
-            torch.Tensor | None,
-            Sequence[int],
-        ],
-        tuple[Updates, list[LeafState]],
-    ]
-    partition: tuple[Hashable, ...] | None = None
+    init: Callable[[Params], State]
+    update: Callable[[Updates, State, Params], tuple[Updates, State]]
+    param_labels: tuple[Hashable, ...] | None = None
+
+
+class Hyperparams(dict):
+    """A transform's hyperparameters: name -> float64 tensor (0-d; ``betas``: two values)."""
+
+
+optree.register_pytree_node(
+    Hyperparams,
+    lambda h: (tuple(h.values()), tuple(h)),
+    lambda names, values: Hyperparams(zip(names, values)),
+    namespace=optree.registry.__GLOBAL_NAMESPACE,
+)
+
+
+class GradNorm(NamedTuple):
+    """A slot in a transform's state that the step fills, before every update, with the global
+    L2 norm of that step's unscaled gradients -- agreed by every process, so in a sharded
+    state it is the norm of the whole gradient, not of this rank's slice."""
+
+    value: torch.Tensor
+
+
+def _is_grad_norm(x: Any) -> bool:
+    return isinstance(x, GradNorm)
+
+
+def with_grad_norm(state: State, norm: torch.Tensor) -> State:
+    """Returns ``state`` with every :class:`GradNorm` slot holding ``norm``."""
+    return optree.tree_map(
+        lambda x: GradNorm(norm) if _is_grad_norm(x) else x,
+        state,
+        is_leaf=_is_grad_norm,
+        none_is_leaf=True,
+    )
 
 
 def _non_negative(x: float) -> bool:
@@ -78,20 +91,19 @@ def _unit_interval(x: float) -> bool:
     return 0 <= x < 1
 
 
+#: Each hyperparameter's valid range, and the rule as the error states it.
 _VALID: dict[str, tuple[Callable[[float], bool], str]] = {
     "lr": (_non_negative, ">= 0"),
     "eps": (_non_negative, ">= 0"),
     "weight_decay": (_non_negative, ">= 0"),
     "momentum": (_non_negative, ">= 0"),
     "dampening": (lambda x: True, "a number"),
-    "beta1": (_unit_interval, "in [0, 1)"),
-    "beta2": (_unit_interval, "in [0, 1)"),
+    "betas": (_unit_interval, "a pair of numbers in [0, 1)"),
     "max_norm": (lambda x: x > 0, "> 0"),
 }
 
 
-def check_hyperparam(name: str, value: float) -> float:
-    """Returns ``value`` as a float after checking it is valid for hyperparameter ``name``."""
+def _number(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"hyperparameter {name!r} must be a scalar, got shape {value.shape}")
@@ -104,12 +116,32 @@ def check_hyperparam(name: str, value: float) -> float:
     return float(value)
 
 
-def hyperparams(device: torch.device, **values: float) -> Hyperparams:
-    """Returns the dict of 0-d float64 tensors on ``device`` holding the checked ``values``."""
-    return {
-        name: torch.tensor(check_hyperparam(name, v), dtype=torch.float64, device=device)
+def check_hyperparam(name: str, value: Any) -> float | tuple[float, ...]:
+    """Returns ``value`` as a float (``betas``: a pair) after checking it is valid for ``name``.
+
+    Raises:
+      KeyError: ``name`` is no hyperparameter fp16fx knows.
+      TypeError, ValueError: the value is not a number, or out of range (named).
+    """
+    if name not in _VALID:
+        raise KeyError(f"no hyperparameter named {name!r}; known: {sorted(_VALID)}")
+    if name == "betas":
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise ValueError(f"hyperparameter 'betas' must be a pair of numbers, got {value!r}")
+        return tuple(_number(name, v) for v in value)
+    return _number(name, value)
+
+
+def hyperparams(params: Params, **values: Any) -> Hyperparams:
+    """Returns the checked ``values`` as float64 tensors on the device of ``params``."""
+    leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]
+    device = leaves[0].device if leaves else None
+    return Hyperparams(
+        (name, torch.tensor(check_hyperparam(name, v), dtype=torch.float64, device=device))
         for name, v in values.items()
-    }
+    )
 
 
 def scalars(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -126,136 +158,63 @@ def scalars(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def stateless(
-    update: Callable[[Updates, Sequence[torch.Tensor], Hyperparams, torch.Tensor | None], Updates],
-    **defaults: float,
+    update: Callable[[Updates, Hyperparams, Params], Updates], **defaults: Any
 ) -> GradientTransformation:
-    """Returns a transform with hyperparameters ``defaults`` and no per-leaf state."""
+    """Returns a transform whose state is just its hyperparameters ``defaults``."""
     for name, value in defaults.items():
         check_hyperparam(name, value)
     return GradientTransformation(
-        init_hyperparams=lambda device: hyperparams(device, **defaults),
-        init_leaf=lambda param, index: (),
-        update=lambda updates, leaf_states, params, hp, grad_norm, indices: (
-            update(updates, params, hp, grad_norm),
-            list(leaf_states),
-        ),
+        init=lambda params: hyperparams(params, **defaults),
+        update=lambda updates, state, params: (update(updates, state, params), state),
     )
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Returns the transform applying ``transforms`` in order, each to the previous' output.
 
-    Its hyperparameters are the tuple of theirs, its leaf state the tuple of theirs. Only the
-    first transform is told the incoming gradient norm (later ones see changed updates).
+    Its state is the tuple of theirs.
     """
     if not transforms:
         raise ValueError("chain() needs at least one transform")
+    for t in transforms:
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain() takes fp16fx transforms, got {t!r}")
+    labelled = {t.param_labels for t in transforms if t.param_labels is not None}
+    if len(labelled) > 1:
+        raise ValueError("a chain can hold one multi_transform, not several")
 
-    def init_hyperparams(device: torch.device) -> tuple[Any, ...]:
-        return tuple(t.init_hyperparams(device) for t in transforms)
+    def init(params: Params) -> tuple[State, ...]:
+        return tuple(t.init(params) for t in transforms)
 
-    def init_leaf(param: torch.Tensor, index: int) -> tuple[LeafState, ...]:
-        return tuple(t.init_leaf(param, index) for t in transforms)
+    def update(updates: Updates, state: tuple[State, ...], params: Params) -> Any:
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
 
-    def update(updates, leaf_states, params, hp, grad_norm, indices):
-        per_transform = list(zip(*leaf_states)) if leaf_states else [()] * len(transforms)
-        new_per_transform = []
-        for i, transform in enumerate(transforms):
-            updates, new_states = transform.update(
-                updates,
-                list(per_transform[i]),
-                params,
-                hp[i],
-                grad_norm if i == 0 else None,
-                indices,
-            )
-            new_per_transform.append(new_states)
-        return updates, [tuple(s) for s in zip(*new_per_transform)]
-
-    partitions = [t.partition for t in transforms if t.partition is not None]
-    partition = tuple(zip(*partitions)) if partitions else None
-    return GradientTransformation(init_hyperparams, init_leaf, update, partition)
+    return GradientTransformation(init, update, next(iter(labelled), None))
 
 
-def multi_transform(
-    transforms: Sequence[GradientTransformation], labels: Sequence[int]
-) -> GradientTransformation:
-    """Returns the transform applying ``transforms[labels[i]]`` to flat leaf ``i``.
-
-    This is how param groups with different hyperparameters share one step (and one global
-    gradient norm). Its hyperparameters are the tuple of the transforms'; ``set_hyperparams``
-    changes a name in every group, ``replace_hyperparams(hp[k], ...)`` in group ``k`` alone.
-    """
-    transforms, labels = tuple(transforms), tuple(labels)
-    if not transforms:
-        raise ValueError("multi_transform() needs at least one transform")
-    bad = [label for label in labels if not 0 <= label < len(transforms)]
-    if bad:
-        raise ValueError(f"labels {bad} name no transform (there are {len(transforms)})")
-
-    def init_hyperparams(device: torch.device) -> tuple[Any, ...]:
-        return tuple(t.init_hyperparams(device) for t in transforms)
-
-    def init_leaf(param: torch.Tensor, index: int) -> LeafState:
-        return transforms[labels[index]].init_leaf(param, index)
-
-    def update(updates, leaf_states, params, hp, grad_norm, indices):
-        new_updates, new_states = list(updates), list(leaf_states)
-        for label, transform in enumerate(transforms):
-            slots = [k for k, index in enumerate(indices) if labels[index] == label]
-            if not slots:
-                continue
-            group_updates, group_states = transform.update(
-                [updates[k] for k in slots],
-                [leaf_states[k] for k in slots],
-                [params[k] for k in slots],
-                hp[label],
-                grad_norm,
-                [indices[k] for k in slots],
-            )
-            for k, u, s in zip(slots, group_updates, group_states):
-                new_updates[k], new_states[k] = u, s
-        return new_updates, new_states
-
-    return GradientTransformation(init_hyperparams, init_leaf, update, labels)
+def labels_of(params: Params) -> tuple[Hashable, ...]:
+    """Returns the segment labels of ``params`` (a :class:`Segments`), for routing."""
+    if not isinstance(params, Segments):
+        raise TypeError(
+            "multi_transform routes by segment labels: its params must be fp16fx Segments, "
+            f"as fp16fx.step passes them; got {type(params).__name__}"
+        )
+    return params.labels
 
 
-def _hyperparam_dicts(hp: Any) -> list[Hyperparams]:
-    if isinstance(hp, Mapping):
-        return [hp]
-    return [d for sub in hp for d in _hyperparam_dicts(sub)]
-
-
-def replace_hyperparams(hp: Any, values: Mapping[str, float], *, inplace: bool = False) -> Any:
-    """Returns ``hp`` with every hyperparameter named in ``values`` set to its value.
-
-    A name applies to every transform of a chain that has it (e.g. ``lr``). With
-    ``inplace=True`` the existing tensors are overwritten (``fill_``: no host sync, and tensor
-    addresses stay put, as CUDA-graph replay needs) and ``hp`` itself is returned.
-
-    Raises:
-      KeyError: a name no transform has; ValueError/TypeError: a value out of range.
-      Nothing is changed when any name or value is bad.
-    """
-    dicts = _hyperparam_dicts(hp)
-    known = {name for d in dicts for name in d}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise KeyError(f"no hyperparameter named {unknown}; this optimizer has {sorted(known)}")
-    checked = {name: check_hyperparam(name, value) for name, value in values.items()}
-    if inplace:
-        for d in dicts:
-            for name, value in checked.items():
-                if name in d:
-                    d[name].fill_(value)
-        return hp
-    return _rebuild(hp, checked)
-
-
-def _rebuild(hp: Any, checked: Mapping[str, float]) -> Any:
-    if isinstance(hp, Mapping):
-        return {
-            name: torch.full_like(t, checked[name]) if name in checked else t
-            for name, t in hp.items()
-        }
-    return tuple(_rebuild(sub, checked) for sub in hp)
+__all__ = [
+    "GradNorm",
+    "GradientTransformation",
+    "Hyperparams",
+    "chain",
+    "check_hyperparam",
+    "hyperparams",
+    "labels_of",
+    "scalars",
+    "stateless",
+    "with_grad_norm",
+]

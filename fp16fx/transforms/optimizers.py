@@ -46,7 +46,7 @@ def adam(
     """Returns ``torch.optim.Adam``'s update: L2 decay added to the gradient, then Adam."""
     return chain(
         add_decayed_weights(weight_decay),
-        scale_by_adam(betas[0], betas[1], eps, amsgrad),
+        scale_by_adam(betas, eps, amsgrad),
         scale_by_learning_rate(lr),
     )
 
@@ -63,7 +63,7 @@ def adamw(
     ``p <- p - lr * (adam(u) + weight_decay * p)`` (Loshchilov & Hutter, 2019).
     """
     return chain(
-        scale_by_adam(betas[0], betas[1], eps, amsgrad),
+        scale_by_adam(betas, eps, amsgrad),
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),
     )

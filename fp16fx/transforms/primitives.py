@@ -1,31 +1,43 @@
 """The primitive transforms the named optimizers are built from.
 
-Each states its rule on the incoming update ``u`` of one leaf with FP32 master ``p``; scalar
+Each states its rule on the incoming update ``u`` of a param with FP32 master ``p``; scalar
 coefficients are computed in float64 and the elementwise math runs in float32, as in
-torch.optim's single-tensor implementations.
+torch.optim's single-tensor implementations. Per-param state is a tree like the params, one
+entry per segment: a step count per segment (0-d) and moments per element.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import optree
 import torch
 
 from fp16fx.transforms.base import (
     GradientTransformation,
+    GradNorm,
+    Hyperparams,
+    Params,
+    Updates,
     check_hyperparam,
     hyperparams,
     scalars,
     stateless,
 )
 
+_map = optree.tree_map
+
+
+def _counts(params: Params) -> Params:
+    return _map(lambda p: torch.zeros((), dtype=torch.int64, device=p.device), params)
+
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     """Returns the transform ``u <- u + weight_decay * p`` (L2 / decoupled weight decay)."""
 
-    def update(updates, params, hp, grad_norm):
+    def update(updates: Updates, hp: Hyperparams, params: Params) -> Updates:
         wd = hp["weight_decay"].float()
-        return [u + wd * p for u, p in zip(updates, params)]
+        return _map(lambda u, p: u + wd * p, updates, params)
 
     return stateless(update, weight_decay=weight_decay)
 
@@ -33,37 +45,52 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
 def scale_by_learning_rate(lr: float) -> GradientTransformation:
     """Returns the transform ``u <- -lr * u`` (the sign makes it a descent step)."""
 
-    def update(updates, params, hp, grad_norm):
+    def update(updates: Updates, hp: Hyperparams, params: Params) -> Updates:
         neg_lr = (-hp["lr"]).float()
-        return [neg_lr * u for u in updates]
+        return _map(lambda u: neg_lr * u, updates)
 
     return stateless(update, lr=lr)
 
 
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`: ``max_norm``, and the step's gradient norm."""
+
+    hyperparams: Hyperparams
+    grad_norm: GradNorm
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Returns the transform ``u <- u * min(1, max_norm / (‖u‖ + 1e-6))``, ‖·‖ over all leaves.
+    """Returns the transform ``u <- u * min(1, max_norm / (‖g‖ + 1e-6))``.
 
-    The same rule and epsilon as ``torch.nn.utils.clip_grad_norm_``. As the first transform of
-    a step it reuses the norm the step already computed (no extra pass over memory); elsewhere
-    in a chain it computes the norm of its own input.
+    ``‖g‖`` is the global L2 norm of the step's unscaled gradients, over all params (and all
+    ranks of a sharded state), which the step computes anyway to check them and hands over in
+    :class:`GradNorm`: the rule and epsilon of ``torch.nn.utils.clip_grad_norm_`` called
+    before ``optimizer.step()``. Put it first in a chain: later, it still clips by the
+    gradients' norm, not by the norm of what it is given.
     """
+    check_hyperparam("max_norm", max_norm)
 
-    def update(updates, params, hp, grad_norm):
-        if grad_norm is None:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(u) for u in updates])
-            )
-        (coef,) = scalars(torch.clamp(hp["max_norm"] / (grad_norm.double() + 1e-6), max=1.0))
-        return [u * coef for u in updates]
+    def init(params: Params) -> ClipByGlobalNormState:
+        hp = hyperparams(params, max_norm=max_norm)
+        return ClipByGlobalNormState(hp, GradNorm(torch.zeros((), device=hp["max_norm"].device)))
 
-    return stateless(update, max_norm=max_norm)
+    def update(
+        updates: Updates, state: ClipByGlobalNormState, params: Params
+    ) -> tuple[Updates, ClipByGlobalNormState]:
+        norm = state.grad_norm.value.double()
+        (coef,) = scalars(torch.clamp(state.hyperparams["max_norm"] / (norm + 1e-6), max=1.0))
+        return _map(lambda u: u * coef, updates), state
+
+    return GradientTransformation(init, update)
 
 
 class TraceState(NamedTuple):
-    """Per-leaf state of :func:`trace`: applied steps and the momentum buffer."""
+    """State of :func:`trace`: ``momentum``/``dampening``, and per param its applied steps
+    and momentum buffer."""
 
-    count: torch.Tensor
-    momentum_buffer: torch.Tensor
+    hyperparams: Hyperparams
+    count: Params
+    momentum_buffer: Params
 
 
 def trace(
@@ -71,7 +98,7 @@ def trace(
 ) -> GradientTransformation:
     """Returns SGD's momentum transform, as ``torch.optim.SGD`` applies it.
 
-    ``b <- u`` on a leaf's first step, else ``b <- momentum * b + (1 - dampening) * u``;
+    ``b <- u`` on a param's first step, else ``b <- momentum * b + (1 - dampening) * u``;
     then ``u <- u + momentum * b`` with Nesterov, else ``u <- b``.
     """
     check_hyperparam("momentum", momentum)
@@ -79,72 +106,80 @@ def trace(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
 
-    def init_leaf(param: torch.Tensor, index: int) -> TraceState:
+    def init(params: Params) -> TraceState:
         return TraceState(
-            count=torch.zeros((), dtype=torch.int64, device=param.device),
-            momentum_buffer=torch.zeros_like(param, dtype=torch.float32),
+            hyperparams=hyperparams(params, momentum=momentum, dampening=dampening),
+            count=_counts(params),
+            momentum_buffer=_map(lambda p: torch.zeros_like(p, dtype=torch.float32), params),
         )
 
-    def update(updates, leaf_states, params, hp, grad_norm, indices):
-        mom = hp["momentum"].float()
-        keep = (1 - hp["dampening"]).float()
-        new_updates, new_states = [], []
-        for u, state in zip(updates, leaf_states):
-            buf = torch.where(state.count == 0, u, mom * state.momentum_buffer + keep * u)
-            new_updates.append(u + mom * buf if nesterov else buf)
-            new_states.append(TraceState(state.count + 1, buf))
-        return new_updates, new_states
+    def update(updates: Updates, state: TraceState, params: Params) -> tuple[Updates, TraceState]:
+        mom = state.hyperparams["momentum"].float()
+        keep = (1 - state.hyperparams["dampening"]).float()
+        buffers = _map(
+            lambda u, count, b: torch.where(count == 0, u, mom * b + keep * u),
+            updates,
+            state.count,
+            state.momentum_buffer,
+        )
+        new_updates = _map(lambda u, b: u + mom * b, updates, buffers) if nesterov else buffers
+        counts = _map(lambda count: count + 1, state.count)
+        return new_updates, state._replace(count=counts, momentum_buffer=buffers)
 
-    return GradientTransformation(
-        init_hyperparams=lambda device: hyperparams(device, momentum=momentum, dampening=dampening),
-        init_leaf=init_leaf,
-        update=update,
-    )
+    return GradientTransformation(init, update)
 
 
 class ScaleByAdamState(NamedTuple):
-    """Per-leaf state of :func:`scale_by_adam`: steps, first and second moments, and the
-    running maximum of the second moment (AMSGrad; an empty tensor otherwise)."""
+    """State of :func:`scale_by_adam`: ``betas``/``eps``, and per param its steps, first and
+    second moments, and (AMSGrad only, else None) the running maximum of the second moment."""
 
-    count: torch.Tensor
-    mu: torch.Tensor
-    nu: torch.Tensor
-    nu_max: torch.Tensor
+    hyperparams: Hyperparams
+    count: Params
+    mu: Params
+    nu: Params
+    nu_max: Params | None
 
 
 def scale_by_adam(
-    beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
+    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, amsgrad: bool = False
 ) -> GradientTransformation:
     """Returns Adam's preconditioning, with torch.optim.Adam's bias-correction placement.
 
-    With ``t`` the leaf's step count after this step::
+    With ``t`` the param's step count after this step and ``betas = (b1, b2)``::
 
-        m <- beta1 * m + (1 - beta1) * u
-        v <- beta2 * v + (1 - beta2) * u * u
+        m <- b1 * m + (1 - b1) * u
+        v <- b2 * v + (1 - b2) * u * u
         v_hat <- max(v_max, v) if amsgrad else v
-        u <- m / (1 - beta1**t) / (sqrt(v_hat) / sqrt(1 - beta2**t) + eps)
+        u <- m / (1 - b1**t) / (sqrt(v_hat) / sqrt(1 - b2**t) + eps)
 
     (Kingma & Ba, 2015; AMSGrad: Reddi et al., 2018.) ``eps`` is added after the bias
     correction of ``sqrt(v)``, as torch does, not inside the square root.
     """
-    for name, value in (("beta1", beta1), ("beta2", beta2), ("eps", eps)):
-        check_hyperparam(name, value)
+    check_hyperparam("betas", betas)
+    check_hyperparam("eps", eps)
 
-    def init_leaf(param: torch.Tensor, index: int) -> ScaleByAdamState:
+    def zeros(params: Params) -> Params:
+        return _map(lambda p: torch.zeros_like(p, dtype=torch.float32), params)
+
+    def init(params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(
-            count=torch.zeros((), dtype=torch.int64, device=param.device),
-            mu=torch.zeros_like(param, dtype=torch.float32),
-            nu=torch.zeros_like(param, dtype=torch.float32),
-            nu_max=torch.zeros_like(param, dtype=torch.float32)
-            if amsgrad
-            else param.new_empty(0, dtype=torch.float32),
+            hyperparams=hyperparams(params, betas=betas, eps=eps),
+            count=_counts(params),
+            mu=zeros(params),
+            nu=zeros(params),
+            nu_max=zeros(params) if amsgrad else None,
         )
 
-    def update(updates, leaf_states, params, hp, grad_norm, indices):
-        b1, b2 = hp["beta1"], hp["beta2"]
-        new_updates, new_states = [], []
-        for u, state in zip(updates, leaf_states):
-            count = state.count + 1
+    def update(
+        updates: Updates, state: ScaleByAdamState, params: Params
+    ) -> tuple[Updates, ScaleByAdamState]:
+        b1, b2 = state.hyperparams["betas"].unbind()
+        u_leaves, treedef = optree.tree_flatten(updates)
+        counts = [c + 1 for c in treedef.flatten_up_to(state.count)]
+        mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        maxes = treedef.flatten_up_to(state.nu_max) if amsgrad else [None] * len(u_leaves)
+        out_u, out_mu, out_nu, out_max = [], [], [], []
+        for u, mu, nu, nu_max, count in zip(u_leaves, mus, nus, maxes, counts):
             # Reciprocals turn two of three divisions per element into multiplications.
             decay1, weight1, decay2, weight2, inv_correction1, inv_correction2_sqrt, eps = scalars(
                 b1,
@@ -153,18 +188,23 @@ def scale_by_adam(
                 1 - b2,
                 1 / (1 - b1**count),
                 torch.rsqrt(1 - b2**count),
-                hp["eps"],
+                state.hyperparams["eps"],
             )
-            mu = state.mu * decay1 + weight1 * u  # no blend of lerp's two formulas
-            nu = state.nu * decay2 + weight2 * u * u
-            nu_max = torch.maximum(state.nu_max, nu) if amsgrad else state.nu_max
+            mu = mu * decay1 + weight1 * u  # no blend of lerp's two formulas
+            nu = nu * decay2 + weight2 * u * u
+            if amsgrad:
+                nu_max = torch.maximum(nu_max, nu)
             denom = torch.sqrt(nu_max if amsgrad else nu) * inv_correction2_sqrt + eps
-            new_updates.append(mu * inv_correction1 / denom)
-            new_states.append(ScaleByAdamState(count, mu, nu, nu_max))
-        return new_updates, new_states
+            out_u.append(mu * inv_correction1 / denom)
+            out_mu.append(mu)
+            out_nu.append(nu)
+            out_max.append(nu_max)
+        return treedef.unflatten(out_u), ScaleByAdamState(
+            hyperparams=state.hyperparams,
+            count=treedef.unflatten(counts),
+            mu=treedef.unflatten(out_mu),
+            nu=treedef.unflatten(out_nu),
+            nu_max=treedef.unflatten(out_max) if amsgrad else None,
+        )
 
-    return GradientTransformation(
-        init_hyperparams=lambda device: hyperparams(device, beta1=beta1, beta2=beta2, eps=eps),
-        init_leaf=init_leaf,
-        update=update,
-    )
+    return GradientTransformation(init, update)

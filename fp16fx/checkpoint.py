@@ -1,0 +1,214 @@
+"""``state_dict`` / ``load_state_dict`` for the functional state, keyed by each param's path.
+
+Layer: ``step`` (docs/design.md). The dict holds only tensors and Python primitives, so
+``torch.load(path, weights_only=True)`` reads it back::
+
+    {
+        "format": "fp16fx.state/1",
+        "policy": {"type": "DynamicLossScale", "init_scale": 65536.0, ...},
+        "loss_scale": {"scale": tensor, "good_steps": tensor, "overflows": tensor},
+        "count": tensor,                             # applied steps
+        "hyperparams": {"opt[2]['lr']": tensor, ...}, # by place in the optimizer's state
+        "params": {
+            "fc.weight": {                           # the param's path in the params tree
+                "param": tensor,                     # the model-dtype value
+                "master": tensor,                    # FP32 master (FP16/BF16 params only)
+                "opt[1].count": tensor,              # the optimizer's per-param state
+                "opt[1].mu": tensor, ...
+            },
+            ...
+        },
+    }
+
+Tensors are views of the live state (as ``torch.optim``'s ``state_dict``): save the dict, or
+copy it, before stepping again. Loading checks everything first -- format, policy, optimizer
+(its keys), every shape and dtype -- and raises naming the first misfit, having changed nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import optree
+import torch
+
+from fp16fx import flat, tree
+from fp16fx.segments import MASKED, named_segments
+from fp16fx.state import MixedPrecisionState, recut
+from fp16fx.transforms import Hyperparams
+
+FORMAT = "fp16fx.state/1"
+
+
+def leaf_paths(state: MixedPrecisionState) -> list[str]:
+    """Returns each flat param leaf's key in a state dict: its path, e.g. ``fc.weight``."""
+    return tree.leaf_paths(state.layout.treedef)
+
+
+def policy_dict(policy: Any) -> dict[str, Any]:
+    """Returns a loss-scale policy as primitives: its class name and its fields."""
+    return {"type": type(policy).__name__, **dataclasses.asdict(policy)}
+
+
+def hyperparam_tensors(opt_state: Any) -> dict[str, torch.Tensor]:
+    """Returns every hyperparameter tensor of an optimizer's state by its key, e.g.
+    ``opt[2]['lr']``."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        opt_state, is_leaf=lambda x: isinstance(x, Hyperparams), none_is_leaf=True
+    )
+    out = {}
+    for accessor, leaf in zip(accessors, leaves):
+        if isinstance(leaf, Hyperparams):
+            for name, t in leaf.items():
+                out[f"opt{accessor.codify('')}[{name!r}]"] = t
+    return out
+
+
+def per_leaf(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]:
+    """Returns, per flat param leaf, its tensors under their state-dict keys (views of the
+    state): ``param``, ``master`` (where separate), and its part of every per-param tensor of
+    the optimizer's state. None for untrained leaves."""
+    layout = state.layout
+    opt = named_segments(state.opt_state)
+    out: list[dict[str, torch.Tensor] | None] = [None] * layout.num_leaves
+    params = tree.flatten(state.params)[0]
+    masters = tree.flatten(state.master)[0]
+    for k, seg in enumerate(layout.segments):
+        bucket = layout.buckets[seg.bucket]
+        parts = {}
+        for name, node in opt:
+            value = node[k]
+            if value is MASKED or value is None:
+                continue
+            if value.ndim == 0:
+                parts[f"opt{name}"] = [value] * (seg.hi - seg.lo)
+            else:
+                parts[f"opt{name}"] = flat.views(bucket, value, seg.lo, seg.hi)
+        for j, i in enumerate(bucket.indices[seg.lo : seg.hi]):
+            entry = {"param": params[i]}
+            if bucket.dtype != torch.float32:
+                entry["master"] = masters[i]
+            entry.update({key: values[j] for key, values in parts.items()})
+            out[i] = entry
+    return out
+
+
+def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
+    """Returns the state as a dict of tensors and primitives keyed by param path (see the
+    module docstring); ``torch.save`` it, and ``load_state_dict`` it into a state made by
+    ``fp16fx.init`` with the same params tree, optimizer and loss-scale policy."""
+    paths = leaf_paths(state)
+    return {
+        "format": FORMAT,
+        "policy": policy_dict(state.policy),
+        "loss_scale": dict(zip(state.loss_scale._fields, state.loss_scale)),
+        "count": state.count,
+        "hyperparams": hyperparam_tensors(state.opt_state),
+        "params": {path: entry for path, entry in zip(paths, per_leaf(state)) if entry is not None},
+    }
+
+
+class StateDictError(ValueError):
+    """A state dict does not fit the state it is loaded into; the message names the key."""
+
+
+def _fail(message: str) -> StateDictError:
+    return StateDictError(f"the state dict does not fit this state: {message}")
+
+
+def _check_tensor(where: str, value: Any, like: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise _fail(f"{where} is a {type(value).__name__}, not a tensor")
+    if value.shape != like.shape:
+        raise _fail(f"{where} has shape {tuple(value.shape)}, this state's {tuple(like.shape)}")
+    if value.dtype != like.dtype:
+        raise _fail(f"{where} has dtype {value.dtype}, this state's {like.dtype}")
+
+
+def _check_keys(where: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    if not isinstance(saved, Mapping):
+        raise _fail(f"{where} is a {type(saved).__name__}, not a dict")
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing:
+        raise _fail(
+            f"{where} lacks {missing} (was it saved from another optimizer or other params?)"
+        )
+    if extra:
+        raise _fail(f"{where} has {extra}, which this state does not keep (another optimizer?)")
+
+
+def check_fits(template: Mapping[str, Any], sd: Any) -> None:
+    """Raises naming the first entry of ``sd`` that does not fit ``template`` (a state dict of
+    the state it is to be loaded into: its keys, and tensors of the right shape and dtype).
+
+    Raises:
+      TypeError: ``sd`` is not a dict; StateDictError: anything else that does not fit.
+    """
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
+    if sd.get("format") != FORMAT:
+        raise _fail(f"its format is {sd.get('format')!r}, expected {FORMAT!r}")
+    _check_keys("the state dict", sd, template)
+    if sd["policy"] != template["policy"]:
+        raise _fail(
+            f"it was saved with loss-scale policy {sd['policy']}, this state has "
+            f"{template['policy']}"
+        )
+    for group in ("loss_scale", "hyperparams"):
+        _check_keys(f"[{group!r}]", sd[group], template[group])
+        for key, like in template[group].items():
+            _check_tensor(f"[{group!r}][{key!r}]", sd[group][key], like)
+    _check_tensor("['count']", sd["count"], template["count"])
+    _check_keys("['params']", sd["params"], template["params"])
+    for path, entry in template["params"].items():
+        where = f"['params'][{path!r}]"
+        _check_keys(where, sd["params"][path], entry)
+        for key, like in entry.items():
+            _check_tensor(f"{where}[{key!r}]", sd["params"][path][key], like)
+
+
+def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
+    """Returns a saved leaf's per-param scalars (step counts), in key order (one sync each)."""
+    return tuple(float(v) for _, v in sorted(entry.items()) if v.ndim == 0)
+
+
+def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedPrecisionState:
+    """Returns ``state`` holding the values of ``sd`` (a :func:`state_dict`), or raises.
+
+    Every value is written into the state's own tensors (a model built on the params sees the
+    loaded values; a compiled step keeps its addresses). Params saved with different step
+    counts get segments of their own: the returned state is ``state`` cut where needed, over
+    the same tensors. Use it from now on.
+
+    Raises:
+      StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
+        loss-scale policy -- named; TypeError: ``sd`` is not a dict. Nothing is changed.
+    """
+    check_fits(state_dict(state), sd)
+    paths = leaf_paths(state)
+    saved = [sd["params"].get(path) for path in paths]
+    marks = [None if entry is None else leaf_scalars(entry) for entry in saved]
+    state = recut(state, state.layout.recut(marks))
+    with torch.no_grad():
+        for entry, mine in zip(saved, per_leaf(state)):
+            if entry is not None:
+                for key, dst in mine.items():
+                    dst.copy_(entry[key])
+        # An FP32 param kept as a leaf of its own has an FP32 master copy: it is the param.
+        for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
+            if param is not None and param.dtype == torch.float32 and master is not param:
+                master.copy_(param)
+    load_shared(state, sd)
+    return state
+
+
+def load_shared(state: MixedPrecisionState, sd: Mapping[str, Any]) -> None:
+    """Copies ``sd``'s loss-scale state, count and hyperparameters into ``state``'s tensors."""
+    with torch.no_grad():
+        for name, dst in zip(state.loss_scale._fields, state.loss_scale):
+            dst.copy_(sd["loss_scale"][name])
+        state.count.copy_(sd["count"])
+        for key, dst in hyperparam_tensors(state.opt_state).items():
+            dst.copy_(sd["hyperparams"][key])

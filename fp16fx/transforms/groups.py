@@ -1,0 +1,208 @@
+"""Param groups: ``multi_transform``, and reading or changing hyperparameters by name.
+
+Layer: ``transforms`` (docs/design.md).
+
+``multi_transform(transforms, labels)`` updates each segment with the transform its label
+names, as optax's ``multi_transform`` does with ``masked``: transform ``k``'s state covers every
+segment, holding :data:`~fp16fx.segments.MASKED` where the segment is another's, so the
+step can cut, pick and read segments of the whole state without knowing the routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fp16fx.segments import expand, merge, select
+from fp16fx.transforms.base import (
+    GradientTransformation,
+    Hyperparams,
+    Params,
+    State,
+    Updates,
+    check_hyperparam,
+    labels_of,
+)
+
+
+class MultiTransformState(NamedTuple):
+    """The states of ``multi_transform``'s transforms, each over every segment (MASKED where
+    the segment is not its own)."""
+
+    inner: tuple[State, ...]
+
+
+def multi_transform(
+    transforms: Sequence[GradientTransformation], labels: Sequence[int]
+) -> GradientTransformation:
+    """Returns the transform applying ``transforms[labels[i]]`` to flat param leaf ``i``.
+
+    This is how param groups with different hyperparameters share one step (and one global
+    gradient norm): ``labels`` has one entry per flat leaf of the params tree given to
+    ``fp16fx.init`` (``None`` leaves included). ``get_hyperparams`` then returns one dict per
+    group, and ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
+    """
+    transforms, labels = tuple(transforms), tuple(labels)
+    if not transforms:
+        raise ValueError("multi_transform() needs at least one transform")
+    bad = [
+        label for label in labels if not (isinstance(label, int) and 0 <= label < len(transforms))
+    ]
+    if bad:
+        raise ValueError(f"labels {bad} name no transform (there are {len(transforms)})")
+    if any(t.param_labels is not None for t in transforms):
+        raise ValueError("multi_transform() cannot hold another multi_transform")
+
+    def owned(params: Params, k: int) -> list[bool]:
+        return [label == k for label in labels_of(params)]
+
+    def init(params: Params) -> MultiTransformState:
+        return MultiTransformState(
+            tuple(
+                expand(t.init(select(params, owned(params, k))), owned(params, k), params.labels)
+                for k, t in enumerate(transforms)
+            )
+        )
+
+    def update(updates: Updates, state: MultiTransformState, params: Params) -> Any:
+        new_inner = []
+        for k, (t, inner) in enumerate(zip(transforms, state.inner)):
+            mine = owned(params, k)
+            if any(mine):
+                some, new = t.update(
+                    select(updates, mine), select(inner, mine), select(params, mine)
+                )
+                updates, inner = merge(updates, some, mine), merge(inner, new, mine)
+            new_inner.append(inner)
+        return updates, MultiTransformState(tuple(new_inner))
+
+    return GradientTransformation(init, update, labels)
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (Hyperparams, MultiTransformState))
+
+
+def map_hyperparams(
+    fn: Callable[[Hyperparams, int | None], Hyperparams], state: State, group: int | None = None
+) -> State:
+    """Returns ``state`` with each :class:`Hyperparams` ``h`` replaced by ``fn(h, group)``:
+    ``group`` is ``k`` inside ``multi_transform``'s transform ``k``, None outside it."""
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, Hyperparams):
+            return fn(node, group)
+        if isinstance(node, MultiTransformState):
+            return MultiTransformState(
+                tuple(map_hyperparams(fn, inner, k) for k, inner in enumerate(node.inner))
+            )
+        return node
+
+    return optree.tree_map(visit, state, is_leaf=_is_node, none_is_leaf=True)
+
+
+def hyperparam_groups(state: State) -> list[dict[str, torch.Tensor]]:
+    """Returns one dict per param group (one in all without ``multi_transform``) of the
+    hyperparameter tensors that apply to it, shared ones (outside ``multi_transform``)
+    included. A name two transforms share (``weight_decay`` in ``adam`` and a chained
+    ``add_decayed_weights``) maps to the first one's tensor."""
+    shared: dict[str, torch.Tensor] = {}
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+
+    def collect(h: Hyperparams, group: int | None) -> Hyperparams:
+        into = shared if group is None else groups.setdefault(group, {})
+        for name, tensor in h.items():
+            into.setdefault(name, tensor)
+        return h
+
+    map_hyperparams(collect, state)
+    if not groups:
+        return [shared]
+    return [{**shared, **groups[k]} for k in sorted(groups)]
+
+
+def replace_hyperparams(
+    state: State,
+    values: Mapping[str, Any],
+    *,
+    group: int | None = None,
+    inplace: bool = False,
+) -> State:
+    """Returns ``state`` with every hyperparameter named in ``values`` set to its value.
+
+    A name applies to every transform that has it (in param group ``group`` only, if given,
+    and in the transforms shared by all groups). With ``inplace=True`` the existing tensors
+    are overwritten (``fill_``/``copy_``: no host sync, and addresses stay put, as CUDA-graph
+    replay needs) and ``state`` itself is returned.
+
+    Raises:
+      KeyError: a name no transform (of that group) has; ``group`` out of range.
+      ValueError, TypeError: a value out of range. Nothing changes when anything is bad.
+    """
+    groups = hyperparam_groups(state)
+    if group is not None and not (isinstance(group, int) and 0 <= group < len(groups)):
+        raise KeyError(f"no param group {group!r}; this optimizer has {len(groups)}")
+    known = set(groups[group] if group is not None else (n for g in groups for n in g))
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = "" if group is None else f" in group {group}"
+        raise KeyError(
+            f"no hyperparameter named {unknown}{where}; this optimizer has {sorted(known)}"
+        )
+    checked = {name: check_hyperparam(name, value) for name, value in values.items()}
+
+    def change(h: Hyperparams, owner: int | None) -> Hyperparams:
+        if group is not None and owner not in (None, group):
+            return h
+        names = [n for n in checked if n in h]
+        if not names:
+            return h
+        if inplace:
+            for name in names:
+                _fill(h[name], checked[name])
+            return h
+        return Hyperparams(
+            (n, _fill(torch.empty_like(t), checked[n]) if n in names else t) for n, t in h.items()
+        )
+
+    return map_hyperparams(change, state)
+
+
+def _fill(t: torch.Tensor, value: float | tuple[float, ...]) -> torch.Tensor:
+    """Writes ``value`` into ``t`` with ``fill_`` (a kernel launch, never a host sync)."""
+    if isinstance(value, tuple):
+        for part, v in zip(t, value):
+            part.fill_(v)
+    else:
+        t.fill_(value)
+    return t
+
+
+def read_hyperparams(state: State) -> list[dict[str, Any]]:
+    """Returns :func:`hyperparam_groups` as Python numbers (``betas`` a pair); one sync."""
+    groups = hyperparam_groups(state)
+    names = [(k, n) for k, g in enumerate(groups) for n in g]
+    if not names:
+        return [{} for _ in groups]
+    flat = torch.cat([groups[k][n].reshape(-1).cpu() for k, n in names]).tolist()
+    out: list[dict[str, Any]] = [{} for _ in groups]
+    at = 0
+    for k, n in names:
+        size = groups[k][n].numel()
+        value = flat[at : at + size]
+        out[k][n] = tuple(value) if groups[k][n].ndim else value[0]
+        at += size
+    return out
+
+
+__all__ = [
+    "MultiTransformState",
+    "hyperparam_groups",
+    "map_hyperparams",
+    "multi_transform",
+    "read_hyperparams",
+    "replace_hyperparams",
+]
