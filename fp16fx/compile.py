@@ -23,6 +23,7 @@ import optree
 import torch
 import torch._dynamo
 
+from fp16fx import tree
 from fp16fx.state import MixedPrecisionState
 from fp16fx.step import (
     Prepared,
@@ -130,6 +131,8 @@ class StepFunction:
 
     def _prepare(self, state: MixedPrecisionState, grads: Any) -> Prepared:
         prepared = prepare(state, grads, self._scratch if self.inplace else None)
+        if self.inplace:
+            _refuse_aliases(prepared, grads)
         if self.cuda_graph:
             _mark_static(optree.tree_leaves((prepared.grads, prepared.trained)))
         return prepared
@@ -189,6 +192,27 @@ def compile_step(
         mode = "reduce-overhead"
     options = {"fullgraph": True, "dynamic": dynamic, "mode": mode, "backend": backend}
     return StepFunction(inplace=inplace, compile_options=options, cuda_graph=cuda_graph)
+
+
+def _refuse_aliases(prepared: Prepared, grads: Any) -> None:
+    """Raises ValueError, naming the grad, if a gradient the core reads shares memory with a
+    tensor it writes: an in-place step would overwrite it while reading it."""
+    written = {
+        t.untyped_storage().data_ptr()
+        for t in optree.tree_leaves(prepared.trained)
+        if isinstance(t, torch.Tensor)
+    }
+    layout = prepared.state.layout
+    active = [seg for seg, on in zip(layout.segments, prepared.active) if on]
+    for seg, g in zip(active, prepared.grads):
+        if g.untyped_storage().data_ptr() in written:
+            leaf = layout.buckets[seg.bucket].indices[seg.lo]
+            name = tree.leaf_names(grads, root="grads")[leaf]
+            raise ValueError(
+                f"{name} shares memory with the state (its params, masters or moments): an "
+                "in-place step would overwrite it while reading it. Pass a copy, or use the "
+                "pure fp16fx.step"
+            )
 
 
 def _mark_static(tensors: list[Any]) -> None:

@@ -15,6 +15,7 @@ This module is the only place in fp16fx that re-points a tensor at a view of a f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -25,6 +26,7 @@ import optree
 import torch
 
 _SHAPE = operator.attrgetter("shape")
+_GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -194,32 +196,51 @@ def flat_view(
     """Returns the flat tensor that leaves ``[lo, hi)`` of ``bucket`` (picked from the tree's
     flat ``leaves``) are views of, or None (see :func:`joined`)."""
     hi = len(bucket) if hi is None else hi
-    return joined([leaves[i] for i in bucket.indices[lo:hi]], bucket.shapes[lo:hi])
+    return joined(
+        [leaves[i] for i in bucket.indices[lo:hi]],
+        bucket.shapes[lo:hi],
+        bucket.offsets[lo : hi + 1],
+    )
 
 
-def joined(tensors: Sequence[Any], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor | None:
+def joined(
+    tensors: Sequence[Any],
+    shapes: Sequence[tuple[int, ...]],
+    offsets: Sequence[int] | None = None,
+) -> torch.Tensor | None:
     """Returns the flat tensor that ``tensors`` are consecutive views of, or None.
 
     True when every one is a contiguous tensor of one dtype, of its shape in ``shapes``, and
-    they sit in order back to back in one storage. The check reads addresses and shapes only
-    (no data), each a ``map`` over the tensors rather than a Python loop: ~0.2 µs a tensor.
+    they sit in order back to back in one storage (``offsets``: where each starts, relative,
+    and where the last ends, if known). The check reads addresses and shapes only (no data),
+    each a ``map`` over the tensors rather than a Python loop: ~0.2 µs a tensor.
     """
     if not all(map(isinstance, tensors, itertools.repeat(torch.Tensor))):
         return None
+    if offsets is None:
+        offsets = tuple(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
     first = tensors[0]
     start, size = first.data_ptr(), first.element_size()
-    offsets = list(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
     if (
-        list(map(torch.Tensor.data_ptr, tensors)) != [start + o * size for o in offsets[:-1]]
+        list(map(operator.sub, map(torch.Tensor.data_ptr, tensors), itertools.repeat(start)))
+        != _byte_offsets(tuple(offsets), size)
         or list(map(_SHAPE, tensors)) != list(shapes)  # torch.Size equals a tuple
         or set(map(_DTYPE, tensors)) != {first.dtype}
         or not all(map(torch.Tensor.is_contiguous, tensors))
     ):
         return None
+    numel = offsets[-1] - offsets[0]
     offset = first.storage_offset()
-    if offset + offsets[-1] > first.untyped_storage().nbytes() // size:
+    if offset + numel > first.untyped_storage().nbytes() // size:
         return None
-    return first.detach().as_strided((offsets[-1],), (1,), offset)
+    return first.detach().as_strided((numel,), (1,), offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _byte_offsets(offsets: tuple[int, ...], size: int) -> list[int]:
+    """Returns where each of consecutive tensors starting at ``offsets`` (elements of
+    ``size`` bytes) begins, in bytes from the first."""
+    return [(o - offsets[0]) * size for o in offsets[:-1]]
 
 
 def adopt(layout: Layout, leaves: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -277,17 +298,34 @@ class FlatParams:
                     view.copy_(p.grad)
                 p.grad = view
         self._addresses = [p.data_ptr() for p in self.params]
+        self._dtypes = [p.dtype for p in self.params]
 
     def moved(self) -> int | None:
         """Returns the index of the first param whose ``.data`` left its buffer (replaced by
         ``model.half()``, ``.to(...)``, ``load_state_dict(assign=True)``...), else None."""
-        for i, (p, address, view) in enumerate(zip(self.params, self._addresses, self.grad_views)):
-            if p.data_ptr() != address or p.dtype != view.dtype:
-                return i
-        return None
+        addresses = list(map(torch.Tensor.data_ptr, self.params))
+        dtypes = list(map(_DTYPE, self.params))
+        if addresses == self._addresses and dtypes == self._dtypes:
+            return None
+        return next(
+            i
+            for i, (a, d) in enumerate(zip(addresses, dtypes))
+            if a != self._addresses[i] or d != self._dtypes[i]
+        )
 
     def collect_grads(self) -> list[bool]:
-        """Returns, per param, whether it has a gradient now; moves stray grads into the buffer."""
+        """Returns, per param, whether it has a gradient now; moves stray grads into the buffer.
+
+        Raises:
+          TypeError: a param's gradient is sparse (a flat buffer holds dense ones), before
+            anything is moved.
+        """
+        grads = list(map(_GRAD, self.params))
+        if all(map(operator.is_, grads, self.grad_views)):  # the usual case: all are views
+            return [True] * len(grads)
+        for i, grad in enumerate(grads):
+            if grad is not None and grad.layout != torch.strided:
+                raise TypeError(f"param {i} has a {grad.layout} gradient, not a dense one")
         has_grad = []
         for p, view in zip(self.params, self.grad_views):
             grad = p.grad
@@ -305,6 +343,14 @@ class FlatParams:
         """Returns, per param, its grad view (None where the param has no gradient)."""
         return [view if has else None for view, has in zip(self.grad_views, self.collect_grads())]
 
+    def grad_versions(self) -> tuple[Any, ...]:
+        """Returns what changes when autograd writes any param's gradient: the buffers'
+        version counters (their views share them), and each other gradient's."""
+        return (
+            tuple(buffer._version for buffer in self.grad_buffers),
+            tuple(map(_version_of, self.params, self.grad_views)),
+        )
+
     def zero_grads(self, set_to_none: bool) -> None:
         """Zeroes every grad in place (one kernel per bucket), or sets every ``p.grad`` to None.
 
@@ -319,6 +365,13 @@ class FlatParams:
                 p.grad = None
             elif p.grad is not None and p.grad is not view:
                 p.grad = view
+
+
+def _version_of(p: torch.Tensor, view: torch.Tensor) -> int | None:
+    """Returns a gradient's version counter: None without one, 0 for the buffer's own view
+    (its buffer's counter says it)."""
+    grad = p.grad
+    return None if grad is None else 0 if grad is view else grad._version
 
 
 def shard_slice(bucket: Bucket, rank: int, world_size: int) -> slice:

@@ -214,5 +214,6 @@ def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> Che
     if not unscaled:
         zero = scale.new_zeros(())
         return CheckedGrads(unscaled, torch.isfinite(zero), zero)
-    largest = torch.stack([u.abs().amax() for u in unscaled]).amax()
-    return CheckedGrads(unscaled, torch.isfinite(largest), global_norm(unscaled))
+    values = [u._values() if u.is_sparse else u for u in unscaled]  # a sparse grad's entries
+    largest = torch.stack([v.abs().amax() for v in values]).amax()
+    return CheckedGrads(unscaled, torch.isfinite(largest), global_norm(values))

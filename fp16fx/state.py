@@ -38,8 +38,9 @@ class MixedPrecisionState:
     """The whole training state: a pytree of tensors with static optimizer, policy and layout.
 
     Attributes:
-      param_segments: per segment of ``layout``, its model-dtype params: a flat tensor (made
-        by ``init(..., buckets=True)`` or a pure step), or the tuple of its leaves as given.
+      param_segments: per segment of ``layout``, its model-dtype params: one flat tensor where
+        they are views of one (``init(..., buckets=True)`` makes them so, a pure step returns
+        them so), else the tuple of its leaves as given.
       master_segments: per segment, the flat FP32 master (a flat FP32 param is its own).
       opt_state: the optimizer's state (its per-param parts: one entry per segment).
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
@@ -208,20 +209,23 @@ def init(
     layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
-        flats = flat.adopt(layout, leaves) if buckets else [None] * len(layout.buckets)
+        if buckets:
+            flats: list[Any] = flat.adopt(layout, leaves)
+        else:  # the leaves as given, as one flat tensor where they are one
+            flats = [flat.flat_view(bucket, leaves) for bucket in layout.buckets]
         params_of, masters = [], []
         for bucket, buffer in zip(layout.buckets, flats):
-            mine = tuple(leaves[i] for i in bucket.indices)
-            params_of.append(mine if buffer is None else buffer[: bucket.numel])
-            if bucket.dtype == torch.float32:  # its own master, where it is one flat tensor
-                buffer = flat.joined(mine, bucket.shapes) if buffer is None else buffer
+            if buffer is None:
+                params_of.append(tuple(leaves[i] for i in bucket.indices))
+            else:
+                params_of.append(buffer[: bucket.numel])
             if buffer is not None and bucket.dtype == torch.float32:
-                masters.append(buffer[: bucket.numel])
+                masters.append(params_of[-1])  # an FP32 param is its own master
             else:
                 masters.append(flat.pack(bucket, leaves, torch.float32))
         labels = [b.label for b in layout.buckets]  # one segment per bucket
         master_segments = Segments(masters, labels)
-        return MixedPrecisionState(
+        state = MixedPrecisionState(
             param_segments=Segments(params_of, labels),
             master_segments=master_segments,
             opt_state=optimizer.init(master_segments),
@@ -232,6 +236,9 @@ def init(
             layout=layout,
             consensus=consensus,
         )
+    if not buckets:
+        state._views["params"] = params  # the caller's own tensors, not views of them
+    return state
 
 
 def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:

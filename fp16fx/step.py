@@ -4,8 +4,8 @@ Layer: ``step`` (docs/design.md). One step, over the segments that have a gradie
 
     scaled grads g, scale s
     u, finite, norm = unscale_and_check(g, s)     # one reduction pass (+ consensus)
-    master          = param where param != master rounded, else master   # a written param wins
     updates, opt'   = optimizer.update(u, opt, master)   # FP32 math; clipping reads ``norm``
+    master          = param where param != master rounded, else master   # a written param wins
     master'         = master + updates
     keep every old value where not finite         # torch.where: no host sync, exact skip
     param'          = master'.to(param.dtype)
@@ -19,6 +19,8 @@ in-place variant (:func:`apply_updates_`) writes the same values into the state'
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any, NamedTuple
 
 import optree
@@ -114,17 +116,22 @@ def apply_updates(
     def keep_if_skipped(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return new if new is old else torch.where(finite, new, old)
 
+    updates, opt_state = optimizer.update(
+        Segments(checked.unscaled, grads.labels),
+        with_grad_norm(trained.opt_state, norm),
+        trained.masters,
+    )
     # A param is always its master rounded, unless someone wrote it (load_state_dict, a
-    # clamp): then the written value is the truth, and the master takes it exactly.
+    # clamp): then the written value is the truth, and the update applies to it exactly.
+    # (Checked here, not before the update: the CPU runs the fused pass markedly slower when
+    # the check feeds the whole update, and a weight decay computed from the master as it
+    # was differs from the written one's by lr * wd * the write, once.)
     masters = Segments(
         [
             m if p is None else torch.where(p != m.to(p.dtype), p.float(), m)
             for p, m in zip(trained.params, trained.masters)
         ],
         trained.masters.labels,
-    )
-    updates, opt_state = optimizer.update(
-        Segments(checked.unscaled, grads.labels), with_grad_norm(trained.opt_state, norm), masters
     )
     new_masters = optree.tree_map(lambda m, u: keep_if_skipped(m + u, m), masters, updates)
     new_params = Segments(
@@ -260,7 +267,8 @@ def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.
     """Returns the segment's params as one flat tensor, or None when they are not one."""
     if isinstance(params, torch.Tensor):
         return params
-    return flat.joined(params, layout.buckets[seg.bucket].shapes[seg.lo : seg.hi])
+    bucket = layout.buckets[seg.bucket]
+    return flat.joined(params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1])
 
 
 def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:
@@ -278,7 +286,8 @@ def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | Non
             return None
         flats.append(found)
     trained = sum(len(bucket) for bucket in layout.buckets)
-    if sum(g is not None for g in leaves) != trained:  # a grad for an untrained leaf
+    given = sum(map(operator.is_not, leaves, itertools.repeat(None)))
+    if given != trained:  # a grad for an untrained leaf
         return None
     return flats
 

@@ -209,6 +209,9 @@ def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
         capsys, "--api", "functional", "--model", "resnet18", "--resume", saved
     )
     assert "was written with --model cnn, this run has resnet18" in one_line(err)
+    # A resumed run continues the checkpoint's random streams: another seed would be ignored.
+    code, _, err = train_cli(capsys, "--api", "functional", "--seed", "5", "--resume", saved)
+    assert code == 1 and "was written with --seed 0, this run has 5" in one_line(err)
 
 
 def test_foreign_torch_file_is_refused(capsys, tmp_path) -> None:

@@ -13,14 +13,14 @@ and loaded in torch.optim's per-param format.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 import fp16fx.distributed as fdist
 from fp16fx import checkpoint, tree
-from fp16fx.compile import StepFunction, compile_step
+from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.facade import torch_state
 from fp16fx.facade.groups import (
@@ -308,7 +308,10 @@ class FastEngine:
 
         Raises ValueError for a sharded engine when a param has none (before any collective).
         """
-        grads = self.flat.grads()
+        try:
+            grads = self.flat.grads()
+        except TypeError as err:  # a sparse gradient: the generic path takes it
+            raise Unsupported(str(err)) from None
         if self.sharded is not None and None in grads:
             p = self.flat.params[grads.index(None)]
             raise ValueError(
@@ -325,13 +328,25 @@ class FastEngine:
             self._scattered = fdist.reduce_grads(self.sharded, self.grads())
         return self._scattered
 
+    def _compiling(self, run: Callable[[], Any]) -> Any:
+        """Returns ``run()``; if torch.compile cannot compile (before anything ran), logs it
+        once and runs it again with the same core, eagerly, from then on."""
+        try:
+            return run()
+        except COMPILE_ERRORS as err:
+            logger.warning("fp16fx: torch.compile failed (%s); stepping eagerly", err)
+            self.step_fn = StepFunction(inplace=True, compile_options=None)
+            return run()
+
     def step(self) -> StepInfo:
         """Runs the core on the current grads (skipped exactly on inf/NaN); returns its info."""
         self.sync_groups()
         if self.sharded is None:
-            self.state, info = self.step_fn(self.state, self.grads())
+            grads = self.grads()
+            self.state, info = self._compiling(lambda: self.step_fn(self.state, grads))
         else:
-            info = fdist.step_shards(self.sharded, self._scatter(), self.step_fn)
+            shards = self._scatter()
+            info = self._compiling(lambda: fdist.step_shards(self.sharded, shards, self.step_fn))
         stats = self.scaler.stats
         stats.add_(torch.stack([~info.finite, info.loss_scale_floored]).to(stats.dtype))
         self.last_info, self._checked, self._scattered = info, None, None
@@ -342,10 +357,8 @@ class FastEngine:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
         sharded, of the mean grads (a collective: every rank calls it)."""
         if self._checked is None:
-            if self.sharded is None:
-                self._checked = self.step_fn.check(self.state, self.grads())
-            else:
-                self._checked = self.step_fn.check(self.state, self._scatter())
+            grads = self.grads() if self.sharded is None else self._scatter()
+            self._checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
         return self._checked
 
     def local_finite(self) -> bool:
@@ -380,6 +393,10 @@ class FastEngine:
             for p, g in zip(self.flat.params, self.grads())
             if g is not None
         }
+
+    def grad_versions(self) -> tuple[Any, ...]:
+        """Returns what changes when autograd writes any trained param's gradient."""
+        return self.flat.grad_versions()
 
     def check_params(self, names: Mapping[int, str]) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""

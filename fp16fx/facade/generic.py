@@ -72,6 +72,11 @@ class GenericEngine:
                     master.grad = None
         self._finite = finite
 
+    def grad_versions(self) -> tuple[int | None, ...]:
+        """Returns each param's gradient's version counter (None without one): autograd
+        writing any of them changes it."""
+        return tuple(None if p.grad is None else p.grad._version for p, _ in self.pairs)
+
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
         return True if self._finite is None else bool(self._finite)

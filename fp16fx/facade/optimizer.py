@@ -24,7 +24,13 @@ from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
-from fp16fx.facade.params import ParamSet, check_trainable, param_names, replace_params
+from fp16fx.facade.params import (
+    ParamSet,
+    check_trainable,
+    check_unique,
+    param_names,
+    replace_params,
+)
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.scaling import DynamicLossScale
@@ -168,6 +174,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
         names = param_names(init_optimizer)
         groups = init_optimizer.param_groups
+        check_unique(groups, names)
         trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
         check_trainable([p for params in trainable for p in params], names)
         device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
@@ -300,7 +307,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """
         if isinstance(self._engine, FastEngine):
             self._engine.forget_check()
+        before = self._engine.grad_versions()
         (loss.float() * self._scaler.state.scale).backward(retain_graph=retain_graph)
+        if self._engine.grad_versions() == before:
+            self._reached_nothing()
         self._phase.new_grads()
         if update_master_grads:
             self.update_master_grads()
@@ -528,6 +538,17 @@ class FP16_Optimizer(torch.optim.Optimizer):
         )
         if self._phase.grads == "unscaled":
             self._phase.grads = "fresh"
+
+    def _reached_nothing(self) -> None:
+        """Raises: the loss just backpropagated reached none of the params trained here."""
+        trained = [p for ps in self._params.trainable for p in ps]
+        first = self._params.names.get(id(trained[0]), "a param") if trained else "none"
+        raise RuntimeError(
+            f"optimizer.backward(loss): the loss reached none of the {len(trained)} params this "
+            f"FP16_Optimizer trains ({first}, ...). Were the model's params replaced after it "
+            "was built -- load_state_dict(..., assign=True), model.to(...), a new module? "
+            "Build the FP16_Optimizer after that, or load weights with assign=False."
+        )
 
     def _check_frozen(self) -> None:
         for p in self._params.frozen:

@@ -25,6 +25,21 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
     return names
 
 
+def check_unique(groups: list[dict[str, Any]], names: dict[int, str]) -> None:
+    """Raises ValueError, naming it, if a param is listed twice in one group (torch.optim
+    warns and steps it twice; its two entries would share one master here)."""
+    for k, group in enumerate(groups):
+        seen: dict[int, int] = {}
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                raise ValueError(
+                    f"param_groups[{k}]['params'][{i}] is param_groups[{k}]['params']"
+                    f"[{seen[id(p)]}] again: a param listed twice in a group would be stepped "
+                    "twice; list it once"
+                )
+            seen[id(p)] = i
+
+
 def check_trainable(
     params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
 ) -> None:

@@ -10,7 +10,10 @@ and turns what happened since into at most two log lines on the ``fp16fx`` logge
 * ``WARNING fp16fx: 3 of the last 100 steps were skipped ...`` (only with ``verbose=True``);
 * ``WARNING fp16fx: the loss scale is at its minimum ...`` whenever an overflow could not lower
   the scale any further (always: a model that overflows at the minimum scale is broken, and
-  no amount of scaling will save it).
+  no amount of scaling will save it);
+* ``WARNING fp16fx: the loss scale fell to ..., below 1`` once when a run of inf/NaN steps took
+  the scale below 1, where ordinary FP16 gradients underflow to zero (always; again only after
+  it has come back above 1).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class OverflowReporter:
         self.steps = 0
         self.skipped_total = 0
         self.floored_total = 0
+        self._warned_below_one = False
 
     def stepped(self, stats: torch.Tensor, scale: torch.Tensor) -> None:
         """Counts one step; every ``interval`` steps reads ``stats`` and logs (one sync)."""
@@ -64,6 +68,16 @@ class OverflowReporter:
                 "model itself produces inf/NaN: lowering the scale cannot fix that.",
                 now, floored, steps,
             )  # fmt: skip
+        if now < 1 and not self._warned_below_one:
+            logger.warning(
+                "fp16fx: the loss scale fell to %g, below 1, after steps with inf/NaN "
+                "gradients: FP16 gradients of ordinary size now underflow to zero, and steps "
+                "change little or nothing until the scale grows back (it doubles once per "
+                "scale window of clean steps). Give it a floor: "
+                "dynamic_loss_args={'min_loss_scale': 1}.",
+                now,
+            )  # fmt: skip
+        self._warned_below_one = now < 1
         if skipped and self.verbose:
             logger.warning(
                 "fp16fx: %d of the last %d step(s) were skipped (inf/NaN gradients); "

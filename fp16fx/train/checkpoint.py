@@ -4,8 +4,8 @@ A checkpoint is one ``torch.save`` file holding only tensors and Python primitiv
 read with ``torch.load(weights_only=True)`` (no pickled code runs)::
 
     {
-        "format": "fp16fx.train/1",
-        "run": {"model": ..., "dataset": ..., "api": ..., "loss_scale": ...},  # must match
+        "format": "fp16fx.train/2",
+        "run": {"model": ..., "dataset": ..., "api": ..., "seed": ...},  # must match
         "epoch": 3,                                  # epochs completed
         "stepper": {"model": ..., "optimizer": ...}, # Stepper.state_dict()
         "rng": {"torch": ByteTensor, "data": ByteTensor[, "cuda": ByteTensor]},
@@ -34,7 +34,7 @@ __all__ = [
     "save_atomic",
 ]
 
-FORMAT = "fp16fx.train/1"
+FORMAT = "fp16fx.train/2"
 _REQUIRED = ("format", "run", "epoch", "stepper", "rng", "history")
 
 

@@ -77,8 +77,12 @@ class TrainConfig:
     plot: str | None = None
 
     def identity(self) -> dict[str, Any]:
-        """Returns the settings a checkpoint must share with this session to be resumed."""
-        return {"model": self.model, "dataset": self.dataset, "api": self.api}
+        """Returns the settings a checkpoint must share with this session to be resumed.
+
+        The seed is one: a resumed run continues the checkpoint's random streams (batch
+        order, augmentation), so a different ``--seed`` would be printed but not used.
+        """
+        return {"model": self.model, "dataset": self.dataset, "api": self.api, "seed": self.seed}
 
 
 @dataclasses.dataclass(frozen=True)

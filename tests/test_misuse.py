@@ -1,0 +1,254 @@
+"""What careless and demanding users did to fp16fx, and what it does about it.
+
+Each test is a scenario that once trained wrongly without an error, crashed, or refused
+something it should not have; it fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fp16fx
+from fp16fx.fp16_utils import FP16_Optimizer
+
+PATHS = ["fast", "generic"]
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).half()
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, 4, generator=g).half(), torch.randn(8, 2, generator=g)
+
+
+def loss_of(model: nn.Module, i: int) -> torch.Tensor:
+    x, y = batch(i)
+    return ((model(x).float() - y) ** 2).mean()
+
+
+def wrap(model: nn.Module, path: str, inner=None, **kwargs) -> FP16_Optimizer:
+    inner = inner or torch.optim.Adam(model.parameters(), lr=1e-2)
+    kwargs.setdefault("verbose", False)
+    return FP16_Optimizer(inner, path=path, compiled=False, **kwargs)
+
+
+# -- 1. gradient accumulation: the scale moves once per step, on both paths ----------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_accumulated_grads_carry_one_scale_and_the_scale_moves_once_per_step(path):
+    model = nn.Linear(1, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = wrap(
+        model,
+        path,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 1024, "scale_window": 2},
+    )
+    x = torch.ones(1, 1).half()
+    for step in range(3):
+        opt.zero_grad()
+        for _ in range(4):  # the default update_master_grads=True, each time
+            opt.backward(model(x).float().sum() / 4)
+        (grads,) = opt.inspect_master_grad_data()
+        assert grads[0].item() == 1.0  # d(sum of 4 quarters)/dw, exactly
+        opt.step()
+        assert opt.loss_scale == 1024 * 2 ** ((step + 1) // 2)  # grows every 2 steps
+
+
+EVENTS = st.lists(
+    st.sampled_from(["backward", "backward", "overflow", "step", "zero_grad"]),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(events=EVENTS)
+def test_both_paths_follow_the_same_scale_and_grads_through_any_sequence(events):
+    """hypothesis picks the sequence of backward, overflowing backward, step and zero_grad."""
+    runs = {}
+    for path in PATHS:
+        model = make_model()
+        first = next(model.parameters())
+        bad = {"on": False}
+        first.register_hook(lambda g, bad=bad: g * float("inf") if bad["on"] else g)
+        opt = wrap(
+            model,
+            path,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            dynamic_loss_scale=True,
+            dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2},
+        )
+        trace = []
+        for i, event in enumerate(["zero_grad", *events, "step"]):
+            if event == "zero_grad":
+                opt.zero_grad()
+            elif event == "step":
+                opt.step()
+            else:
+                bad["on"] = event == "overflow"
+                opt.backward(loss_of(model, i))
+                bad["on"] = False
+            trace.append(opt.loss_scale)
+        runs[path] = trace, [p.detach().clone() for p in model.parameters()]
+    assert runs["fast"][0] == runs["generic"][0]
+    for a, b in zip(runs["fast"][1], runs["generic"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)  # FP16 params, ulp apart
+
+
+# -- 2. weights written after the optimizer was built ---------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("how", ["load_state_dict", "clamp through .data", "no_grad copy"])
+def test_weights_written_after_wrapping_are_kept_not_undone(path, how):
+    model = make_model()
+    opt = wrap(model, path, torch.optim.Adam(model.parameters(), lr=1e-4))
+    for i in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model, i))
+        opt.step()
+    target = make_model(seed=7)
+    if how == "load_state_dict":
+        model.load_state_dict(target.state_dict())
+    elif how == "clamp through .data":  # the classic WGAN weight clipping
+        for p in model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+    else:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), target.parameters()):
+                p.copy_(q)
+    written = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    opt.backward(loss_of(model, 9))
+    opt.step()  # lr 1e-4: one step moves each weight by about 1e-4, not back to the old ones
+    for p, w in zip(model.parameters(), written):
+        assert (p.float() - w.float()).abs().max().item() < 2e-3
+    masters = [m for g in opt.param_groups for m in g["params"]]
+    for m, w in zip(masters, written):
+        assert (m.detach() - w.float()).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_model_whose_params_were_replaced_is_refused_by_name(path):
+    model = make_model()
+    opt = wrap(model, path)
+    model.load_state_dict(make_model(seed=3).state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\].*assign=True"):
+        opt.backward(loss_of(model, 0))
+        opt.step()
+
+
+# -- 3. many layouts in one process ----------------------------------------------------------
+
+
+@pytest.mark.compile
+def test_twenty_layouts_in_one_process_each_compile_their_own_step():
+    torch._dynamo.reset()
+    step = fp16fx.compile_step(inplace=True)
+    for width in range(1, 21):  # a notebook sweeping model widths
+        params = {"w": torch.ones(width, 3).half(), "b": torch.ones(width).half()}
+        state = fp16fx.init(params, fp16fx.sgd(0.25), fp16fx.StaticLossScale(1.0), buckets=True)
+        grads = fp16fx.grad_buffers(state)
+        for g in optree.tree_leaves(grads):
+            g.fill_(1.0)
+        state, info = step(state, grads)
+        assert bool(info.finite) and params["b"].tolist() == [0.75] * width
+
+
+# -- 4. sparse gradients ----------------------------------------------------------------------
+
+
+def test_sparse_gradients_take_the_generic_path_and_train():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).half()
+    before = emb.weight.detach().clone()
+    opt = FP16_Optimizer(torch.optim.SGD(emb.parameters(), lr=0.5), verbose=False)
+    idx = torch.tensor([1, 4])
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(emb(idx).float().sum())
+        opt.step()
+    assert opt.path == "generic"
+    moved = (emb.weight.float() - before.float()).abs().sum(dim=1) > 0
+    assert moved.tolist() == [i in (1, 4) for i in range(10)]
+
+
+# -- 5. finite but huge gradients --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_grads_whose_squares_overflow_are_applied_not_skipped(dtype):
+    params = {"w": torch.zeros(4, dtype=dtype)}
+    state = fp16fx.init(params, fp16fx.sgd(1e-20), fp16fx.NoLossScale())
+    state, info = fp16fx.step(state, {"w": torch.full((4,), 1e19, dtype=dtype)})
+    assert bool(info.finite) and state.count.item() == 1
+    assert torch.isinf(info.grad_norm)  # the FP32 norm overflows, as torch's clip_grad_norm_'s
+    assert state.params["w"].float().tolist() == pytest.approx([-0.1] * 4, rel=1e-2)
+
+
+# -- 6. a NaN burst that drives the scale below 1 -------------------------------------------
+
+
+def test_a_scale_below_one_is_reported_once_with_the_remedy(caplog):
+    model = make_model()
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dynamic_loss_scale=True,
+        verbose=False,
+        compiled=False,
+        report_interval=5,
+    )
+    first = next(model.parameters())
+    first.register_hook(lambda g: g * float("nan"))
+    with caplog.at_level(logging.WARNING, logger="fp16fx"):
+        for i in range(40):  # 2**16 halved 40 times: far below 1
+            opt.zero_grad()
+            opt.backward(loss_of(model, i))
+            opt.step()
+    below = [r for r in caplog.records if "below 1" in r.getMessage()]
+    assert len(below) == 1 and "min_loss_scale" in below[0].getMessage()
+
+
+# -- 7. smaller ones ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_param_listed_twice_in_a_group_is_refused_by_name(path):
+    model = make_model()
+    params = list(model.parameters())
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch.optim's own
+        inner = torch.optim.SGD([*params, params[0]], lr=0.1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[4\] is .*twice"):
+        wrap(model, path, inner)
+
+
+def test_an_in_place_step_given_the_params_as_grads_is_refused_before_compiling():
+    params = {"w": torch.randn(4).half()}
+    state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0), buckets=True)
+    step = fp16fx.compile_step(inplace=True)
+    with pytest.raises(ValueError, match=r"grads\['w'\] shares memory with the state"):
+        step(state, state.params)
+    state, info = fp16fx.step(state, state.params)  # pure: nothing is overwritten, allowed
+    assert bool(info.finite)
+
+
+def test_pickling_a_functional_state_says_to_use_state_dict():
+    state = fp16fx.init({"w": torch.ones(2)}, fp16fx.adam())
+    with pytest.raises(TypeError, match=re.escape("fp16fx.state_dict(state)")):
+        pickle.dumps(state)
