@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import fp16fx
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-requires_facade = pytest.mark.skipif(
-    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
-)
 
 
 def run_example(name: str, *args: str) -> str:
@@ -45,7 +40,6 @@ def test_functional_step_example_never_recompiles_and_skips_exactly() -> None:
     assert losses and all(loss < 1.5 for loss in losses)
 
 
-@requires_facade
 def test_migrate_from_apex_example_runs_static_and_dynamic_scaling() -> None:
     out = run_example("migrate_from_apex.py", "--steps", "30")
     static, dynamic = out.split("dynamic loss scale")
@@ -63,7 +57,6 @@ def test_migrate_from_apex_example_changes_only_the_import() -> None:
         assert call in source
 
 
-@requires_facade
 def test_resnet18_cifar10_example_trains_on_fake_data() -> None:
     out = run_example("resnet18_cifar10.py", "--fake-size", "8", "--batch-size", "4")
     assert re.search(r"epoch 1/1: loss \d+\.\d+, [0-2] skipped steps, loss scale \d+", out)

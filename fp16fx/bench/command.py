@@ -175,9 +175,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 def _list_contenders() -> str:
     lines = ["roofline          30 B/param / measured copy bandwidth (always reported)"]
     for cls in select_runners(None):
-        reason = cls.unavailable_reason(torch.device("cpu"))
-        status = "" if reason is None else f"  (unavailable: {reason})"
-        lines.append(f"{cls.name:<17} {cls.label}{status}")
+        lines.append(f"{cls.name:<17} {cls.label}")
     return "\n".join(lines)
 
 

@@ -14,8 +14,8 @@ For each preset and each selected runner, in one process:
    recompile);
 4. persistent bytes = distinct storages of :meth:`Runner.persistent_tensors` ÷ params.
 
-A runner that is unavailable (``unavailable_reason``) or raises is reported as such and the
-run goes on. The roofline (30 B/param ÷ copy bandwidth measured at the start) is a row too.
+A runner that raises is reported as such and the run goes on. The roofline (30 B/param ÷ copy
+bandwidth measured at the start) is a row too.
 With ``interleave``, the steps are timed again in turn (:mod:`fp16fx.bench.interleave`).
 """
 
@@ -252,11 +252,6 @@ def _run_preset(
         ms_per_step=measure.ms_at(nbytes, bandwidth.gbps),
     )
     failed: dict[str, ContenderResult] = {}
-    for cls in runners:
-        reason = cls.unavailable_reason(device)
-        if reason is not None:
-            progress(f"[{preset.name}] {cls.name}: unavailable ({reason})")
-            failed[cls.name] = _row(cls, "unavailable", reason)
     measured: dict[str, list[ContenderResult]] = {}
     round_roofline_ms = []
     for round_ in range(opts.rounds):
@@ -326,9 +321,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
     say(f"measuring copy bandwidth on {device} ({torch.get_num_threads()} threads)")
     bandwidth = measure.copy_bandwidth(device, opts.copy_buffer_bytes)
     say(f"copy bandwidth {bandwidth.gbps:.1f} GB/s")
-    if opts.compile_times and any(
-        cls.compiled and cls.unavailable_reason(device) is None for cls in runners
-    ):
+    if opts.compile_times and any(cls.compiled for cls in runners):
         say("warming up the compiler (imports, worker pool)")
         measure.warm_up_compiler(device)
     presets = [_run_preset(p, runners, opts, device, bandwidth, say) for p in opts.presets]

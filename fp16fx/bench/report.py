@@ -79,7 +79,7 @@ def align(names: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """Return a header line, a rule and one line per row, in aligned columns.
 
     The first column is left-aligned, the others right-aligned. A row with fewer cells than
-    ``names`` (an unavailable or failed entry) prints its second cell as free text after the
+    ``names`` (a failed entry) prints its second cell as free text after the
     first, and does not widen the columns.
     """
     full_rows = [r for r in rows if len(r) == len(names)]

@@ -14,7 +14,7 @@ ROOFLINE = "roofline"
 class ContenderResult:
     """What was measured for one contender on one preset (times in ms/s, memory in bytes).
 
-    ``status`` is ``"ok"``, ``"unavailable"`` or ``"error"`` (then ``reason`` says why and the
+    ``status`` is ``"ok"`` or ``"error"`` (then ``reason`` says why and the
     measurements are None). ``peak_mem_bytes`` is the peak during the timed steps above the
     memory held when they began: what a step allocates on top of the persistent state (CPU:
     peak RSS delta; CUDA: ``max_memory_allocated`` delta). ``peak_mem_total_bytes`` is the

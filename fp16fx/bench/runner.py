@@ -103,12 +103,6 @@ class Runner(abc.ABC):
         self.config = config
         self.notes: list[str] = []
 
-    @classmethod
-    def unavailable_reason(cls, device: torch.device) -> str | None:
-        """Return why this runner cannot run here (e.g. a missing fp16fx API), or None."""
-        del device
-        return None
-
     @abc.abstractmethod
     def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
         """Build the optimizer's state for FP16 ``params`` whose grads are ``grads``.
