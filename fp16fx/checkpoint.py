@@ -28,6 +28,7 @@ copy it, before stepping again. Loading checks everything first -- format, polic
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,14 @@ import optree
 import torch
 
 from fp16fx import flat, tree
+from fp16fx.precision import (
+    Precision,
+    Quantized,
+    decode_master,
+    decode_moment,
+    encode_master,
+    encode_moment,
+)
 from fp16fx.segments import MASKED, named_segments
 from fp16fx.state import MixedPrecisionState, recut
 from fp16fx.transforms import Hyperparams
@@ -68,31 +77,54 @@ def hyperparam_tensors(opt_state: Any) -> dict[str, torch.Tensor]:
 
 def per_leaf(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]:
     """Returns, per flat param leaf, its tensors under their state-dict keys (views of the
-    state): ``param``, ``master`` (where separate), and its part of every per-param tensor of
-    the optimizer's state. None for untrained leaves."""
-    layout = state.layout
+    state, as stored): ``param``; ``master`` (an FP16/BF16 param's FP32 master) or
+    ``correction`` (a compensated one's); its part of every per-param tensor of the
+    optimizer's state -- an int8 moment as ``<key>.codes``, the ``<key>.scales`` of the blocks
+    it overlaps and ``<key>.offset`` (where it starts in the first). None for untrained
+    leaves."""
+    layout, block = state.layout, state.precision.block
     opt = named_segments(state.opt_state)
     out: list[dict[str, torch.Tensor] | None] = [None] * layout.num_leaves
     params = tree.flatten(state.params)[0]
-    masters = tree.flatten(state.master)[0]
+    if state.precision.compensated:
+        masters = [None] * layout.num_leaves
+    else:
+        masters = tree.flatten(state.master)[0]
     for k, seg in enumerate(layout.segments):
         bucket = layout.buckets[seg.bucket]
-        parts = {}
+        n = seg.hi - seg.lo
+        parts: dict[str, list[torch.Tensor]] = {}
+        if state.precision.compensated and bucket.dtype != torch.float32:
+            parts["correction"] = flat.views(bucket, state.master_segments[k], seg.lo, seg.hi)
         for name, node in opt:
-            value = node[k]
+            value, key = node[k], f"opt{name}"
             if value is MASKED or value is None:
                 continue
-            if value.ndim == 0:
-                parts[f"opt{name}"] = [value] * (seg.hi - seg.lo)
+            if isinstance(value, Quantized):
+                parts[f"{key}.codes"] = flat.views(bucket, value.codes, seg.lo, seg.hi)
+                starts = [bucket.offsets[j] - seg.start for j in range(seg.lo, seg.hi + 1)]
+                parts[f"{key}.scales"] = [
+                    value.scales[a // block : -(-b // block)] for a, b in itertools.pairwise(starts)
+                ]
+                parts[f"{key}.offset"] = [
+                    torch.tensor(a % block, device=value.codes.device) for a in starts[:-1]
+                ]
+            elif value.ndim == 0:
+                parts[key] = [value] * n
             else:
-                parts[f"opt{name}"] = flat.views(bucket, value, seg.lo, seg.hi)
+                parts[key] = flat.views(bucket, value, seg.lo, seg.hi)
         for j, i in enumerate(bucket.indices[seg.lo : seg.hi]):
             entry = {"param": params[i]}
-            if bucket.dtype != torch.float32:
+            if masters[i] is not None and bucket.dtype != torch.float32:
                 entry["master"] = masters[i]
             entry.update({key: values[j] for key, values in parts.items()})
             out[i] = entry
     return out
+
+
+def precision_dict(precision: Precision) -> dict[str, Any]:
+    """Returns a state's :class:`~fp16fx.precision.Precision` as primitives."""
+    return dataclasses.asdict(precision)
 
 
 def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
@@ -103,6 +135,7 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "policy": policy_dict(state.policy),
+        "precision": precision_dict(state.precision),
         "loss_scale": dict(zip(state.loss_scale._fields, state.loss_scale)),
         "count": state.count,
         "hyperparams": hyperparam_tensors(state.opt_state),
@@ -171,7 +204,79 @@ def check_fits(template: Mapping[str, Any], sd: Any) -> None:
 
 def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
     """Returns a saved leaf's per-param scalars (step counts), in key order (one sync each)."""
-    return tuple(float(v) for _, v in sorted(entry.items()) if v.ndim == 0)
+    return tuple(
+        float(v)
+        for k, v in sorted(entry.items())
+        if k.startswith("opt") and not k.endswith(".offset") and v.ndim == 0
+    )
+
+
+def _check_precision(saved: Any) -> Precision:
+    try:
+        return Precision(**saved)
+    except (TypeError, ValueError) as err:
+        raise _fail(f"['precision'] is {saved!r}: {err}") from None
+
+
+def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
+    ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded."""
+    out = {"param": entry["param"]}
+    if "master" in entry:
+        out["master"] = entry["master"]
+    elif "correction" in entry:
+        out["master"] = decode_master(entry["param"], entry["correction"])
+    for key, value in entry.items():
+        if not key.startswith("opt") or key.endswith((".scales", ".offset")):
+            continue
+        if key.endswith(".codes"):
+            name = key[: -len(".codes")]
+            out[name] = _decode_leaf(value, entry[f"{name}.scales"], entry[f"{name}.offset"], block)
+        else:
+            out[key] = value.float() if value.ndim else value
+    return out
+
+
+def _decode_leaf(
+    codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor, block: int
+) -> torch.Tensor:
+    """Returns the FP32 values of one leaf's part of an int8 moment (uint8 codes: a
+    non-negative one)."""
+    start = int(offset)
+    padded = torch.cat([codes.reshape(-1).new_zeros(start), codes.reshape(-1)])
+    stored = Quantized(padded, scales)
+    return decode_moment(stored, codes.dtype == torch.uint8, block)[start:].view(codes.shape)
+
+
+def _canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
+    """Returns :func:`canonical` of every leaf entry; raises naming a malformed one."""
+    out = {}
+    for path, entry in params.items():
+        where = f"['params'][{path!r}]"
+        if not isinstance(entry, Mapping):
+            raise _fail(f"{where} is a {type(entry).__name__}, not a dict")
+        try:
+            out[path] = canonical(entry, block)
+        except KeyError as err:
+            raise _fail(f"{where} lacks {err}") from None
+        except (AttributeError, IndexError, TypeError, RuntimeError, ValueError) as err:
+            raise _fail(f"{where} holds a malformed compact tensor: {err}") from None
+    return out
+
+
+def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
+    """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
+    an int8 moment's blocks where the state's sit -- so a raw copy is exact."""
+    try:
+        check_fits(template, {**sd, "precision": template["precision"]})
+    except (StateDictError, TypeError):
+        return False
+    return all(
+        int(sd["params"][path][key]) == int(like)
+        for path, entry in template["params"].items()
+        for key, like in entry.items()
+        if key.endswith(".offset")
+    )
 
 
 def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedPrecisionState:
@@ -182,26 +287,89 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     counts get segments of their own: the returned state is ``state`` cut where needed, over
     the same tensors. Use it from now on.
 
+    A dict saved in the state's precision loads bitwise. One saved in another precision (an
+    FP32-master checkpoint into a compensated state, int8 moments into FP32 ones...) is
+    decoded to FP32 and stored in the state's: the masters and moments are rounded to nearest
+    (a compensated master: to ``1/256`` of an FP16 ulp, from the saved param wherever its
+    correction reaches the saved master).
+
     Raises:
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
         loss-scale policy -- named; TypeError: ``sd`` is not a dict. Nothing is changed.
     """
-    check_fits(state_dict(state), sd)
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
+    saved = _check_precision(sd.get("precision", precision_dict(Precision())))
+    if not isinstance(sd.get("params"), Mapping):
+        raise _fail("it has no ['params'] dict")
+    template = state_dict(state)
+    mine = {**template, "params": _canonical_params(template["params"], state.precision.block)}
+    theirs = {
+        **sd,
+        "precision": template["precision"],
+        "params": _canonical_params(sd["params"], saved.block),
+    }
+    check_fits(mine, theirs)
     paths = leaf_paths(state)
-    saved = [sd["params"].get(path) for path in paths]
-    marks = [None if entry is None else leaf_scalars(entry) for entry in saved]
+    canon = [theirs["params"].get(path) for path in paths]
+    marks = [None if entry is None else leaf_scalars(entry) for entry in canon]
     state = recut(state, state.layout.recut(marks))
+    exact = saved == state.precision and _same_layout(state_dict(state), sd)
     with torch.no_grad():
-        for entry, mine in zip(saved, per_leaf(state)):
-            if entry is not None:
-                for key, dst in mine.items():
-                    dst.copy_(entry[key])
+        if exact:  # as stored: bitwise
+            for path, targets in zip(paths, per_leaf(state)):
+                if targets is not None:
+                    for key, dst in targets.items():
+                        if not key.endswith(".offset"):
+                            dst.copy_(sd["params"][path][key])
+        else:
+            _store(state, canon)
         # An FP32 param kept as a leaf of its own has an FP32 master copy: it is the param.
-        for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
-            if param is not None and param.dtype == torch.float32 and master is not param:
-                master.copy_(param)
+        if not state.precision.compensated:
+            for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
+                if param is not None and param.dtype == torch.float32:
+                    master.copy_(param)
     load_shared(state, sd)
     return state
+
+
+def _store(state: MixedPrecisionState, entries: list[Any]) -> None:
+    """Writes FP32-terms leaf entries (:func:`canonical`) into ``state``, segment by segment,
+    encoding them in the state's precision (to nearest)."""
+    layout, precision = state.layout, state.precision
+    opt = named_segments(state.opt_state)
+    params = tree.flatten(state.params)[0]
+    for k, seg in enumerate(layout.segments):
+        bucket = layout.buckets[seg.bucket]
+        mine = [entries[i] for i in bucket.indices[seg.lo : seg.hi]]
+        for i, entry in zip(bucket.indices[seg.lo : seg.hi], mine):
+            params[i].copy_(entry["param"])
+
+        def joined(key: str, mine: list[Any] = mine) -> torch.Tensor:
+            return torch.cat([e[key].reshape(-1) for e in mine])
+
+        if bucket.dtype != torch.float32:
+            master = joined("master")
+            if precision.compensated:
+                p, c = encode_master(master, bucket.dtype, None, param=joined("param"))
+                state.flat_params()[k].copy_(p)
+                state.master_segments[k].copy_(c)
+            else:
+                state.master_segments[k].copy_(master)
+        for name, node in opt:
+            stored, key = node[k], f"opt{name}"
+            if stored is MASKED or stored is None:
+                continue
+            if isinstance(stored, Quantized):
+                values = joined(key)
+                non_negative = stored.codes.dtype == torch.uint8
+                q = encode_moment(values, "int8", non_negative, precision.block, None)
+                stored.codes.copy_(q.codes)
+                stored.scales.copy_(q.scales)
+            elif stored.ndim == 0:
+                stored.copy_(mine[0][key])
+            else:
+                stored.copy_(joined(key).to(stored.dtype))
 
 
 def load_shared(state: MixedPrecisionState, sd: Mapping[str, Any]) -> None:

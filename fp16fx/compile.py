@@ -126,6 +126,7 @@ class StepFunction:
             tuple(p is not None for p in prepared.trained.params),
             state.policy,
             state.consensus,
+            state.precision,
         )
         return _run_region(key, fn, self.compile_options, args)
 
@@ -142,7 +143,14 @@ class StepFunction:
     ) -> tuple[MixedPrecisionState, StepInfo]:
         prepared = self._prepare(state, grads)
         state = prepared.state
-        args = (state.optimizer, state.policy, state.consensus, prepared.grads, prepared.trained)
+        args = (
+            state.optimizer,
+            state.policy,
+            state.consensus,
+            state.precision,
+            prepared.grads,
+            prepared.trained,
+        )
         with torch.no_grad():
             if self.inplace:
                 info = self._run(apply_updates_, prepared, *args)

@@ -24,6 +24,14 @@ import torch
 from fp16fx import flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.flat import Layout
+from fp16fx.precision import (
+    Precision,
+    correction_dtype,
+    decode_master,
+    decode_moment,
+    encode_moment,
+    map_moments,
+)
 from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
 from fp16fx.segments import Segments, split
 from fp16fx.transforms import GradientTransformation
@@ -32,6 +40,8 @@ from fp16fx.transforms import GradientTransformation
 SegmentParams = torch.Tensor | tuple[torch.Tensor, ...]
 
 _CHILDREN = ("param_segments", "master_segments", "opt_state", "loss_scale", "count")
+_META = ("optimizer", "policy", "layout", "consensus", "precision")
+FP32 = Precision()  # FP32 masters and moments: the default
 
 
 class MixedPrecisionState:
@@ -41,7 +51,9 @@ class MixedPrecisionState:
       param_segments: per segment of ``layout``, its model-dtype params: one flat tensor where
         they are views of one (``init(..., buckets=True)`` makes them so, a pure step returns
         them so), else the tuple of its leaves as given.
-      master_segments: per segment, the flat FP32 master (a flat FP32 param is its own).
+      master_segments: per segment, the flat FP32 master (a flat FP32 param is its own); in a
+        compensated state, the FP16/BF16 params' integer corrections instead
+        (:mod:`fp16fx.precision`).
       opt_state: the optimizer's state (its per-param parts: one entry per segment).
       loss_scale: the loss-scale policy's :class:`~fp16fx.scaling.LossScaleState`.
       count: applied (not skipped) steps, a 0-d int64 tensor.
@@ -49,11 +61,13 @@ class MixedPrecisionState:
       layout: the :class:`~fp16fx.flat.Layout` of the params: buckets and segments.
       consensus: ``None``, or a :class:`~fp16fx.consensus.Consensus` agreeing ``finite`` and
         the gradient norm with other processes before any state changes (pytree metadata).
+      precision: the :class:`~fp16fx.precision.Precision` the masters and moments are stored
+        in (pytree metadata).
 
     ``params`` and ``master`` present the params and masters structured as given to ``init``.
     """
 
-    __slots__ = (*_CHILDREN, "_views", "consensus", "layout", "optimizer", "policy")
+    __slots__ = (*_CHILDREN, *_META, "_views")
 
     def __init__(
         self,
@@ -67,6 +81,7 @@ class MixedPrecisionState:
         policy: LossScalePolicy,
         layout: Layout,
         consensus: Consensus | None = None,
+        precision: Precision = FP32,
     ) -> None:
         self.param_segments = param_segments
         self.master_segments = master_segments
@@ -77,6 +92,7 @@ class MixedPrecisionState:
         self.policy = policy
         self.layout = layout
         self.consensus = consensus
+        self.precision = precision
         self._views: dict[str, Any] = {}
 
     @property
@@ -88,10 +104,36 @@ class MixedPrecisionState:
 
     @property
     def master(self) -> Any:
-        """The FP32 masters, structured as the params (views of the flat masters)."""
+        """The FP32 masters, structured as the params (views of the flat masters; decoded
+        anew, not views, in a compensated state)."""
         if "master" not in self._views:
-            self._views["master"] = self._tree(self.master_segments)
+            self._views["master"] = self._tree(self.decoded_masters())
         return self._views["master"]
+
+    def decoded_masters(self) -> Segments:
+        """Returns per segment the FP32 master (the stored one, or a compensated one decoded)."""
+        if not self.precision.compensated:
+            return self.master_segments
+        decoded = [
+            m if p.dtype == torch.float32 else decode_master(p, m)
+            for p, m in zip(self.flat_params(), self.master_segments)
+        ]
+        return Segments(decoded, self.master_segments.labels)
+
+    def flat_params(self) -> list[torch.Tensor]:
+        """Returns per segment its params as one flat tensor (a compensated state's always
+        are; elsewhere a segment of separate leaves raises)."""
+        out = []
+        for seg, params in zip(self.layout.segments, self.param_segments):
+            if isinstance(params, tuple):
+                bucket = self.layout.buckets[seg.bucket]
+                params = flat.joined(
+                    params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1]
+                )
+                if params is None:
+                    raise ValueError("the params of a segment are not one flat tensor")
+            out.append(params)
+        return out
 
     def _tree(self, per_segment: Segments) -> Any:
         leaves: list[Any] = [None] * self.layout.num_leaves
@@ -104,13 +146,7 @@ class MixedPrecisionState:
 
     def replace(self, **changes: Any) -> MixedPrecisionState:
         """Returns a copy of this state with the given fields changed."""
-        fields = {name: getattr(self, name) for name in _CHILDREN}
-        fields.update(
-            optimizer=self.optimizer,
-            policy=self.policy,
-            layout=self.layout,
-            consensus=self.consensus,
-        )
+        fields = {name: getattr(self, name) for name in (*_CHILDREN, *_META)}
         fields.update(changes)
         return MixedPrecisionState(**fields)
 
@@ -133,7 +169,7 @@ class MixedPrecisionState:
         return (
             f"MixedPrecisionState({n:,} trained values in {segments} segment(s), "
             f"count={self.count.tolist()}, loss_scale={self.loss_scale.scale.tolist()}, "
-            f"policy={self.policy})"
+            f"policy={self.policy}, precision={self.precision})"
         )
 
 
@@ -141,12 +177,11 @@ optree.register_pytree_node(
     MixedPrecisionState,
     lambda s: (
         tuple(getattr(s, name) for name in _CHILDREN),
-        (s.optimizer, s.policy, s.layout, s.consensus),
+        tuple(getattr(s, name) for name in _META),
         _CHILDREN,
     ),
     lambda meta, children: MixedPrecisionState(
-        **dict(zip(_CHILDREN, children)),
-        **dict(zip(("optimizer", "policy", "layout", "consensus"), meta)),
+        **dict(zip(_CHILDREN, children)), **dict(zip(_META, meta))
     ),
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # plain optree calls see its tensors
 )
@@ -176,6 +211,8 @@ def init(
     *,
     buckets: bool = False,
     consensus: Consensus | None = None,
+    master: str = "fp32",
+    moments: str = "fp32",
 ) -> MixedPrecisionState:
     """Returns the initial training state for ``params``.
 
@@ -193,20 +230,29 @@ def init(
         values into the given tensors after its fused pass (one more pass over the params).
       consensus: agree "finite" and the gradient norm with other processes every step
         (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.consensus.Consensus`).
+      master: ``"fp32"`` (an FP32 master per FP16/BF16 param) or ``"compensated"`` (none: the
+        param and a short correction carry it; needs the params in flat buffers, e.g.
+        ``buckets=True``). See :mod:`fp16fx.precision` and docs/precision.md.
+      moments: how the optimizer's per-element state is stored: ``"fp32"``, ``"bf16"`` or
+        ``"int8"`` (block-wise).
 
     Raises:
-      TypeError, ValueError: the params cannot be trained or the optimizer or policy is not
-        one (the message names the leaf); nothing is changed.
+      TypeError, ValueError: the params cannot be trained, the optimizer, policy or precision
+        is not one, or a compensated state's params are not flat or all FP32 (the message
+        names it); nothing is changed.
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
             f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
         )
+    precision = Precision(master, moments)
     leaves, treedef = tree.check_params(params)
     policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
     layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
+    if precision.compensated:
+        _check_compensable(layout, leaves, buckets)
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -221,33 +267,81 @@ def init(
                 params_of.append(buffer[: bucket.numel])
             if buffer is not None and bucket.dtype == torch.float32:
                 masters.append(params_of[-1])  # an FP32 param is its own master
+            elif precision.compensated:  # the param is its master: nothing to correct yet
+                masters.append(torch.zeros_like(buffer, dtype=correction_dtype(bucket.dtype)))
             else:
                 masters.append(flat.pack(bucket, leaves, torch.float32))
         labels = [b.label for b in layout.buckets]  # one segment per bucket
-        master_segments = Segments(masters, labels)
         state = MixedPrecisionState(
             param_segments=Segments(params_of, labels),
-            master_segments=master_segments,
-            opt_state=optimizer.init(master_segments),
+            master_segments=Segments(masters, labels),
+            opt_state=(),
             loss_scale=policy.init(device),
             count=torch.zeros((), dtype=torch.int64, device=device),
             optimizer=optimizer,
             policy=policy,
             layout=layout,
             consensus=consensus,
+            precision=precision,
         )
+        state.opt_state = encode_moments(optimizer.init(state.decoded_masters()), precision)
     if not buckets:
         state._views["params"] = params  # the caller's own tensors, not views of them
     return state
+
+
+def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
+    """Raises ValueError unless a compensated state can hold ``leaves``: FP16/BF16 params (an
+    FP32 param is its own master), one flat buffer per bucket (the fused pass writes them)."""
+    low = [b for b in layout.buckets if b.dtype != torch.float32]
+    if not low:
+        raise ValueError(
+            "master='compensated' carries FP16/BF16 params' masters in a short correction; "
+            "these params are all FP32, their own masters: use master='fp32'"
+        )
+    if not buckets and any(flat.flat_view(b, leaves) is None for b in low):
+        raise ValueError(
+            "master='compensated' keeps no FP32 copy, so the step must write the params in "
+            "its fused pass: pass buckets=True (or params that are views of one flat buffer)"
+        )
+
+
+def encode_moments(opt_state: Any, precision: Precision) -> Any:
+    """Returns an optimizer state's FP32 moments stored as ``precision.moments`` (rounded to
+    nearest; the step itself rounds stochastically)."""
+    if precision.moments == "fp32":
+        return opt_state
+    return map_moments(
+        lambda x, non_negative, k: encode_moment(
+            x, precision.moments, non_negative, precision.block, None
+        ),
+        opt_state,
+    )
+
+
+def decode_moments(opt_state: Any, precision: Precision) -> Any:
+    """Returns an optimizer state with every stored moment decoded to FP32."""
+    if precision.moments == "fp32":
+        return opt_state
+    return map_moments(
+        lambda x, non_negative, k: decode_moment(x, non_negative, precision.block), opt_state
+    )
 
 
 def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
     """Returns ``state`` over ``layout``, whose segment boundaries include the state's own.
 
     Nothing is copied: a segment cut in two becomes two views of its buffers (step counts and
-    other per-segment scalars are duplicated), so each part can step on its own.
+    other per-segment scalars are duplicated), so each part can step on its own. Block-wise
+    int8 moments are the exception: their blocks start with their segment, so they are
+    decoded, cut and encoded again (new tensors; one more rounding of those moments).
     """
-    params, masters, opt_state = state.param_segments, state.master_segments, state.opt_state
+    if layout == state.layout:
+        return state
+    params, masters = state.param_segments, state.master_segments
+    # A block-quantized moment's blocks start where its segment starts: cut it decoded.
+    quantized = state.precision.moments == "int8"
+    opt_state = decode_moments(state.opt_state, state.precision) if quantized else state.opt_state
     old = state.layout.segments
     for k in reversed(range(len(old))):
         seg = old[k]
@@ -268,6 +362,8 @@ def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
         )
         masters = split(masters, k, sizes)
         opt_state = split(opt_state, k, sizes)
+    if quantized:
+        opt_state = encode_moments(opt_state, state.precision)
     return state.replace(
         param_segments=params, master_segments=masters, opt_state=opt_state, layout=layout
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -28,9 +29,18 @@ import torch
 
 from fp16fx import flat, tree
 from fp16fx.consensus import Consensus
+from fp16fx.precision import (
+    Precision,
+    decode_master,
+    encode_master,
+    encode_moment,
+    hash_bits,
+    map_moments,
+    uniform,
+)
 from fp16fx.scaling import LossScalePolicy, LossScaleState, unscale_and_check
 from fp16fx.segments import Segments, merge, select
-from fp16fx.state import MixedPrecisionState, recut
+from fp16fx.state import MixedPrecisionState, decode_moments, recut
 from fp16fx.transforms import (
     GradientTransformation,
     Hyperparams,
@@ -90,6 +100,12 @@ class Trained(NamedTuple):
     loss_scale: LossScaleState
     count: torch.Tensor
 
+    # ``masters`` are a compensated state's corrections (see :mod:`fp16fx.precision`).
+
+
+#: The integer dtypes of compact state (corrections, int8 codes).
+_SHORT_INTS = (torch.int8, torch.uint8, torch.int16)
+
 
 def _is_hyperparams(x: Any) -> bool:
     return isinstance(x, Hyperparams)
@@ -99,6 +115,7 @@ def apply_updates(
     optimizer: GradientTransformation,
     policy: LossScalePolicy,
     consensus: Consensus | None,
+    precision: Precision,
     grads: Segments,
     trained: Trained,
 ) -> tuple[Trained, StepInfo]:
@@ -106,45 +123,65 @@ def apply_updates(
 
     ``grads`` are the scaled gradients of the segments in ``trained``. ``consensus``, when
     given, replaces this process's ``(finite, norm)`` by the one all processes agree on,
-    before anything moves. The new params are ``master.to(grad.dtype)`` (None for FP32).
+    before anything moves. ``precision`` says how masters and moments are stored: they are
+    decoded to FP32 before the update and encoded after it, in the same fused pass. The new
+    params are the new masters rounded (None where the param is its own FP32 master).
     """
     checked = unscale_and_check(list(grads), trained.loss_scale.scale)
     finite, norm = checked.finite, checked.norm
     if consensus is not None:
         finite, norm = consensus(finite, norm)
 
-    def keep_if_skipped(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        return new if new is old else torch.where(finite, new, old)
+    def keep_if_skipped(new: Any, old: Any) -> Any:
+        if new is old:
+            return new
+        if new.dtype in _SHORT_INTS:
+            # Chosen between as floats (exact for these values): Inductor's CPU code selects
+            # between int8 vectors about six times slower than between float ones.
+            return torch.where(finite, new.float(), old.float()).to(new.dtype)
+        return torch.where(finite, new, old)
 
+    pairs = list(zip(trained.params, trained.masters))
+    if precision.compensated:
+        masters = [m if p is None else decode_master(p, m) for p, m in pairs]  # FP32: its own
+    else:
+        masters = list(trained.masters)
+    labels = trained.masters.labels
     updates, opt_state = optimizer.update(
         Segments(checked.unscaled, grads.labels),
-        with_grad_norm(trained.opt_state, norm),
-        trained.masters,
+        with_grad_norm(decode_moments(trained.opt_state, precision), norm),
+        Segments(masters, labels),
     )
-    # A param is always its master rounded, unless someone wrote it (load_state_dict, a
-    # clamp): then the written value is the truth, and the update applies to it exactly.
-    # (Checked here, not before the update: the CPU runs the fused pass markedly slower when
-    # the check feeds the whole update, and a weight decay computed from the master as it
-    # was differs from the written one's by lr * wd * the write, once.)
-    masters = Segments(
-        [
-            m if p is None else torch.where(p != m.to(p.dtype), p.float(), m)
-            for p, m in zip(trained.params, trained.masters)
-        ],
-        trained.masters.labels,
+    bits = (
+        [hash_bits(g.numel(), k, trained.count) for k, g in enumerate(grads)]
+        if precision.compensated or precision.moments != "fp32"
+        else [None] * len(grads)
     )
-    new_masters = optree.tree_map(lambda m, u: keep_if_skipped(m + u, m), masters, updates)
-    new_params = Segments(
-        [None if g.dtype == torch.float32 else m.to(g.dtype) for g, m in zip(grads, new_masters)],
-        grads.labels,
-    )
-    opt_state = optree.tree_map(
-        lambda new, old: (
-            new if _is_hyperparams(new) else optree.tree_map(keep_if_skipped, new, old)
-        ),
-        opt_state,
+    new_params, new_masters = [], []
+    for (p, m), master, u, g, h in zip(pairs, masters, updates, grads, bits):
+        if g.dtype == torch.float32:  # its own master
+            new_params.append(None)
+            new_masters.append(keep_if_skipped(master + u, m))
+        elif precision.compensated:  # the param and its correction are the master
+            p_new, c_new = encode_master(master + u, p.dtype, uniform(h, 0))
+            new_params.append(keep_if_skipped(p_new, p))
+            new_masters.append(keep_if_skipped(c_new, m))
+        else:
+            if p is not None:
+                # A param is always its master rounded, unless someone wrote it
+                # (load_state_dict, a clamp): then the written value is the truth, and the
+                # update applies to it. (Checked after the update, not before: the CPU runs
+                # the fused pass markedly slower when the check feeds the whole update, and a
+                # weight decay computed from the master as it was differs from the written
+                # one's by lr * wd * the write.)
+                master = torch.where(p != m.to(p.dtype), p.float(), m)
+            new_master = keep_if_skipped(master + u, master)
+            new_params.append(new_master.to(g.dtype))
+            new_masters.append(new_master)
+    opt_state = _keep_moments(
+        encode_stepped_moments(opt_state, precision, bits),
         trained.opt_state,
-        is_leaf=_is_hyperparams,
+        keep_if_skipped,
     )
     loss_scale, floored = policy.adjust(trained.loss_scale, finite)
     info = StepInfo(
@@ -154,19 +191,57 @@ def apply_updates(
         loss_scale_floored=floored,
     )
     count = keep_if_skipped(trained.count + 1, trained.count)
-    return Trained(new_params, new_masters, opt_state, loss_scale, count), info
+    new = Trained(
+        Segments(new_params, grads.labels),
+        Segments(new_masters, labels),
+        opt_state,
+        loss_scale,
+        count,
+    )
+    return new, info
+
+
+def _keep_moments(new: Any, old: Any, keep: Callable[[Any, Any], Any]) -> Any:
+    """Returns the optimizer state ``new``, with ``old``'s values where the step is skipped
+    (hyperparameters, never changed by a step, are passed through)."""
+    return optree.tree_map(
+        lambda n, o: n if _is_hyperparams(n) else optree.tree_map(keep, n, o),
+        new,
+        old,
+        is_leaf=_is_hyperparams,
+    )
+
+
+def encode_stepped_moments(
+    opt_state: Any, precision: Precision, bits: list[torch.Tensor | None]
+) -> Any:
+    """Returns a stepped optimizer state's FP32 moments stored as ``precision.moments``,
+    rounded stochastically where that keeps them unbiased (bf16, signed int8), each moment of
+    segment ``k`` with its own byte of the step's hash ``bits[k]``."""
+    if precision.moments == "fp32":
+        return opt_state
+    seen: dict[int, int] = {}
+
+    def encode(x: torch.Tensor, non_negative: bool, k: int) -> Any:
+        field = 1 + seen.setdefault(k, 0) % 3  # byte 0 is the master's
+        seen[k] += 1
+        noise = uniform(bits[k], field)
+        return encode_moment(x, precision.moments, non_negative, precision.block, noise)
+
+    return map_moments(encode, opt_state)
 
 
 def apply_updates_(
     optimizer: GradientTransformation,
     policy: LossScalePolicy,
     consensus: Consensus | None,
+    precision: Precision,
     grads: Segments,
     trained: Trained,
 ) -> StepInfo:
     """Returns the info of :func:`apply_updates` after writing its results into ``trained``'s
     own tensors (params only where given)."""
-    new, info = apply_updates(optimizer, policy, consensus, grads, trained)
+    new, info = apply_updates(optimizer, policy, consensus, precision, grads, trained)
     for old, value in zip(trained.params, new.params):
         if old is not None:
             old.copy_(value)
@@ -354,7 +429,12 @@ def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, S
     prepared = prepare(state, grads)
     with torch.no_grad():
         new, info = apply_updates(
-            state.optimizer, state.policy, state.consensus, prepared.grads, prepared.trained
+            state.optimizer,
+            state.policy,
+            state.consensus,
+            state.precision,
+            prepared.grads,
+            prepared.trained,
         )
     return finish(prepared, new), info
 

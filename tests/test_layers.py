@@ -14,7 +14,7 @@ LAYERS = [
     ("tree", ["tree", "flat", "segments"]),
     ("scaling", ["scaling"]),
     ("transforms", ["transforms"]),
-    ("step", ["consensus", "state", "step", "checkpoint"]),
+    ("step", ["consensus", "precision", "state", "step", "checkpoint"]),
     ("compile", ["compile"]),
     ("distributed", ["distributed"]),
     ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),

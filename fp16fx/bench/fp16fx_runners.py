@@ -7,6 +7,10 @@
 * ``fp16fx-facade`` — ``fp16fx.FP16_Optimizer(torch.optim.Adam(params), static_loss_scale=…)``
   with grads in ``p.grad``; ``opt.step()`` takes the facade's fast (compiled) path.
 * ``fp16fx-eager`` — the pure, uncompiled ``fp16fx.step(state, grads)``.
+* ``fp16fx-compensated``, ``fp16fx-compensated-bf16``, ``fp16fx-compensated-int8`` — the
+  compiled step in compact precision (``init(..., master="compensated", moments=...)``, no
+  FP32 copy of the weights; docs/precision.md), each beside its own roofline: the bytes its
+  step must move.
 
 fp16fx's runners keep their FP16 weights in their own state: ``persistent_tensors`` counts
 that state's distinct storages plus the grads.
@@ -15,7 +19,7 @@ that state's distinct storages plus the grads.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
@@ -25,6 +29,10 @@ import fp16fx
 from fp16fx.bench.runner import Runner, register_runner
 
 __all__ = [
+    "Fp16fxCompactRunner",
+    "Fp16fxCompensatedBf16Runner",
+    "Fp16fxCompensatedInt8Runner",
+    "Fp16fxCompensatedRunner",
     "Fp16fxCompiledLeavesRunner",
     "Fp16fxCompiledRunner",
     "Fp16fxEagerRunner",
@@ -84,6 +92,60 @@ class Fp16fxCompiledRunner(_FunctionalRunner):
 
     def make_step(self) -> Callable[[Any, Any], tuple[Any, Any]]:
         return fp16fx.compile_step(inplace=True)
+
+
+class Fp16fxCompactRunner(Fp16fxCompiledRunner):
+    """``fp16fx-compiled`` with its state in compact precision: ``master`` and ``moments``.
+
+    A step moves, per param: the grads twice (the check, then the update: 4), the FP16 param
+    and its int8 correction read and written (6), and each moment read and written.
+    """
+
+    master: ClassVar[str] = "compensated"
+    moments: ClassVar[str]
+
+    def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        self.state = fp16fx.init(
+            params,
+            self.make_transform(),
+            fp16fx.StaticLossScale(self.config.loss_scale),
+            buckets=True,
+            master=self.master,
+            moments=self.moments,
+        )
+        self.grad_tree = fp16fx.grad_buffers(self.state)
+        with torch.no_grad():
+            for view, grad in zip(self.grad_tree, grads, strict=True):
+                view.copy_(grad)
+        self.info = None
+        self._step = self.make_step()
+
+
+@register_runner
+class Fp16fxCompensatedRunner(Fp16fxCompactRunner):
+    name = "fp16fx-compensated"
+    label = "fp16fx compile_step, compensated master (26 B/param roof)"
+    order = 14
+    moments = "fp32"
+    moved_bytes_per_param = 26.0
+
+
+@register_runner
+class Fp16fxCompensatedBf16Runner(Fp16fxCompactRunner):
+    name = "fp16fx-compensated-bf16"
+    label = "fp16fx compile_step, compensated + bf16 moments (18 B/param roof)"
+    order = 15
+    moments = "bf16"
+    moved_bytes_per_param = 18.0
+
+
+@register_runner
+class Fp16fxCompensatedInt8Runner(Fp16fxCompactRunner):
+    name = "fp16fx-compensated-int8"
+    label = "fp16fx compile_step, compensated + int8 moments (14 B/param roof)"
+    order = 16
+    moments = "int8"
+    moved_bytes_per_param = 14.0
 
 
 @register_runner

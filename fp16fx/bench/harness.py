@@ -104,9 +104,10 @@ def _set_times(row: ContenderResult, ms: list[float]) -> None:
 
 def _row(cls: type[Runner], status: str = "ok", reason: str | None = None) -> ContenderResult:
     """Returns ``cls``'s result row, nothing measured yet."""
-    return ContenderResult(
-        cls.name, cls.label, "baseline" if cls.baseline else "fp16fx", status, reason
-    )
+    kind = "baseline" if cls.baseline else "fp16fx"
+    row = ContenderResult(cls.name, cls.label, kind, status, reason)
+    row.moved_bytes_per_param = cls.moved_bytes_per_param
+    return row
 
 
 def _measure(
@@ -222,8 +223,11 @@ def _fill_ratios(
         if row.ms_per_step is None:
             continue
         mine = per_round.get(row.name, [row.ms_per_step])
-        row.gbps = measure.gbps_of(nbytes, row.ms_per_step)
-        row.fraction_of_roofline = _median_ratio(roofline, mine)
+        # A contender that moves fewer bytes (compact precision) has its own roofline.
+        own = row.moved_bytes_per_param / measure.ROOFLINE_BYTES_PER_PARAM
+        row.gbps = measure.gbps_of(nbytes * own, row.ms_per_step)
+        fraction = _median_ratio(roofline, mine)
+        row.fraction_of_roofline = None if fraction is None else fraction * own
         row.speedup_vs_torch_fused = _median_ratio(per_round.get(BASELINE_TORCH), mine)
         row.speedup_vs_apex_style = _median_ratio(per_round.get(BASELINE_APEX), mine)
 

@@ -20,6 +20,8 @@ class ContenderResult:
     peak RSS delta; CUDA: ``max_memory_allocated`` delta). ``peak_mem_total_bytes`` is the
     same peak above the level before this contender's params existed (params, grads, state
     and temporaries; on CPU it also counts library code first paged in by the contender).
+    ``moved_bytes_per_param`` is what its step must move (its own roofline): 30 for an Adam
+    step with FP32 masters and moments, less in compact precision.
     """
 
     name: str
@@ -41,6 +43,7 @@ class ContenderResult:
     peak_mem_bytes: int | None = None
     peak_mem_total_bytes: int | None = None
     persistent_bytes_per_param: float | None = None
+    moved_bytes_per_param: float = 30.0
     notes: list[str] = field(default_factory=list)
 
 

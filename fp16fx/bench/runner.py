@@ -90,6 +90,8 @@ class Runner(abc.ABC):
         baseline: whether this is one of the reference baselines users would pick instead
             of fp16fx (as opposed to fp16fx's own runners).
         default: whether a run without ``--only`` includes it.
+        moved_bytes_per_param: what one step must move per param, its roofline's bytes (30:
+            FP32 masters and moments).
     """
 
     name: ClassVar[str]
@@ -98,6 +100,7 @@ class Runner(abc.ABC):
     compiled: ClassVar[bool] = False
     baseline: ClassVar[bool] = False
     default: ClassVar[bool] = True
+    moved_bytes_per_param: ClassVar[float] = 30.0
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config

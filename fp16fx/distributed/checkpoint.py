@@ -127,6 +127,7 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "count": shard["count"],
         "hyperparams": shard["hyperparams"],
         "params": params,
+        **({"precision": shard["precision"]} if "precision" in shard else {}),
     }
 
 
@@ -161,6 +162,15 @@ def load_state_dict(
     """
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
+    mine = checkpoint.precision_dict(state.shard.precision)
+    saved = sd.get("precision", mine)  # dicts saved before compact precision hold FP32
+    if saved != mine:
+        raise checkpoint.StateDictError(
+            f"the state dict does not fit this state: it was saved in precision {saved}, a "
+            f"sharded state loads {mine} only; load it into an unsharded state "
+            "(fp16fx.load_state_dict), which converts between precisions"
+        )
+    sd = {**sd, "precision": mine}
     checkpoint.check_fits(template(state), sd)
     paths = _leaf_paths(state)
     per_bucket = []

@@ -8,7 +8,9 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 * ``fp32_from_fp16`` -- per param group, the FP32 masters of its FP16/BF16 params;
 * ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
   pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
-* ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools.
+* ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools;
+* ``applied_steps`` (fp16fx's, compact precision only) -- the core's count of applied steps,
+  which seeds compact precision's stochastic rounding (absent: kept as it is).
 
 A sharded optimizer's dict is its rank's: ``fp16fx.distributed.state_dict`` of its state, its
 param groups and the scaler entries; :func:`consolidate_state_dict` joins every rank's
@@ -47,6 +49,7 @@ KEYS = (
     "first_closure_call_this_step",
     "optimizer_state_dict",
     "fp32_from_fp16",
+    "applied_steps",
 )
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
 _FLAGS = ("overflow", "first_closure_call_this_step")
@@ -101,16 +104,25 @@ def state_dict(
             "trainable": trainable,
             **scaler_entries(scaler, flags),
         }
-    extra = engine.export() if isinstance(engine, FastEngine) else {}
+    steps: dict[str, Any] = {}
+    if isinstance(engine, FastEngine):
+        extra, fp32 = engine.export(), engine.fp32_masters()
+        masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]
+        if engine.compact:  # its stochastic rounding reads the count
+            steps["applied_steps"] = engine.state.count
+    else:
+        extra = {}
+        masters = [
+            [m for p, m in zip(ps, ms) if m is not p]
+            for ps, ms in zip(params.trainable, params.masters)
+        ]
     with _added(inner.state, extra):
         osd = inner.state_dict()
     return {
         **scaler_entries(scaler, flags),
         "optimizer_state_dict": osd,
-        "fp32_from_fp16": [
-            [m for p, m in zip(ps, ms) if m is not p]
-            for ps, ms in zip(params.trainable, params.masters)
-        ],
+        "fp32_from_fp16": masters,
+        **steps,
     }
 
 
@@ -162,6 +174,7 @@ class Plan:
     specs: list[GroupSpec] | None  # the fast path's group structures after loading; None: generic
     overflow: bool | None
     first_closure_call: bool
+    applied_steps: torch.Tensor | None  # the fast path's count of applied steps, if saved
 
 
 def _fail(message: str) -> ValueError:
@@ -269,6 +282,15 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
     return pairs
 
 
+def _parse_steps(sd: Mapping[str, Any]) -> torch.Tensor | None:
+    steps = sd.get("applied_steps")
+    if steps is not None and not (
+        isinstance(steps, torch.Tensor) and steps.ndim == 0 and not steps.is_floating_point()
+    ):
+        raise _fail(f"applied_steps must be a 0-d integer tensor, got {steps!r}")
+    return steps
+
+
 def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> Plan:
     """Returns the plan for loading ``sd``; raises naming what does not fit."""
     if not isinstance(sd, Mapping):
@@ -308,7 +330,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
             engine.check_structure(specs)
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
-        sd.get("overflow"), sd.get("first_closure_call_this_step", True),
+        sd.get("overflow"), sd.get("first_closure_call_this_step", True), _parse_steps(sd),
     )  # fmt: skip
 
 
@@ -325,8 +347,10 @@ def load(
         raise Unsupported("the loaded param groups need it")
     saved = (inner.state, inner.param_groups, scaler.policy)
     try:
-        sharded = isinstance(engine, FastEngine) and engine.sharded is not None
-        if sharded:
+        # Where the groups hold the model's FP16 params, torch's load would cast the state to
+        # FP16: it is read from the dict instead.
+        keep_groups = isinstance(engine, FastEngine) and engine.groups_hold_params
+        if keep_groups:
             ids = {}
             for saved_group, group in zip(plan.osd["param_groups"], inner.param_groups):
                 ids.update(zip(saved_group["params"], group["params"]))
@@ -342,7 +366,7 @@ def load(
                 engine.check_state(per_param, plan.specs)
                 engine.set_specs(plan.specs)
             engine.load(per_param, master_values, plan.policy)
-            if sharded:  # last: the sharded groups hold the model's params, not new dicts
+            if keep_groups:  # last: the groups hold the model's params, not new dicts
                 for group, loaded in zip(inner.param_groups, plan.groups):
                     group.update(loaded)
         else:
@@ -361,3 +385,5 @@ def load(
     with torch.no_grad():
         for dst, value in zip(scaler.state, plan.values):
             dst.fill_(value)
+        if isinstance(engine, FastEngine) and plan.applied_steps is not None:
+            engine.state.count.copy_(plan.applied_steps)

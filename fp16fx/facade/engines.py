@@ -19,6 +19,8 @@ from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import replace_params
 from fp16fx.facade.policy import Scaler
+from fp16fx.precision import Precision
+from fp16fx.state import FP32
 
 logger = logging.getLogger("fp16fx")
 
@@ -60,6 +62,7 @@ def build_engine(
     compiled: bool,
     shard: Any,
     names: Mapping[int, str],
+    precision: Precision = FP32,
 ) -> tuple[Engine, list[list[torch.Tensor]]]:
     """Returns ``(engine, masters)`` for ``optimizer``, after putting ``masters`` (per group,
     what it holds for each trainable param) into its param groups.
@@ -68,8 +71,14 @@ def build_engine(
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
+    ``precision`` other than FP32 masters and moments needs the fast engine, unsharded.
     """
     engine: Engine | None = None
+    compact = f"master={precision.master!r}, moments={precision.moments!r}"
+    if precision != FP32 and path == "generic":
+        raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
+    if precision != FP32 and shard is not NOT_SHARDED:
+        raise ValueError(f"{compact} does not shard: use shard=False, or FP32 masters and moments")
     if shard is not NOT_SHARDED:
         try:
             engine = FastEngine(
@@ -87,10 +96,13 @@ def build_engine(
                 compiled=compiled,
                 names=names,
                 consensus=scaler.consensus,
+                precision=precision,
             )
         except Unsupported as err:
             if path == "fast":
                 raise ValueError(f"path='fast' is not possible: {err}") from None
+            if precision != FP32:
+                raise ValueError(f"{compact} needs the fast path: {err}") from None
             logger.info("fp16fx: FP16_Optimizer takes the generic path: %s", err)
     if engine is not None:
         masters = [[engine.entry(p) for p in params] for params in trainable]

@@ -35,7 +35,8 @@ from fp16fx.facade.groups import (
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
-from fp16fx.state import MixedPrecisionState, init
+from fp16fx.precision import Precision
+from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init
 from fp16fx.step import StepInfo
 from fp16fx.transforms import read_hyperparams, replace_hyperparams
 
@@ -52,7 +53,9 @@ class FastEngine:
     BF16, FP32 on one device). Unsharded, FP16/BF16 params get FP32 masters (views of the
     core state's flat masters; ``entry(p)`` is what the param group holds for ``p``). With
     ``shard`` a process group (None: the world), each rank keeps 1/d of the masters and
-    moments and the param groups keep the model's params.
+    moments and the param groups keep the model's params. ``precision``: how the core state
+    stores masters and moments (:mod:`fp16fx.precision`); with compensated masters there is
+    no FP32 copy, and the param groups keep the model's params too.
 
     Raises Unsupported, before changing anything, when the core cannot run the optimizer.
     """
@@ -67,6 +70,7 @@ class FastEngine:
         names: Mapping[int, str],
         consensus: Consensus | None = None,
         shard: Any = NOT_SHARDED,
+        precision: Precision = FP32,
     ) -> None:
         kind = fast_kind(optimizer)
         if kind is None:
@@ -86,7 +90,7 @@ class FastEngine:
         self.sharded: fdist.ShardedState | None = None
         if shard is NOT_SHARDED:
             self.flat = FlatParams(params, self.labels)
-            self._state = init(self.flat.params, transform, scaler.policy, consensus=consensus)
+            self._state = self._init(transform, consensus, precision)
         else:
             self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
             self.flat = self.sharded.flat
@@ -113,8 +117,36 @@ class FastEngine:
         else:
             self.sharded.shard = value
 
+    def _init(
+        self, transform: Any, consensus: Consensus | None, precision: Precision
+    ) -> MixedPrecisionState:
+        return init(
+            self.flat.params,
+            transform,
+            self.scaler.policy,
+            consensus=consensus,
+            master=precision.master,
+            moments=precision.moments,
+        )
+
+    @property
+    def compact(self) -> bool:
+        """Whether the state keeps compact precision (compensated masters or short moments)."""
+        return self.state.precision != FP32
+
+    @property
+    def groups_hold_params(self) -> bool:
+        """Whether the param groups hold the model's params (no FP32 master to hold)."""
+        return self.sharded is not None or self.state.precision.compensated
+
+    def fp32_masters(self) -> dict[int, torch.Tensor]:
+        """Returns ``{id(param): FP32 master}`` for every FP16/BF16 param (unsharded): the
+        entries, or in a compensated state the masters decoded (new tensors)."""
+        pairs = zip(self.flat.params, tree.flatten(self.state.master)[0])
+        return {id(p): master for p, master in pairs if p.dtype != torch.float32}
+
     def _make_entries(self) -> dict[int, torch.Tensor]:
-        if self.sharded is not None:
+        if self.groups_hold_params:
             return {id(p): p for p in self.flat.params}
         masters = tree.flatten(self.state.master)[0]
         return {
@@ -141,7 +173,7 @@ class FastEngine:
         ``state_dict`` holds references. Params that never took a step have no entry.
         """
         self._require_unsharded("the per-param optimizer state (optimizer.state)")
-        leaves = checkpoint.per_leaf(self.state)
+        leaves = self._leaves_fp32()
         count_keys = [torch_state.count_key(leaf) for leaf in leaves]
         counts_at = [k for k, key in enumerate(count_keys) if key is not None]
         if not counts_at:
@@ -158,6 +190,15 @@ class FastEngine:
             if state:
                 out[self.entry(p)] = state
         return out
+
+    def _leaves_fp32(self) -> list[dict[str, torch.Tensor] | None]:
+        """Returns each param's part of the core's state in FP32 terms: views of the live
+        tensors, or in a compact state decoded (new tensors)."""
+        leaves = checkpoint.per_leaf(self.state)
+        if not self.compact:
+            return leaves
+        block = self.state.precision.block
+        return [None if leaf is None else checkpoint.canonical(leaf, block) for leaf in leaves]
 
     def check_state(self, per_param: PerParamState, specs: Sequence[GroupSpec]) -> None:
         """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it."""
@@ -182,17 +223,27 @@ class FastEngine:
             template = fdist.checkpoint.template(self.sharded)
         paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
         params = {}
+        block = self.state.precision.block
         for k, (path, p) in enumerate(zip(paths, self.flat.params)):
-            mine = template["params"][path]
+            mine = checkpoint.canonical(template["params"][path], block)
             spec = self.specs[self.labels[k]]
             opt = {key: value for key, value in mine.items() if key.startswith("opt")}
             entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
             master = masters[id(p)] if id(p) in masters else mine.get("master", p)
-            entry["param"] = master.detach().to(p.dtype).reshape(p.shape)
+            # A compensated param stays where its correction reaches the master (load the
+            # model's weights first, and saving and loading is exact); else it is rounded.
+            keep = self.state.precision.compensated and p.dtype != torch.float32
+            entry["param"] = p.detach().clone() if keep else master.detach().to(p.dtype)
+            entry["param"] = entry["param"].reshape(p.shape)
             if "master" in mine:
                 entry["master"] = master.detach().float().reshape(p.shape)
             params[path] = entry
-        sd = {**template, "policy": checkpoint.policy_dict(policy), "params": params}
+        sd = {
+            **template,
+            "policy": checkpoint.policy_dict(policy),
+            "precision": checkpoint.precision_dict(FP32),  # the entries are in FP32 terms
+            "params": params,
+        }
         state = self.state
         self.state = state.replace(policy=policy)
         try:
@@ -224,9 +275,8 @@ class FastEngine:
         groups = self.optimizer.param_groups
         transform = build_transform(specs, groups, self.labels)
         state = self.state
-        self.state = state.replace(
-            optimizer=transform, opt_state=transform.init(state.master_segments)
-        )
+        opt_state = encode_moments(transform.init(state.decoded_masters()), state.precision)
+        self.state = state.replace(optimizer=transform, opt_state=opt_state)
         self.specs = specs
         self._written = [group_values(s, g) for s, g in zip(specs, groups)]
         self._clip_written = NO_CLIP
@@ -257,18 +307,13 @@ class FastEngine:
         labels = [*self.labels, *[len(groups) - 1] * len(params)]
         transform = build_transform(specs, groups, labels)
         saved = self.export()
-        masters = {
-            id(p): self.entry(p).detach().clone()
-            for p in self.flat.params
-            if p.dtype != torch.float32
-        }
+        masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
         self.flat = FlatParams([*old, *params], labels)
         self.labels, self.specs = labels, specs
         self._written = [group_values(s, g) for s, g in zip(specs, groups)]
-        consensus = self.state.consensus
-        state = init(self.flat.params, transform, self.scaler.policy, consensus=consensus)
+        state = self._init(transform, self.state.consensus, self.state.precision)
         self.state = state.replace(loss_scale=self.scaler.state)
         self._entries = self._make_entries()
         moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}

@@ -33,6 +33,7 @@ from fp16fx.facade.params import (
 )
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
+from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale
 
 logger = logging.getLogger("fp16fx")
@@ -144,6 +145,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         keep the model's params; ``state_dict()`` is this rank's shard, and
         ``load_state_dict`` takes every rank's dicts (any world size) or an apex-format dict
         (:func:`fp16fx.facade.consolidate_state_dict` makes one).
+      master, moments: how the state is stored between steps (docs/precision.md).
+        ``master="compensated"`` keeps no FP32 copy: each FP16/BF16 param plus a short
+        correction carries its master, and the param groups hold the model's params.
+        ``moments="bf16"`` or ``"int8"`` stores Adam's moments or SGD's momentum compactly.
+        Fast path only (SGD/Adam/AdamW), unsharded; ``state`` and ``state_dict()`` show the
+        masters and moments decoded to FP32 (copies), so the checkpoint is apex's format.
     """
 
     def __init__(
@@ -159,6 +166,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         report_interval: int = 100,
         process_group: Any = "auto",
         shard: Any = False,
+        master: str = "fp32",
+        moments: str = "fp32",
     ) -> None:
         if isinstance(init_optimizer, FP16_Optimizer):
             raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
@@ -169,6 +178,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             )
         if path not in ("auto", "fast", "generic"):
             raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
+        precision = Precision(master, moments)  # checks the names
         group = shard_group(shard, process_group, path)
         policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
@@ -186,7 +196,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._init_hooks()
         engine, masters = build_engine(
             init_optimizer, trainable, self._scaler,
-            path=path, compiled=compiled, shard=group, names=names,
+            path=path, compiled=compiled, shard=group, names=names, precision=precision,
         )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
         self._params = ParamSet(trainable, masters, frozen, names)
@@ -526,6 +536,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Switches from the fast to the generic path, moving the optimizer state over."""
         fast = self._engine
         assert isinstance(fast, FastEngine)
+        if fast.compact:
+            precision = fast.state.precision
+            raise ValueError(
+                f"{reason}: this needs the generic path, which master={precision.master!r}, "
+                f"moments={precision.moments!r} cannot take (it steps FP32 masters)"
+            )
         logger.warning(
             "fp16fx: FP16_Optimizer switches to the generic path (%s): from now on the wrapped "
             "%s steps FP32 masters, with one host sync per step",

@@ -5,7 +5,8 @@ read with ``torch.load(weights_only=True)`` (no pickled code runs)::
 
     {
         "format": "fp16fx.train/2",
-        "run": {"model": ..., "dataset": ..., "api": ..., "seed": ...},  # must match
+        "run": {"model": ..., "dataset": ..., "api": ..., "seed": ...,  # must match
+                "master": ..., "moments": ...},
         "epoch": 3,                                  # epochs completed
         "stepper": {"model": ..., "optimizer": ...}, # Stepper.state_dict()
         "rng": {"torch": ByteTensor, "data": ByteTensor[, "cuda": ByteTensor]},
@@ -36,6 +37,9 @@ __all__ = [
 
 FORMAT = "fp16fx.train/2"
 _REQUIRED = ("format", "run", "epoch", "stepper", "rng", "history")
+
+#: The value of a ``run`` entry that checkpoints written before it existed hold implicitly.
+_RUN_DEFAULTS = {"master": "fp32", "moments": "fp32"}
 
 
 class CheckpointError(ValueError):
@@ -107,7 +111,8 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
 
     Loads with ``torch.load(weights_only=True)`` onto the CPU. ``run`` holds the settings that
     decide the shape of the state (model, dataset, API, loss-scale kind); each must equal the
-    checkpoint's.
+    checkpoint's; a checkpoint without ``master`` or ``moments`` (written before they existed)
+    holds FP32 ones.
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
@@ -131,9 +136,10 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     saved_run = ckpt["run"]
     for key, value in run.items():
-        if saved_run.get(key) != value:
+        saved = saved_run.get(key, _RUN_DEFAULTS.get(key))
+        if saved != value:
             raise CheckpointError(
                 f"checkpoint {path} was written with --{key.replace('_', '-')} "
-                f"{saved_run.get(key)}, this run has {value}"
+                f"{saved}, this run has {value}"
             )
     return ckpt

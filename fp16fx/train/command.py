@@ -16,6 +16,7 @@ import math
 import sys
 from collections.abc import Iterator, Sequence
 
+from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.train.checkpoint import CheckpointError
 from fp16fx.train.data import DATASETS, DataError
 from fp16fx.train.loop import SCHEDULES
@@ -130,6 +131,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dynamic loss scaling (default) or a static scale such as 128",
     )
     how.add_argument(
+        "--master",
+        choices=MASTERS,
+        default=MASTERS[0],
+        help="fp32: an FP32 master copy of every FP16 param (default); compensated: no FP32 "
+        "copy, the FP16 param plus an int8 correction carry the master (with --api "
+        "functional the params then move into flat buckets)",
+    )
+    how.add_argument(
+        "--moments",
+        choices=MOMENTS,
+        default=MOMENTS[0],
+        help="how Adam's moments are stored between steps: fp32 (default), bf16 or int8 "
+        "(block-scaled); the math is FP32 either way",
+    )
+    how.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -191,6 +207,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr_schedule=args.lr_schedule,
         seed=args.seed,
         loss_scale=args.loss_scale,
+        master=args.master,
+        moments=args.moments,
         compile=args.compile,
         limit=args.limit,
         compare_fp32=args.compare_fp32,

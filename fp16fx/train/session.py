@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.train import checkpoint
 from fp16fx.train.data import DATASETS, DataError, ImageBatches, TrainTestData, load_dataset
 from fp16fx.train.loop import History, fit
@@ -51,8 +52,9 @@ class TrainConfig:
     Attributes mirror the ``fp16fx train`` flags: ``model``, ``dataset``, ``data_dir``,
     ``api`` (``"facade"`` or ``"functional"``), ``device`` (None: CUDA when available),
     ``epochs``, ``batch_size``, ``lr``, ``lr_schedule``, ``seed``, ``loss_scale``
-    (``"dynamic"`` or a number), ``compile`` (the facade's compiled path or ``compile_step``;
-    None: on CUDA only), ``limit`` (use only the first N train and test images),
+    (``"dynamic"`` or a number), ``master`` and ``moments`` (the optimizer state's precision,
+    see :mod:`fp16fx.train.steppers`), ``compile`` (the facade's compiled path or
+    ``compile_step``; None: on CUDA only), ``limit`` (use only the first N train and test images),
     ``compare_fp32``, ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars) and
     ``plot``.
     """
@@ -68,6 +70,8 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     seed: int = 0
     loss_scale: LossScale = "dynamic"
+    master: str = "fp32"
+    moments: str = "fp32"
     compile: bool | None = None
     limit: int | None = None
     compare_fp32: bool = False
@@ -80,9 +84,17 @@ class TrainConfig:
         """Returns the settings a checkpoint must share with this session to be resumed.
 
         The seed is one: a resumed run continues the checkpoint's random streams (batch
-        order, augmentation), so a different ``--seed`` would be printed but not used.
+        order, augmentation), so a different ``--seed`` would be printed but not used. So is
+        the precision (``master``, ``moments``): it decides what the optimizer state holds.
         """
-        return {"model": self.model, "dataset": self.dataset, "api": self.api, "seed": self.seed}
+        return {
+            "model": self.model,
+            "dataset": self.dataset,
+            "api": self.api,
+            "seed": self.seed,
+            "master": self.master,
+            "moments": self.moments,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +193,8 @@ def _fp16_stepper(
         loss_scale=config.loss_scale,
         compile=compile_step,
         distributed=distributed,
+        master=config.master,
+        moments=config.moments,
     )
 
 
@@ -205,6 +219,10 @@ def _check(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if config.master not in MASTERS:
+        raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
+    if config.moments not in MOMENTS:
+        raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not config.lr > 0:
         raise SetupError(f"--lr must be > 0, got {config.lr}")
     if config.save is not None:

@@ -12,6 +12,11 @@ rate, and a checkpointable state dict. Three implementations:
   ``fp16fx.compile_step(inplace=True)`` (fused, in place).
 * :class:`TorchStepper`: plain FP32 ``torch.optim.Adam``, the baseline of ``--compare-fp32``.
 
+The two fp16fx steppers take the state's precision (``--master``, ``--moments``): FP32 masters
+and moments by default, or a compensated master (no FP32 copy: the FP16 param plus an int8
+correction) and BF16 or int8 moments. They pass it to ``fp16fx.init`` / ``FP16_Optimizer``
+only when it differs from the default.
+
 None of them holds optimizer or loss-scale logic: that is fp16fx's job. With
 ``distributed=True`` (``torch.distributed`` initialized, one stepper per process) each averages
 the gradients over the processes the way its API's docs/distributed.md says: the facade and the
@@ -60,6 +65,9 @@ LossScale = str | float
 #: The values of ``--api``.
 APIS = ("facade", "functional")
 
+#: The state's default precision: FP32 masters and moments.
+DEFAULT_PRECISION = {"master": "fp32", "moments": "fp32"}
+
 
 class StateMismatchError(ValueError):
     """A state dict does not fit this model/optimizer; the message names the first misfit."""
@@ -87,6 +95,23 @@ def _describe_scale(loss_scale: LossScale) -> str:
     if loss_scale == "dynamic":
         return "dynamic loss scale"
     return f"static loss scale {float(loss_scale):g}"
+
+
+def _precision(master: str, moments: str) -> dict[str, str]:
+    """Returns the precision keywords of ``fp16fx.init`` / ``FP16_Optimizer`` that differ
+    from their defaults (none for FP32 masters and moments)."""
+    given = {"master": master, "moments": moments}
+    return {key: value for key, value in given.items() if value != DEFAULT_PRECISION[key]}
+
+
+def _describe_precision(precision: dict[str, str]) -> str:
+    """Returns ``"; compensated master, int8 moments"`` (the parts not default), or ``""``."""
+    parts = []
+    if "master" in precision:
+        parts.append(f"{precision['master']} master")
+    if "moments" in precision:
+        parts.append(f"{precision['moments']} moments")
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -178,7 +203,9 @@ class FacadeStepper(OptimizerStepper):
     """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on an FP16 model, the apex way.
 
     ``compile`` picks the facade's compiled fast path (``compiled=True``, its default) or the
-    same core run eagerly (cheaper on a CPU for small models: no compile time).
+    same core run eagerly (cheaper on a CPU for small models: no compile time). ``master`` and
+    ``moments`` are the state's precision (docs/precision.md), passed to
+    ``FP16_Optimizer`` when not the default.
     """
 
     def __init__(
@@ -188,7 +215,10 @@ class FacadeStepper(OptimizerStepper):
         loss_scale: LossScale,
         compile: bool = True,
         distributed: bool = False,
+        master: str = "fp32",
+        moments: str = "fp32",
     ) -> None:
+        precision = _precision(master, moments)
         self.model = model
         # DDP first: its broadcast of rank 0's weights must precede the masters' copy of them.
         self.forward = _data_parallel(model) if distributed else model
@@ -197,11 +227,13 @@ class FacadeStepper(OptimizerStepper):
             scaling = {"dynamic_loss_scale": True}
         else:
             scaling = {"static_loss_scale": float(loss_scale)}
-        self.optimizer = fp16fx.FP16_Optimizer(adam, **scaling, verbose=False, compiled=compile)
+        self.optimizer = fp16fx.FP16_Optimizer(
+            adam, **scaling, verbose=False, compiled=compile, **precision
+        )
         how = "compiled" if compile else "eager"
         self.label = (
-            f"fp16fx.FP16_Optimizer(Adam), {how}, {_describe_scale(loss_scale)}; {_FP16_MODEL}"
-            + ("; DDP" if distributed else "")
+            f"fp16fx.FP16_Optimizer(Adam), {how}, {_describe_scale(loss_scale)}"
+            f"{_describe_precision(precision)}; {_FP16_MODEL}" + ("; DDP" if distributed else "")
         )
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
@@ -227,6 +259,11 @@ class FunctionalStepper(Stepper):
     With ``compile=True`` the step is ``fp16fx.compile_step(inplace=True)``, which writes into
     the state's tensors (and so into the model's own params); otherwise the pure
     ``fp16fx.step`` returns a new state each time.
+
+    ``master`` and ``moments`` are the state's precision (docs/precision.md),
+    passed to ``fp16fx.init`` when not the default. A compensated master needs the params in
+    flat buckets: the state is then built with ``buckets=True`` on the module's own params,
+    which it re-points at views of its buffers.
     """
 
     def __init__(
@@ -236,10 +273,20 @@ class FunctionalStepper(Stepper):
         loss_scale: LossScale,
         compile: bool = False,
         distributed: bool = False,
+        master: str = "fp32",
+        moments: str = "fp32",
     ) -> None:
         self.model = model
         self.distributed = distributed
-        params = {name: p.detach() for name, p in model.named_parameters()}
+        precision = _precision(master, moments)
+        buckets = master == "compensated"
+        layout = {"buckets": True} if buckets else {}
+        params = {
+            # buckets=True re-points the given tensors: give the module's own (so it keeps
+            # training in place), not detached copies, which alone would be re-pointed.
+            name: p if buckets else p.detach()
+            for name, p in model.named_parameters()
+        }
         self.buffers = dict(model.named_buffers())
         policy = (
             fp16fx.DynamicLossScale()
@@ -248,13 +295,13 @@ class FunctionalStepper(Stepper):
         )
         # fdist.init: rank 0's params on every process, and the found-inf consensus.
         init = fdist.init if distributed else fp16fx.init
-        self.state = init(params, fp16fx.adam(lr), loss_scale=policy)
+        self.state = init(params, fp16fx.adam(lr), loss_scale=policy, **layout, **precision)
         self._step = fp16fx.compile_step(inplace=True) if compile else fp16fx.step
         self._grad = grad(self._scaled_loss, has_aux=True)
         how = "compile_step(inplace=True)" if compile else "step"
         self.label = (
             f"fp16fx.{how} over fp16fx.adam, torch.func.grad of functional_call, "
-            f"{_describe_scale(loss_scale)}; {_FP16_MODEL}"
+            f"{_describe_scale(loss_scale)}{_describe_precision(precision)}; {_FP16_MODEL}"
             + ("; fp16fx.distributed.average_grads" if distributed else "")
         )
 
@@ -351,14 +398,18 @@ def make_stepper(
     loss_scale: LossScale,
     compile: bool = False,
     distributed: bool = False,
+    master: str = "fp32",
+    moments: str = "fp32",
 ) -> Stepper:
     """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``.
 
     ``distributed``: one of several processes (``torch.distributed`` initialized), each
     stepping on its part of every batch with the gradients averaged over all of them.
+    ``master``, ``moments``: the state's precision (docs/precision.md).
     """
+    options = {"compile": compile, "distributed": distributed, "master": master, "moments": moments}
     if api == "facade":
-        return FacadeStepper(model, lr, loss_scale, compile=compile, distributed=distributed)
+        return FacadeStepper(model, lr, loss_scale, **options)
     if api == "functional":
-        return FunctionalStepper(model, lr, loss_scale, compile=compile, distributed=distributed)
+        return FunctionalStepper(model, lr, loss_scale, **options)
     raise ValueError(f"unknown api {api!r} (choose from: {', '.join(APIS)})")

@@ -139,6 +139,9 @@ class ScaleByAdamState(NamedTuple):
     nu: Params
     nu_max: Params | None
 
+    #: The fields that are never negative (a compact store may round them up, never down).
+    non_negative = ("nu", "nu_max")
+
 
 def scale_by_adam(
     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, amsgrad: bool = False

@@ -1,0 +1,262 @@
+"""Compact precision: how the masters and the optimizer's moments are stored between steps.
+
+Layer: ``step`` (docs/design.md). The optimizer computes in FP32 either way; this module only
+decodes the stored state into FP32 before the update and encodes the results after it, inside
+the same fused pass. docs/precision.md gives the formats' error bounds and measurements.
+
+Masters (``Precision.master``):
+
+* ``"fp32"``: an FP32 master beside each FP16/BF16 param (4 bytes).
+* ``"compensated"``: no FP32 copy. The param ``p`` plus a short integer correction ``c`` carry
+  the master: ``master = p + c * q(p)``, ``q(p) = ulp(p) / 2**k`` -- an int8 correction
+  (k = 8: 1 byte) for FP16 params, an int16 one (k = 16) for BF16 params, whose 8-bit
+  significand needs 16 more bits to match FP32's 24. ``p`` is the master rounded to nearest, as
+  with an FP32 master; ``c`` is the rest, rounded *stochastically*: an update far below half an
+  ulp (1e-5 on a weight of 1.0) would otherwise round the same way every step, and a
+  short correction would bias every step alike. The dither is a hash of the element's index
+  and the step count: deterministic, the same eager and compiled. Small weights lose nothing:
+  ``q`` follows the param's exponent, down into FP16's subnormals.
+
+Moments (``Precision.moments``), every per-element FP32 tensor of the optimizer's state:
+
+* ``"fp32"``: 4 bytes each.
+* ``"bf16"``: 2 bytes, rounded stochastically (a second moment decaying by 0.999 a step would
+  otherwise stagnate in BF16's 8 bits).
+* ``"int8"``: 1 byte, plus an FP32 scale per block of ``block`` values: signed moments (Adam's
+  ``mu``, SGD's momentum) as ``scale * sign(c) * (c/127)**2`` (square-root companding keeps
+  small values), rounded stochastically; non-negative ones (Adam's ``nu``, a transform state
+  lists them in its ``non_negative`` attribute) as ``scale * (c/255)**4``, rounded
+  stochastically too (a second moment decaying by 0.999 a step moves its fourth root far
+  less than a code: rounded one way it would never decay), a positive value to code 1 at
+  least, so that no update is divided by zero. ``scale`` is the block's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from fp16fx.segments import MASKED, Segments
+
+MASTERS = ("fp32", "compensated")
+MOMENTS = ("fp32", "bf16", "int8")
+
+#: The correction's integer dtype and its bits below the param's ulp, per param dtype.
+_CORRECTION = {torch.float16: (torch.int8, 8), torch.bfloat16: (torch.int16, 16)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How a state stores its masters and moments (static metadata of the state).
+
+    Attributes:
+      master: ``"fp32"`` or ``"compensated"`` (see the module docstring).
+      moments: ``"fp32"``, ``"bf16"`` or ``"int8"``.
+      block: values per scale of ``"int8"`` moments.
+    """
+
+    master: str = "fp32"
+    moments: str = "fp32"
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.master not in MASTERS:
+            raise ValueError(f"master must be one of {MASTERS}, got {self.master!r}")
+        if self.moments not in MOMENTS:
+            raise ValueError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
+        positive = isinstance(self.block, int) and self.block >= 1
+        if not (positive and self.block & (self.block - 1) == 0):
+            raise ValueError(f"block must be a power of two, got {self.block!r}")
+
+    @property
+    def compensated(self) -> bool:
+        return self.master == "compensated"
+
+
+# -- the dither ------------------------------------------------------------------------------
+
+
+def hash_bits(numel: int, salt: int, count: torch.Tensor) -> torch.Tensor:
+    """Returns ``numel`` pseudo-random 32-bit values (int64) hashed from (index, ``salt``,
+    ``count``): a multiply-xorshift finaliser, every product below 2**63. The same values
+    eager and compiled, different for every element, segment and step. Each stochastic
+    rounding of a step takes its own 8 of the 32 bits (:func:`uniform`)."""
+    x = torch.arange(numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
+    x = (x * 0x9E3779B1 + (salt * 0x27D4EB2F + count * 0x165667B1)) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    return x ^ (x >> 13)
+
+
+def uniform(bits: torch.Tensor, field: int) -> torch.Tensor:
+    """Returns byte ``field`` (0-3) of ``bits`` as a value in (0, 1): (byte + 1/2) / 256."""
+    return (((bits >> (8 * field)) & 0xFF).float() + 0.5) * (1.0 / 256.0)
+
+
+# -- masters ---------------------------------------------------------------------------------
+
+
+def correction_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Returns the dtype of a compensated param's correction."""
+    return _CORRECTION[param_dtype][0]
+
+
+#: Per param dtype: the exponent field (FP32's) of the smallest ``|p|`` whose unit follows its
+#: exponent, and the correction's bits below the param's last one plus the param's own.
+_UNIT_EXPONENT = {torch.float16: (127 - 14, 8 + 10), torch.bfloat16: (1 + 23, 16 + 7)}
+
+
+def _unit(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(unit, 1 / unit)`` of params ``p``: ``ulp(p) / 2**k`` (FP32, a power of two,
+    read from ``p``'s exponent bits), the correction's step.
+
+    FP16 subnormals and zero take the unit of the smallest normal (their ulp is the same);
+    BF16 values below ``2**-103`` take ``2**-126``. A power of two makes ``p + c * unit``
+    exact in FP32 and the division a multiplication.
+    """
+    lowest, shift = _UNIT_EXPONENT[p.dtype]
+    exponent = torch.clamp((p.float().view(torch.int32) >> 23) & 0xFF, min=lowest) - shift
+    unit = (exponent << 23).view(torch.float32)
+    return unit, ((254 - exponent) << 23).view(torch.float32)
+
+
+def decode_master(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Returns the FP32 master ``p + c * unit(p)`` of a compensated param (exact)."""
+    return p.float() + c.float() * _unit(p)[0]
+
+
+def encode_master(
+    master: torch.Tensor,
+    dtype: torch.dtype,
+    noise: torch.Tensor | None,
+    param: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(p, c)``: ``p`` the master rounded to nearest in ``dtype``, ``c`` the rest in
+    units of ``unit(p)``, rounded down after adding ``noise`` in (0, 1) (stochastic rounding),
+    or to nearest without it.
+
+    The rest lies within half an ulp of ``p``: ``[-2**(k-1), 2**(k-1)]`` units. Where it
+    rounds to ``2**(k-1)``, one more than the correction holds (the master within a unit
+    below the midpoint above a power of two, or above an FP16 subnormal), ``p`` is the next
+    value up and ``c`` the rest from there (otherwise such a master would stay put forever).
+
+    ``param``: a value of ``p`` to keep wherever the correction can reach the master from it
+    (a checkpoint's own param: loading its ``(param, master)`` then restores ``(p, c)``
+    exactly, although the master decoded from them need not round to ``p``)."""
+    corr_dtype, bits = _CORRECTION[dtype]
+    top = 2 ** (bits - 1)
+    p = master.to(dtype)
+    if param is not None:
+        reach = (master - param.float()).abs() <= (top - 1) * _unit(param)[0]
+        p = torch.where(reach, param.to(dtype), p)
+    unit, per_unit = _unit(p)
+    rest = (master - p.float()) * per_unit
+    c = torch.floor(rest + noise) if noise is not None else torch.round(rest)
+    up = (p.float() + 2 * top * unit).to(dtype)  # the next value up: here, p + 2**k units
+    bump = (c >= top) & torch.isfinite(up)
+    c = torch.where(bump, (p.float() + c * unit - up.float()) * _unit(up)[1], c)
+    p = torch.where(bump, up, p)
+    return p, torch.clamp(c, -top, top - 1).to(corr_dtype)
+
+
+# -- moments ---------------------------------------------------------------------------------
+
+
+class Quantized(NamedTuple):
+    """An int8 moment: one code per value and an FP32 scale per block of values."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Returns the largest ``|x|`` of every block of ``block`` values of ``x`` (1-D), the last
+    block possibly shorter. (Whole blocks as rows and the tail on its own: padding ``x`` to
+    whole blocks makes Inductor read past the tail.)"""
+    whole = x.numel() // block * block
+    amax = x[:whole].view(-1, block).abs().amax(dim=1)
+    if whole == x.numel():
+        return amax
+    return torch.cat([amax, x[whole:].abs().amax().view(1)])
+
+
+def _per_value(scales: torch.Tensor, numel: int, block: int) -> torch.Tensor:
+    """Returns each value's block scale. (Gathered by ``index >> log2(block)``: Inductor
+    (torch 2.14, CPU) turns ``index // block`` into a loop over ``(numel // block, block)``
+    that never computes the last ``numel % block`` values.)"""
+    return scales[torch.arange(numel, device=scales.device) >> (block.bit_length() - 1)]
+
+
+def encode_moment(
+    x: torch.Tensor, how: str, non_negative: bool, block: int, noise: torch.Tensor | None
+) -> Any:
+    """Returns an FP32 moment ``x`` (1-D) stored as ``how`` (see the module docstring)."""
+    if how == "fp32":
+        return x
+    if how == "bf16":
+        if noise is None:
+            return x.to(torch.bfloat16)
+        # Stochastic rounding: add the dither below BF16's last bit, then truncate (IEEE floats
+        # are sign and magnitude: this rounds the magnitude).
+        bits = x.view(torch.int32) + (noise * 65536.0).to(torch.int32)
+        return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+    # A block of zeros (or of FP32 subnormals) keeps the smallest normal scale: decoding
+    # multiplies by the scale stored, and it must be the one divided by.
+    scales = torch.clamp(_block_amax(x, block), min=torch.finfo(x.dtype).tiny)
+    y = x / _per_value(scales, x.numel(), block)
+    if non_negative:
+        r = 255.0 * torch.sqrt(torch.sqrt(y))
+        r = torch.floor(r + noise) if noise is not None else torch.round(r)
+        # A positive value keeps code 1 at least: it never decodes to zero.
+        low = (y > 0).float()
+        return Quantized(torch.clamp(torch.maximum(r, low), 0, 255).to(torch.uint8), scales)
+    r = 127.0 * torch.sign(y) * torch.sqrt(torch.abs(y))
+    r = torch.floor(r + noise) if noise is not None else torch.round(r)
+    return Quantized(torch.clamp(r, -127, 127).to(torch.int8), scales)
+
+
+def decode_moment(stored: Any, non_negative: bool, block: int) -> torch.Tensor:
+    """Returns the FP32 moment of what :func:`encode_moment` stored."""
+    if isinstance(stored, Quantized):
+        n = stored.codes.numel()
+        scale = _per_value(stored.scales, n, block)
+        if non_negative:
+            return scale * torch.square(torch.square(stored.codes.float() / 255.0))
+        c = stored.codes.float() / 127.0
+        return scale * torch.sign(c) * c * c
+    return stored.float()
+
+
+# -- walking an optimizer's state ------------------------------------------------------------
+
+
+def _is_moment(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, Quantized)) and (
+        isinstance(value, Quantized) or (value.ndim == 1 and value.is_floating_point())
+    )
+
+
+def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
+    """Returns ``state`` with each per-element moment ``x`` of segment ``k`` replaced by
+    ``fn(x, non_negative, k)``; ``non_negative`` comes from the owning state class's
+    ``non_negative`` attribute (the names of its fields that are never negative)."""
+
+    def visit(node: Any, non_negative: bool) -> Any:
+        if isinstance(node, Segments):
+            return Segments(
+                [
+                    fn(v, non_negative, k) if v is not MASKED and _is_moment(v) else v
+                    for k, v in enumerate(node)
+                ],
+                node.labels,
+            )
+        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a NamedTuple state
+            marked = getattr(type(node), "non_negative", ())
+            return type(node)(*(visit(getattr(node, f), f in marked) for f in node._fields))
+        if isinstance(node, (tuple, list)):
+            return type(node)(visit(child, False) for child in node)
+        return node
+
+    return visit(state, False)

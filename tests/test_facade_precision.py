@@ -1,0 +1,176 @@
+"""FP16_Optimizer in compact precision (``master=``, ``moments=``): the same training as the
+functional state it runs on, checkpoints in apex's format that resume bitwise and load across
+precisions, and clear refusals where compact precision cannot go."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from fp16fx.fp16_utils import FP16_Optimizer
+from fp16fx.train import command
+
+#: Every compact mode the facade offers (FP32 masters and moments is the default).
+COMPACT = [
+    ("compensated", "fp32"),
+    ("compensated", "bf16"),
+    ("compensated", "int8"),
+    ("fp32", "int8"),
+]
+X = torch.randn(64, 20).half()
+Y = torch.randint(0, 5, (64,))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 5)).half()
+
+
+def wrap(model: nn.Module, master: str, moments: str, **kwargs) -> FP16_Optimizer:
+    inner = kwargs.pop("inner", lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    kwargs.setdefault("compiled", False)
+    return FP16_Optimizer(
+        inner(model.parameters()),
+        dynamic_loss_scale=True,
+        verbose=False,
+        master=master,
+        moments=moments,
+        **kwargs,
+    )
+
+
+def train(model: nn.Module, opt: FP16_Optimizer, steps: int) -> float:
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X).float(), Y)
+        opt.backward(loss)
+        opt.step()
+    return loss.item()
+
+
+def saved(sd: dict) -> dict:
+    """Returns ``sd`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize(("master", "moments"), COMPACT)
+def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, moments):
+    model = make_model()
+    opt = wrap(model, master, moments)
+    start = train(model, opt, 1)
+    loss = train(model, opt, 15)
+    assert loss < 0.8 * start, "it did not train"
+    sd = saved(opt.state_dict())
+    # apex's keys: FP32 masters (decoded) for every FP16 param, torch-format moments in FP32.
+    assert [len(g) for g in sd["fp32_from_fp16"]] == [4]
+    assert all(m.dtype == torch.float32 for m in sd["fp32_from_fp16"][0])
+    moments_saved = sd["optimizer_state_dict"]["state"][0]
+    assert moments_saved["exp_avg"].dtype == torch.float32
+
+    resumed = make_model()
+    resumed.load_state_dict(model.state_dict())
+    opt2 = wrap(resumed, master, moments)
+    opt2.load_state_dict(sd)
+    train(model, opt, 3)
+    train(resumed, opt2, 3)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_compensated_param_groups_hold_the_model_params_and_state_shows_fp32():
+    model = make_model()
+    opt = wrap(model, "compensated", "int8")
+    assert opt.param_groups[0]["params"] == list(model.parameters())
+    train(model, opt, 2)
+    state = opt.state[model[0].weight]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["exp_avg"].dtype == torch.float32 and (state["exp_avg_sq"] >= 0).all()
+
+
+def test_compiled_compact_facade_trains_like_the_eager_one():
+    losses = {}
+    for compiled in (False, True):
+        model = make_model()
+        opt = wrap(model, "compensated", "int8", compiled=compiled)
+        losses[compiled] = train(model, opt, 5)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+@pytest.mark.parametrize(("master", "moments"), [("fp32", "fp32"), ("compensated", "int8")])
+def test_a_checkpoint_loads_across_precisions(master, moments):
+    """A full-precision checkpoint loads into a compact optimizer and the reverse: the masters
+    are the saved ones (rounded into the target's format), training continues."""
+    model = make_model()
+    opt = wrap(model, master, moments)
+    train(model, opt, 5)
+    sd = saved(opt.state_dict())
+    other = ("compensated", "int8") if master == "fp32" else ("fp32", "fp32")
+    target = make_model()
+    target.load_state_dict(model.state_dict())
+    opt2 = wrap(target, *other)
+    opt2.load_state_dict(sd)
+    masters = opt2.state_dict()["fp32_from_fp16"][0]
+    for mine, theirs in zip(masters, sd["fp32_from_fp16"][0]):
+        # A compensated master keeps 8 bits below FP16's last one: 2**-19 relative.
+        assert torch.allclose(mine, theirs, rtol=2.0**-18, atol=2.0**-32)
+    before = train(target, opt2, 1)
+    assert train(target, opt2, 5) < before
+
+
+def test_an_apex_checkpoint_loads_into_a_compact_optimizer():
+    """apex's FP16_Optimizer dict (masters, torch-format Adam state, a legacy scaler) loads;
+    the masters land to within the correction's resolution."""
+    model = make_model()
+    reference = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), verbose=False)
+    train(model, reference, 3)
+    apex_dict = reference.state_dict()
+    opt = wrap(make_model(), "compensated", "int8", inner=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    opt.load_state_dict(apex_dict)
+    for mine, theirs in zip(opt.state_dict()["fp32_from_fp16"][0], apex_dict["fp32_from_fp16"][0]):
+        assert torch.allclose(mine, theirs, rtol=2.0**-18, atol=2.0**-32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"path": "generic"}, "fast path only"),
+        ({"inner": lambda ps: torch.optim.RMSprop(ps)}, "needs the fast path"),
+        ({"moments": "int4"}, "moments must be one of"),
+        ({"master": "fp64"}, "master must be one of"),
+    ],
+)
+def test_compact_precision_refuses_what_it_cannot_run(kwargs, message):
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    settings = {"master": "compensated", "moments": "int8", **kwargs}
+    master, moments = settings.pop("master"), settings.pop("moments")
+    with pytest.raises(ValueError, match=message):
+        wrap(model, master, moments, **settings)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_a_compact_optimizer_refuses_to_hand_over_to_the_generic_path():
+    model = make_model()
+    opt = wrap(model, "compensated", "int8")
+    train(model, opt, 1)
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(X).float(), Y))
+    with pytest.raises(ValueError, match="generic path"):
+        opt.clip_master_grads(1.0, norm_type=1)
+
+
+def test_fp16fx_train_runs_in_compact_precision():
+    for api in ("facade", "functional"):
+        code = command.main(
+            [
+                "--api", api, "--master", "compensated", "--moments", "int8",
+                "--epochs", "1", "--limit", "64", "--no-compile", "--batch-size", "32",
+            ]
+        )  # fmt: skip
+        assert code == 0
