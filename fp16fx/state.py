@@ -20,8 +20,9 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
-from fp16fx import flat, tree
+from fp16fx import dtensors, flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.flat import Layout
 from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
@@ -194,6 +195,13 @@ def init(
       consensus: agree "finite" and the gradient norm with other processes every step
         (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.consensus.Consensus`).
 
+    DTensor params (an FSDP2 model's ``dict(model.named_parameters())``, sharded on a 1-D
+    mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
+    views of FSDP's storage that are never moved or packed; each leaf is a segment of its own,
+    so an FP32 shard is its own master. The consensus is the sharded one over the mesh's
+    process group (or a given ``Consensus(group, sharded=True)`` over as many processes).
+    ``buckets`` must be False.
+
     Raises:
       TypeError, ValueError: the params cannot be trained or the optimizer or policy is not
         one (the message names the leaf); nothing is changed.
@@ -202,11 +210,15 @@ def init(
         raise TypeError(
             f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
         )
+    params, mesh, group = dtensors.local_shards(params)
     leaves, treedef = tree.check_params(params)
     policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
     layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
+    if mesh is not None:
+        consensus = _mesh_consensus(consensus, mesh, group, buckets)
+        layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -214,16 +226,24 @@ def init(
         else:  # the leaves as given, as one flat tensor where they are one
             flats = [flat.flat_view(bucket, leaves) for bucket in layout.buckets]
         params_of, masters = [], []
-        for bucket, buffer in zip(layout.buckets, flats):
-            if buffer is None:
-                params_of.append(tuple(leaves[i] for i in bucket.indices))
+        packed: dict[int, torch.Tensor] = {}  # per bucket, its FP32 masters, where copied
+        for seg in layout.segments:
+            bucket, buffer = layout.buckets[seg.bucket], flats[seg.bucket]
+            if buffer is not None:
+                own: torch.Tensor | None = buffer[seg.start : seg.end]
             else:
-                params_of.append(buffer[: bucket.numel])
-            if buffer is not None and bucket.dtype == torch.float32:
-                masters.append(params_of[-1])  # an FP32 param is its own master
+                own = flat.flat_view(bucket, leaves, seg.lo, seg.hi)
+            if own is None:
+                params_of.append(tuple(leaves[i] for i in bucket.indices[seg.lo : seg.hi]))
             else:
-                masters.append(flat.pack(bucket, leaves, torch.float32))
-        labels = [b.label for b in layout.buckets]  # one segment per bucket
+                params_of.append(own)
+            if own is not None and bucket.dtype == torch.float32:
+                masters.append(own)  # an FP32 param is its own master
+            else:
+                if seg.bucket not in packed:
+                    packed[seg.bucket] = flat.pack(bucket, leaves, torch.float32)
+                masters.append(packed[seg.bucket][seg.start : seg.end])
+        labels = [s.label for s in layout.segments]
         master_segments = Segments(masters, labels)
         state = MixedPrecisionState(
             param_segments=Segments(params_of, labels),
@@ -239,6 +259,23 @@ def init(
     if not buckets:
         state._views["params"] = params  # the caller's own tensors, not views of them
     return state
+
+
+def _mesh_consensus(consensus: Consensus | None, mesh: Any, group: Any, buckets: bool) -> Consensus:
+    """Returns the sharded consensus for DTensor params on ``mesh``: over its ``group``, or
+    the given one's group (e.g. one with a shorter timeout) if it spans as many processes."""
+    if buckets:
+        raise ValueError(
+            "buckets=True would move DTensor params out of FSDP's storage; pass buckets=False"
+        )
+    if consensus is None:
+        return Consensus(group=group, sharded=True)
+    if not consensus.sharded or dist.get_world_size(consensus.group) != mesh.size():
+        raise ValueError(
+            f"the params are DTensor shards on {mesh}: the step agrees over a group of its "
+            f"{mesh.size()} processes with Consensus(sharded=True); got {consensus}"
+        )
+    return consensus
 
 
 def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, tree
+from fp16fx import checkpoint, dtensors, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
+from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
 from fp16fx.facade.groups import (
     NO_CLIP,
@@ -84,8 +85,9 @@ class FastEngine:
         )
         params = [p for group_params in trainable for p in group_params]
         self.sharded: fdist.ShardedState | None = None
+        self.fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
         if shard is NOT_SHARDED:
-            self.flat = FlatParams(params, self.labels)
+            self.flat = FSDPParams(params) if self.fsdp else FlatParams(params, self.labels)
             self._state = init(self.flat.params, transform, scaler.policy, consensus=consensus)
         else:
             self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
@@ -134,6 +136,14 @@ class FastEngine:
                 "Use state_dict() (this rank's shard) and fp16fx.facade.consolidate_state_dict."
             )
 
+    def _require_whole(self, what: str) -> None:
+        if self.fsdp:
+            raise RuntimeError(
+                f"{what} is not available on an FSDP2 model's FP16_Optimizer: each rank holds "
+                "its shard of every param's state. Use state_dict()/load_state_dict() with "
+                "torch.distributed.checkpoint (docs/distributed.md)."
+            )
+
     def export(self) -> PerParamState:
         """Returns the optimizer state in torch.optim's per-param format (one sync).
 
@@ -175,6 +185,7 @@ class FastEngine:
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
         """
+        self._require_whole("loading torch.optim-format state")
         self.check_state(per_param, self.specs)
         if self.sharded is None:
             template = checkpoint.state_dict(self.state)
@@ -218,7 +229,7 @@ class FastEngine:
 
         Raises ValueError for a sharded engine, whose structure is fixed.
         """
-        if self.sharded is not None:
+        if self.sharded is not None or self.fsdp:
             self.check_structure(specs)
             return
         groups = self.optimizer.param_groups
@@ -246,7 +257,7 @@ class FastEngine:
         Every param moves into new flat buffers; the core state is rebuilt and keeps every
         master, moment and count (one recompile).
         """
-        if self.sharded is not None:
+        if self.sharded is not None or self.fsdp:
             raise ValueError(
                 "a sharded FP16_Optimizer cannot add a param group; give every group to the "
                 "wrapped optimizer before building the FP16_Optimizer"
@@ -287,11 +298,13 @@ class FastEngine:
         try:
             specs = [group_spec(self.kind, g, k) for k, g in enumerate(groups)]
         except Unsupported as err:
-            if self.sharded is None:
+            if self.sharded is None and not self.fsdp:
                 raise
             raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
+            if self.fsdp:
+                self.check_structure(specs)
             self.restructure(specs, self.export() if self.sharded is None else {})
         for k, (spec, group) in enumerate(zip(self.specs, groups)):
             values, written = group_values(spec, group), self._written[k]
