@@ -5,7 +5,9 @@ params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param gro
 ``p.data`` and ``p.grad`` become views), the param groups become the core's transform
 (:mod:`fp16fx.facade.groups`), and every step is the functional API's in-place step --
 ``fp16fx.compile_step(inplace=True)`` -- on an ``fp16fx.init`` state over those params; with
-``shard=...``, ``fp16fx.distributed``'s sharded state and step. What this module adds is the
+``shard=...``, ``fp16fx.distributed``'s sharded state and step; on an FSDP2 model, the params
+stay FSDP's DTensor shards (:class:`~fp16fx.distributed.fsdp.FSDPParams`) and the state is
+over their local shards. What this module adds is the
 translation: hyperparameters read from ``param_groups`` before each step, and the state shown
 and loaded in torch.optim's per-param format.
 """

@@ -99,6 +99,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
     Both move the loss scale once per ``step()``, so gradients accumulated over several
     ``backward`` calls all carry one scale.
 
+    On an FSDP2 model (``fully_shard``: DTensor params) both step each rank's local shards in
+    place -- FP32 shards are their own masters -- and every rank agrees the skip and the global
+    grad norm in one all-reduce over the mesh (``process_group=group`` picks the group);
+    ``state_dict()`` is then a dict for ``torch.distributed.checkpoint`` (docs/distributed.md).
+
     Between two steps it is in one :class:`Phase`; the events move it so:
 
     ===============================================  ===================  ==================
