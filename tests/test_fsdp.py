@@ -227,6 +227,10 @@ def no_sync(rank: int, world: int) -> dict[str, Any]:
     model = sharded()
     params = dict(model.named_parameters())
     state = fp16fx.init(params, fp16fx.adamw(LR), fp16fx.DynamicLossScale(init_scale=INIT_SCALE))
+    own_masters = [
+        m.data_ptr() == dtensors.local(p).data_ptr()
+        for m, p in zip(state.master_segments, [params[k] for k in sorted(params)])
+    ]  # the FP32 shards are the masters, no copy (a tree's dict leaves are in key order)
     step = fp16fx.compile_step(inplace=True)
     graphs, finite = [], []
     for i in range(5):
@@ -250,7 +254,7 @@ def no_sync(rank: int, world: int) -> dict[str, Any]:
         with no_host_sync() if i > 0 else contextlib.nullcontext():
             opt.step()
         graphs.append(counters["stats"]["unique_graphs"])
-    return {"graphs": graphs, "finite": [bool(f) for f in finite]}
+    return {"graphs": graphs, "finite": [bool(f) for f in finite], "own_masters": own_masters}
 
 
 def refusals(rank: int, world: int) -> dict[str, Any]:
@@ -425,6 +429,7 @@ def test_a_hung_rank_fails_the_others_after_the_timeout(jobs):
 
 def test_compiled_steps_never_sync_and_never_recompile(jobs):
     for r in ranks(jobs, 2, "no_sync"):
+        assert r["own_masters"] == [True] * 4
         assert r["finite"] == [True, True, True, False, True]
         functional, facade_graphs = r["graphs"][:5], r["graphs"][5:]
         assert len(set(functional)) == 1, r["graphs"]  # compiled at step 0, never again
