@@ -135,7 +135,7 @@ def training(rank: int, world: int, where: Path, compiled: bool) -> dict[str, An
     if world == 2:
         save(model, opt, where)
     rest = train(model, opt, range(SAVE_AT, STEPS), rank, world)
-    out = {"params": full(model), "norms": first["norms"] + rest["norms"]}
+    out = {"params": full(model), "norms": first["norms"] + rest["norms"], "repr": repr(opt)}
     again = sharded()
     with torch.no_grad():
         for p in again.parameters():
@@ -386,6 +386,10 @@ def test_fsdp2_training_matches_one_process_on_the_whole_batch(jobs):
     for world in (2, 4):
         got = ranks(jobs, world, "training")
         assert {r["path"] for r in got} == {"fast"}
+        assert (
+            f"fast path ({'compiled' if world == 2 else 'eager'}), FSDP2 shards over {world}"
+            in got[0]["repr"]
+        )
         for r in got[1:]:  # every rank holds the same full params
             for name, value in got[0]["params"].items():
                 assert torch.equal(r["params"][name], value), name

@@ -136,6 +136,8 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
     fast engine, or raises naming what does not fit, having changed nothing."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
+    if not isinstance(sd.get("state"), Mapping):
+        raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
     groups = sd.get("param_groups")
     if not isinstance(groups, Sequence) or len(groups) != len(inner.param_groups):
         raise _fail(f"it has {len(groups or [])} param groups, this optimizer "

@@ -7,9 +7,9 @@ params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param gro
 ``fp16fx.compile_step(inplace=True)`` -- on an ``fp16fx.init`` state over those params; with
 ``shard=...``, ``fp16fx.distributed``'s sharded state and step; on an FSDP2 model, the params
 stay FSDP's DTensor shards (:class:`~fp16fx.distributed.fsdp.FSDPParams`) and the state is
-over their local shards. What this module adds is the
-translation: hyperparameters read from ``param_groups`` before each step, and the state shown
-and loaded in torch.optim's per-param format.
+over their local shards. What this module adds is the translation: hyperparameters read from
+``param_groups`` before each step, and the state shown and loaded in torch.optim's per-param
+format.
 """
 
 from __future__ import annotations
