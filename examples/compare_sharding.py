@@ -15,7 +15,9 @@ Bytes: every distinct tensor storage a rank holds between steps -- the model's p
 grads (local shards under FSDP2) and the optimizer's fp16fx state -- divided by the model's
 param count. DDP's own gradient buckets (2 more bytes per FP16 param) and FSDP2's transient
 unsharded params are not counted. Time: the median of ``--steps`` forward+backward+step
-iterations after 3 warm-up ones, the slowest rank's. ``--mode fsdp2 --check-pass`` also times
+iterations after 3 warm-up ones, the slowest rank's, and of the ``optimizer.step()`` calls in
+them (with ``shard=True`` that includes the reduce-scatter and all-gather; DDP and FSDP2
+communicate in backward). ``--mode fsdp2 --check-pass`` also times
 the step's check pass through DTensor ops against fp16fx's way, on the local shards.
 """
 
@@ -122,22 +124,31 @@ def main() -> None:
     dtype = torch.float32 if args.mode == "fsdp2" else torch.float16
     x = torch.randn(args.batch, args.width).to(dtype)
     times: list[float] = []
+    step_times: list[float] = []
     for i in range(args.steps + 3):
         start = time.perf_counter()
         opt.zero_grad()
         opt.backward(F.mse_loss(model(x).float(), x.float()))
+        before_step = time.perf_counter()
         opt.step()
+        after_step = time.perf_counter()
         dist.barrier()
         if i >= 3:
             times.append(time.perf_counter() - start)
+            step_times.append(after_step - before_step)
     per_rank: list[Any] = [None] * world
-    mine = (persistent_bytes(model, opt) / n, statistics.median(times) * 1e3)
+    mine = (
+        persistent_bytes(model, opt) / n,
+        statistics.median(times) * 1e3,
+        statistics.median(step_times) * 1e3,
+    )
     dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
-        bytes_per_param = max(b for b, _ in per_rank)
-        ms = max(t for _, t in per_rank)
+        bytes_per_param = max(r[0] for r in per_rank)
+        ms, step_ms = max(r[1] for r in per_rank), max(r[2] for r in per_rank)
         print(f"{args.mode} d={world} params={n:,}: {bytes_per_param:.2f} bytes/param/rank, "
-              f"{ms:.1f} ms/step (path {opt.path}, skipped {opt.skipped_steps})")  # fmt: skip
+              f"{ms:.1f} ms/step of which {step_ms:.1f} ms in optimizer.step() "
+              f"(path {opt.path}, skipped {opt.skipped_steps})")  # fmt: skip
     if args.mode == "fsdp2" and args.check_pass:
         dtensor_ms, local_ms = check_pass_ms(model)
         if dist.get_rank() == 0:
