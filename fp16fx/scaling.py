@@ -215,5 +215,6 @@ def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> Che
         zero = scale.new_zeros(())
         return CheckedGrads(unscaled, torch.isfinite(zero), zero)
     values = [u._values() if u.is_sparse else u for u in unscaled]  # a sparse grad's entries
+    values = [v for v in values if v.numel()] or [scale.new_zeros(1)]  # an empty FSDP2 shard
     largest = torch.stack([v.abs().amax() for v in values]).amax()
     return CheckedGrads(unscaled, torch.isfinite(largest), global_norm(values))

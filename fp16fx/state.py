@@ -20,8 +20,9 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
-from fp16fx import flat, tree
+from fp16fx import dtensors, flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.flat import Layout
 from fp16fx.precision import (
@@ -236,6 +237,13 @@ def init(
       moments: how the optimizer's per-element state is stored: ``"fp32"``, ``"bf16"`` or
         ``"int8"`` (block-wise).
 
+    DTensor params (an FSDP2 model's ``dict(model.named_parameters())``, sharded on a 1-D
+    mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
+    views of FSDP's storage that are never moved or packed; each leaf is a segment of its own,
+    so an FP32 shard is its own master. The consensus is the sharded one over the mesh's
+    process group (or a given ``Consensus(group, sharded=True)`` over as many processes).
+    ``buckets`` must be False.
+
     Raises:
       TypeError, ValueError: the params cannot be trained, the optimizer, policy or precision
         is not one, or a compensated state's params are not flat or all FP32 (the message
@@ -246,6 +254,7 @@ def init(
             f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
         )
     precision = Precision(master, moments)
+    params, mesh, group = dtensors.local_shards(params)
     leaves, treedef = tree.check_params(params)
     policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
@@ -253,6 +262,14 @@ def init(
     layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
     if precision.compensated:
         _check_compensable(layout, leaves, buckets)
+    if mesh is not None and precision != FP32:
+        raise ValueError(
+            f"master={master!r}, moments={moments!r} do not run on DTensor params (FSDP2): "
+            "use FP32 masters and moments"
+        )
+    if mesh is not None:
+        consensus = _mesh_consensus(consensus, mesh, group, buckets)
+        layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -260,18 +277,27 @@ def init(
         else:  # the leaves as given, as one flat tensor where they are one
             flats = [flat.flat_view(bucket, leaves) for bucket in layout.buckets]
         params_of, masters = [], []
-        for bucket, buffer in zip(layout.buckets, flats):
-            if buffer is None:
-                params_of.append(tuple(leaves[i] for i in bucket.indices))
+        packed: dict[int, torch.Tensor] = {}  # per bucket, its FP32 masters, where copied
+        for seg in layout.segments:
+            bucket, buffer = layout.buckets[seg.bucket], flats[seg.bucket]
+            if buffer is not None:
+                own: torch.Tensor | None = buffer[seg.start : seg.end]
             else:
-                params_of.append(buffer[: bucket.numel])
-            if buffer is not None and bucket.dtype == torch.float32:
-                masters.append(params_of[-1])  # an FP32 param is its own master
+                own = flat.flat_view(bucket, leaves, seg.lo, seg.hi)
+            if own is None:
+                params_of.append(tuple(leaves[i] for i in bucket.indices[seg.lo : seg.hi]))
+            else:
+                params_of.append(own)
+            if own is not None and bucket.dtype == torch.float32:
+                masters.append(own)  # an FP32 param is its own master
             elif precision.compensated:  # the param is its master: nothing to correct yet
-                masters.append(torch.zeros_like(buffer, dtype=correction_dtype(bucket.dtype)))
+                assert own is not None  # _check_compensable
+                masters.append(torch.zeros_like(own, dtype=correction_dtype(bucket.dtype)))
             else:
-                masters.append(flat.pack(bucket, leaves, torch.float32))
-        labels = [b.label for b in layout.buckets]  # one segment per bucket
+                if seg.bucket not in packed:
+                    packed[seg.bucket] = flat.pack(bucket, leaves, torch.float32)
+                masters.append(packed[seg.bucket][seg.start : seg.end])
+        labels = [s.label for s in layout.segments]
         state = MixedPrecisionState(
             param_segments=Segments(params_of, labels),
             master_segments=Segments(masters, labels),
@@ -326,6 +352,23 @@ def decode_moments(opt_state: Any, precision: Precision) -> Any:
     return map_moments(
         lambda x, non_negative, k: decode_moment(x, non_negative, precision.block), opt_state
     )
+
+
+def _mesh_consensus(consensus: Consensus | None, mesh: Any, group: Any, buckets: bool) -> Consensus:
+    """Returns the sharded consensus for DTensor params on ``mesh``: over its ``group``, or
+    the given one's group (e.g. one with a shorter timeout) if it spans as many processes."""
+    if buckets:
+        raise ValueError(
+            "buckets=True would move DTensor params out of FSDP's storage; pass buckets=False"
+        )
+    if consensus is None:
+        return Consensus(group=group, sharded=True)
+    if not consensus.sharded or dist.get_world_size(consensus.group) != mesh.size():
+        raise ValueError(
+            f"the params are DTensor shards on {mesh}: the step agrees over a group of its "
+            f"{mesh.size()} processes with Consensus(sharded=True); got {consensus}"
+        )
+    return consensus
 
 
 def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:

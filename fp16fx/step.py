@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fp16fx import flat, tree
+from fp16fx import dtensors, flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.precision import (
     Precision,
@@ -302,6 +302,7 @@ def prepare(
       ValueError, TypeError: the grads do not fit the params (named); nothing is changed.
     """
     layout = state.layout
+    grads = _local_grads(state, grads)
     flats = _laid_out(state, grads)
     if flats is None:
         leaves = tree.check_grads(state.params, grads)
@@ -309,17 +310,12 @@ def prepare(
         cut = layout.recut(has)
         if cut != layout:
             state, layout = recut(state, cut), cut
-        flats = [
-            _pack(bucket, leaves, scratch) if any(has[i] for i in bucket.indices) else None
-            for bucket in layout.buckets
-        ]
         active = tuple(has[layout.buckets[s.bucket].indices[s.lo]] for s in layout.segments)
+        grad_list = _segment_grads(layout, leaves, active, scratch)
     else:
         active = (True,) * len(layout.segments)
-    seg_grads = Segments(
-        [flats[s.bucket][s.start : s.end] for s, on in zip(layout.segments, active) if on],
-        [s.label for s, on in zip(layout.segments, active) if on],
-    )
+        grad_list = [flats[s.bucket][s.start : s.end] for s in layout.segments]
+    seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
     targets = [
         _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
     ]
@@ -336,6 +332,43 @@ def prepare(
         count=state.count,
     )
     return Prepared(state, active, written, seg_grads, trained)
+
+
+def _local_grads(state: MixedPrecisionState, grads: Any) -> Any:
+    """Returns ``grads`` with DTensor leaves as their local shards, after checking that the
+    state steps shards (made by ``init`` from DTensor params)."""
+    local, mesh, _ = dtensors.local_shards(grads, root="grads")
+    if mesh is not None:
+        consensus = state.consensus
+        if consensus is None or not consensus.sharded:
+            raise ValueError(
+                f"the grads are DTensors on {mesh}, but this state was not made from DTensor "
+                "params of that mesh (fp16fx.init(dict(model.named_parameters()), ...))"
+            )
+    return local
+
+
+def _segment_grads(
+    layout: flat.Layout,
+    leaves: list[torch.Tensor | None],
+    active: tuple[bool, ...],
+    scratch: Scratch | None,
+) -> list[torch.Tensor]:
+    """Returns each active segment's flat gradient: a view where its grads are one flat
+    tensor (a single leaf always is), else a slice of the bucket's packed grads."""
+    packed: dict[int, torch.Tensor] = {}
+    out = []
+    for s, on in zip(layout.segments, active):
+        if not on:
+            continue
+        bucket = layout.buckets[s.bucket]
+        own = flat.flat_view(bucket, leaves, s.lo, s.hi) if s.hi - s.lo < len(bucket) else None
+        if own is None:
+            if s.bucket not in packed:
+                packed[s.bucket] = _pack(bucket, leaves, scratch)
+            own = packed[s.bucket][s.start : s.end]
+        out.append(own)
+    return out
 
 
 def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.Tensor | None:

@@ -83,3 +83,18 @@ def test_functional_docs_example_runs_and_learns() -> None:
     match = re.search(r"accuracy (\d+\.\d)%, state: MixedPrecisionState", result.stdout)
     assert match and float(match.group(1)) >= 95
     assert "count=200" in result.stdout  # no step was skipped
+
+
+@pytest.mark.compile
+def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    result = subprocess.run(
+        [*torchrun, "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_fp16.py"), "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step   20  loss" in result.stdout
+    assert "resumed from step 10" in result.stdout and "same: True" in result.stdout

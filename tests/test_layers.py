@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fp16fx"
 
 #: docs/design.md's table, top to bottom: a module may import from its own row and rows above.
 LAYERS = [
-    ("tree", ["tree", "flat", "segments"]),
+    ("tree", ["tree", "flat", "segments", "dtensors"]),
     ("scaling", ["scaling"]),
     ("transforms", ["transforms"]),
     ("step", ["consensus", "precision", "state", "step", "checkpoint"]),

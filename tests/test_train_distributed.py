@@ -156,6 +156,24 @@ def test_torchrun_runs_the_functional_api(tmp_path) -> None:
     assert "; fp16fx.distributed.average_grads" in done.stdout
 
 
+def test_fsdp_trains_the_default_task_sharded(tmp_path) -> None:
+    done = run_command(
+        *("-m", "fp16fx.cli", "train", "--fsdp", "--nproc-per-node", "2", *SMALL),
+        cwd=tmp_path,
+    )
+    rows = summary_rows(done.stdout)
+    assert done.stdout.count("test accuracy") == 1
+    assert rows["processes"] == "2, in sync"  # the gathered params: bitwise equal
+    assert float(rows["test accuracy"].rstrip("%")) > 20  # it learned (10 classes)
+    assert "FP16_Optimizer(Adam), eager, dynamic loss scale; FP32 model, FSDP2" in done.stdout
+
+
+def test_fsdp_refuses_what_it_cannot_do_in_one_line(capsys) -> None:
+    assert "add --nproc-per-node N" in one_line_error(capsys, "--fsdp")
+    error = one_line_error(capsys, "--fsdp", "--api", "functional", "--nproc-per-node", "2")
+    assert "--fsdp trains with FP16_Optimizer (--api facade)" in error
+
+
 # --- bad process counts: one line, nothing started -----------------------------------------
 
 

@@ -11,6 +11,9 @@ Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone
     torch.save(fdist.state_dict(state), f"shard{rank}.pt")      # one file per rank
     fp16fx.load_state_dict(one, fdist.consolidate(shards))      # any of them: one format
 
+FSDP2 models need nothing from here to train (``fp16fx.init`` and ``FP16_Optimizer`` take
+their DTensor params); :mod:`fp16fx.distributed.fsdp` holds their DCP checkpoint conversions.
+
 See ``docs/distributed.md`` for torchrun commands, DDP interplay, sharding and memory.
 """
 

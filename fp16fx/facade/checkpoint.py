@@ -12,6 +12,10 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 * ``applied_steps`` (fp16fx's, compact precision only) -- the core's count of applied steps,
   which seeds compact precision's stochastic rounding (absent: kept as it is).
 
+On an FSDP2 model the dict is DCP's (``FSDP_FORMAT``): the core's state with every per-param
+tensor a DTensor laid out like its param (:func:`fp16fx.distributed.fsdp.state_dict`), the
+param groups' numbers and the flags; ``torch.distributed.checkpoint`` saves and reshards it.
+
 A sharded optimizer's dict is its rank's: ``fp16fx.distributed.state_dict`` of its state, its
 param groups and the scaler entries; :func:`consolidate_state_dict` joins every rank's
 (through ``fp16fx.distributed.consolidate``, the one consolidator) into the apex-format dict.
@@ -34,6 +38,7 @@ import torch
 
 import fp16fx.distributed as fdist
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
@@ -54,6 +59,7 @@ KEYS = (
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
 _FLAGS = ("overflow", "first_closure_call_this_step")
 SHARDED_FORMAT = "fp16fx.FP16_Optimizer.sharded/2"
+FSDP_FORMAT = "fp16fx.FP16_Optimizer.fsdp/1"
 #: Per-param state keys of the optimizers whose states are checked entry by entry.
 _STATE_KEYS: dict[type, tuple[str, ...]] = {
     torch.optim.SGD: ("momentum_buffer",),
@@ -91,6 +97,13 @@ def state_dict(
     flags: Mapping[str, bool],
 ) -> dict[str, Any]:
     """Returns the checkpoint dict (see the module docstring); one sync."""
+    if isinstance(engine, FastEngine) and engine.fsdp:
+        return {
+            "format": FSDP_FORMAT,
+            "state": fsdp.state_dict(engine.state, engine.flat.params),
+            "param_groups": [_numbers(g) for g in inner.param_groups],
+            **{key: flags[key] for key in _FLAGS},
+        }
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
         trainable = [
@@ -124,6 +137,55 @@ def state_dict(
         "fp32_from_fp16": masters,
         **steps,
     }
+
+
+def _numbers(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any]) -> None:
+    """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
+    fast engine, or raises naming what does not fit, having changed nothing."""
+    if not (isinstance(engine, FastEngine) and engine.fsdp):
+        raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
+    if not isinstance(sd.get("state"), Mapping):
+        raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
+    groups = sd.get("param_groups")
+    if not isinstance(groups, Sequence) or len(groups) != len(inner.param_groups):
+        raise _fail(f"it has {len(groups or [])} param groups, this optimizer "
+                    f"{len(inner.param_groups)}")  # fmt: skip
+    for k, (saved, group) in enumerate(zip(groups, inner.param_groups)):
+        if set(saved) != set(_numbers(group)):
+            raise _fail(f"param_groups[{k}] has keys {sorted(saved)}, this optimizer's "
+                        f"{sorted(_numbers(group))}")  # fmt: skip
+    engine.check_structure(
+        [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
+         enumerate(zip(groups, inner.param_groups))]
+    )  # fmt: skip
+    policy = _saved_policy(engine.scaler.policy, sd["state"])
+    state = engine.state
+    try:
+        engine.state = fsdp.load_state_dict(
+            state.replace(policy=policy), sd["state"], engine.flat.params
+        )
+    except BaseException:
+        engine.state = state
+        raise
+    engine.scaler.policy = policy
+    for group, saved in zip(inner.param_groups, groups):
+        group.update(saved)
+
+
+def _saved_policy(policy: Any, sd: Any) -> Any:
+    """Returns ``policy`` with the fields saved in ``sd["policy"]`` (the checkpoint's scaler
+    settings win, as in apex), or ``policy`` itself when ``sd`` saved another kind."""
+    saved = sd.get("policy") if isinstance(sd, Mapping) else None
+    if not (isinstance(saved, Mapping) and saved.get("type") == type(policy).__name__):
+        return policy  # fp16fx.load_state_dict names the mismatch
+    try:
+        return dataclasses.replace(policy, **{k: v for k, v in saved.items() if k != "type"})
+    except (TypeError, ValueError) as err:
+        raise _fail(f"its loss-scale policy {dict(saved)} cannot be rebuilt: {err}") from None
 
 
 def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

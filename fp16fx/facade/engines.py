@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fp16fx import dtensors
+from fp16fx.consensus import Consensus
 from fp16fx.facade.fast import NOT_SHARDED, FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
@@ -67,7 +69,9 @@ def build_engine(
     """Returns ``(engine, masters)`` for ``optimizer``, after putting ``masters`` (per group,
     what it holds for each trainable param) into its param groups.
 
-    ``shard``: a process group to shard over (None: the world), or NOT_SHARDED. ``path``:
+    ``shard``: a process group to shard over (None: the world), or NOT_SHARDED. DTensor
+    params (FSDP2) are stepped on their local shards, the skip and norm agreed over their
+    mesh (the scaler's consensus becomes that one). ``path``:
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
@@ -79,6 +83,21 @@ def build_engine(
         raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
     if precision != FP32 and shard is not NOT_SHARDED:
         raise ValueError(f"{compact} does not shard: use shard=False, or FP32 masters and moments")
+    _, mesh, group = dtensors.local_shards([p for params in trainable for p in params])
+    if mesh is not None and precision != FP32:
+        raise ValueError(f"{compact} does not run on FSDP2 params: use FP32 masters and moments")
+    if mesh is not None:  # FSDP2: every rank holds other elements, agreed over the mesh
+        if shard is not NOT_SHARDED:
+            raise ValueError("shard=... with an FSDP2 model: FSDP2 shards the state already")
+        given = scaler.consensus  # process_group=group scopes it to that group
+        if given is not None and given.group is not None:
+            if dist.get_world_size(given.group) != mesh.size():
+                raise ValueError(
+                    f"process_group spans {dist.get_world_size(given.group)} processes, the "
+                    f"FSDP2 params' mesh {mesh.size()}: give a group of the mesh's processes"
+                )
+            group = given.group
+        scaler.consensus = Consensus(group=group, sharded=True)
     if shard is not NOT_SHARDED:
         try:
             engine = FastEngine(

@@ -5,9 +5,11 @@ params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param gro
 ``p.data`` and ``p.grad`` become views), the param groups become the core's transform
 (:mod:`fp16fx.facade.groups`), and every step is the functional API's in-place step --
 ``fp16fx.compile_step(inplace=True)`` -- on an ``fp16fx.init`` state over those params; with
-``shard=...``, ``fp16fx.distributed``'s sharded state and step. What this module adds is the
-translation: hyperparameters read from ``param_groups`` before each step, and the state shown
-and loaded in torch.optim's per-param format.
+``shard=...``, ``fp16fx.distributed``'s sharded state and step; on an FSDP2 model, the params
+stay FSDP's DTensor shards (:class:`~fp16fx.distributed.fsdp.FSDPParams`) and the state is
+over their local shards. What this module adds is the translation: hyperparameters read from
+``param_groups`` before each step, and the state shown and loaded in torch.optim's per-param
+format.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, tree
+from fp16fx import checkpoint, dtensors, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
+from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
 from fp16fx.facade.groups import (
     NO_CLIP,
@@ -88,8 +91,9 @@ class FastEngine:
         )
         params = [p for group_params in trainable for p in group_params]
         self.sharded: fdist.ShardedState | None = None
+        self.fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
         if shard is NOT_SHARDED:
-            self.flat = FlatParams(params, self.labels)
+            self.flat = FSDPParams(params) if self.fsdp else FlatParams(params, self.labels)
             self._state = self._init(transform, consensus, precision)
         else:
             self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
@@ -166,6 +170,14 @@ class FastEngine:
                 "Use state_dict() (this rank's shard) and fp16fx.facade.consolidate_state_dict."
             )
 
+    def _require_whole(self, what: str) -> None:
+        if self.fsdp:
+            raise RuntimeError(
+                f"{what} is not available on an FSDP2 model's FP16_Optimizer: each rank holds "
+                "its shard of every param's state. Use state_dict()/load_state_dict() with "
+                "torch.distributed.checkpoint (docs/distributed.md)."
+            )
+
     def export(self) -> PerParamState:
         """Returns the optimizer state in torch.optim's per-param format (one sync).
 
@@ -216,6 +228,7 @@ class FastEngine:
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
         """
+        self._require_whole("loading torch.optim-format state")
         self.check_state(per_param, self.specs)
         if self.sharded is None:
             template = checkpoint.state_dict(self.state)
@@ -269,7 +282,7 @@ class FastEngine:
 
         Raises ValueError for a sharded engine, whose structure is fixed.
         """
-        if self.sharded is not None:
+        if self.sharded is not None or self.fsdp:
             self.check_structure(specs)
             return
         groups = self.optimizer.param_groups
@@ -296,7 +309,7 @@ class FastEngine:
         Every param moves into new flat buffers; the core state is rebuilt and keeps every
         master, moment and count (one recompile).
         """
-        if self.sharded is not None:
+        if self.sharded is not None or self.fsdp:
             raise ValueError(
                 "a sharded FP16_Optimizer cannot add a param group; give every group to the "
                 "wrapped optimizer before building the FP16_Optimizer"
@@ -332,11 +345,13 @@ class FastEngine:
         try:
             specs = [group_spec(self.kind, g, k) for k, g in enumerate(groups)]
         except Unsupported as err:
-            if self.sharded is None:
+            if self.sharded is None and not self.fsdp:
                 raise
             raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
+            if self.fsdp:
+                self.check_structure(specs)
             self.restructure(specs, self.export() if self.sharded is None else {})
         for k, (spec, group) in enumerate(zip(self.specs, groups)):
             values, written = group_values(spec, group), self._written[k]

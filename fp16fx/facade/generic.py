@@ -13,9 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from fp16fx import dtensors
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import unscale_and_check
+
+
+def _version(grad: torch.Tensor) -> tuple[int, int]:
+    """Returns what identifies a gradient's contents now: FSDP2 writes a DTensor gradient's
+    local shard in place, which moves that shard's version counter, not the DTensor's."""
+    local = dtensors.local(grad) if isinstance(grad, DTensor) else grad
+    return id(grad), local._version
 
 
 class GenericEngine:
@@ -37,6 +46,7 @@ class GenericEngine:
         for params, group_masters in zip(trainable, masters, strict=True):
             self.add_group(params, group_masters)
         self._finite: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
         self._floored: torch.Tensor | None = None
 
     @staticmethod
@@ -57,25 +67,27 @@ class GenericEngine:
         and its state alone (apex left the previous step's master grad there).
         """
         with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
-        checked = unscale_and_check([p.grad for p, _ in with_grad], self.scaler.state.scale)
-        finite = checked.finite
+        # FSDP2's DTensor grads: their local shards (the consensus spans the mesh)
+        grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
+        checked = unscale_and_check(grads, self.scaler.state.scale)
+        finite, norm = checked.finite, checked.norm
         if self.scaler.consensus is not None:  # every process skips or applies together
-            finite, _ = self.scaler.consensus(finite, checked.norm)
+            finite, norm = self.scaler.consensus(finite, norm)
         with torch.no_grad():
-            for (p, master), grad in zip(with_grad, checked.unscaled):
+            for (p, master), local, grad in zip(with_grad, grads, checked.unscaled):
                 if master is p:
-                    p.grad.copy_(grad)
+                    local.copy_(grad)
                 else:
-                    master.grad = grad
+                    master.grad = dtensors.like(grad, p) if isinstance(p, DTensor) else grad
             for p, master in self.pairs:
                 if p.grad is None and master is not p:
                     master.grad = None
-        self._finite = finite
+        self._finite, self._norm = finite, norm
 
-    def grad_versions(self) -> tuple[int | None, ...]:
+    def grad_versions(self) -> tuple[tuple[int, int] | None, ...]:
         """Returns each param's gradient's version counter (None without one): autograd
         writing any of them changes it."""
-        return tuple(None if p.grad is None else p.grad._version for p, _ in self.pairs)
+        return tuple(None if p.grad is None else _version(p.grad) for p, _ in self.pairs)
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
@@ -124,7 +136,15 @@ class GenericEngine:
         if not self.finite():
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
+        if not any(isinstance(m, DTensor) for m in masters):
+            return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
+        if float(norm_type) != 2.0 or self._norm is None:
+            raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
+        # FSDP2: the global norm is the one the consensus agreed; scale the local shards
+        coef = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
+        return float(self._norm)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zeroes (or sets to None) the grads of the model params and of the masters."""

@@ -100,6 +100,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
     Both move the loss scale once per ``step()``, so gradients accumulated over several
     ``backward`` calls all carry one scale.
 
+    On an FSDP2 model (``fully_shard``: DTensor params) both step each rank's local shards in
+    place -- FP32 shards are their own masters -- and every rank agrees the skip and the global
+    grad norm in one all-reduce over the mesh (``process_group=group`` picks the group);
+    ``state_dict()`` is then a dict for ``torch.distributed.checkpoint`` (docs/distributed.md).
+
     Between two steps it is in one :class:`Phase`; the events move it so:
 
     ===============================================  ===================  ==================
@@ -410,7 +415,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     return -1.0
                 self._engine.max_norm = float(max_norm)
                 return float(norm)
-            if self.sharded:
+            if self.sharded or self._engine.fsdp:
                 raise ValueError("a sharded FP16_Optimizer clips by the L2 norm (norm_type=2) only")
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type})"))
         engine = self._engine
@@ -500,7 +505,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
         ``overflow``, ``first_closure_call_this_step``. Tensors are references to the live
         state, as in torch.optim: save or copy the dict before stepping again. A sharded
-        optimizer returns this rank's shard instead (:mod:`fp16fx.facade.checkpoint`).
+        optimizer returns this rank's shard instead (:mod:`fp16fx.facade.checkpoint`). On an
+        FSDP2 model it returns the dict for ``torch.distributed.checkpoint`` (DTensors laid
+        out like the params; ``dcp.load`` into it, then pass it to :meth:`load_state_dict`).
         """
         flags = {
             "overflow": self.overflow,
@@ -518,6 +525,13 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
         The FP16/BF16 model params are set from the loaded masters.
         """
+        if isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT:
+            checkpoint.load_fsdp(self.optimizer, self._engine, state_dict)
+            self._phase = Phase(
+                overflow=state_dict["overflow"],
+                first_closure_call=state_dict["first_closure_call_this_step"],
+            )
+            return
         if isinstance(state_dict, (list, tuple)) and all(
             isinstance(d, Mapping) for d in state_dict
         ):  # every rank's dict of a sharded run

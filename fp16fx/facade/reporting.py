@@ -106,6 +106,8 @@ def describe(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sca
         where = f"fast path ({how})"
         if engine.sharded is not None:
             where += f", sharded over {engine.sharded.sharding.world_size} ranks"
+        if engine.fsdp:
+            where += f", FSDP2 shards over {engine.flat.mesh.size()} ranks"
     else:
         where = "generic path"
     return (

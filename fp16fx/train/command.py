@@ -169,6 +169,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: this process alone (or the processes torchrun started)",
     )
 
+    how.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc-per-node N (or torchrun): shard the FP32 model with FSDP2 "
+        "(fully_shard, FP16 compute) instead of DDP on an FP16 model; FP16_Optimizer steps "
+        "each process's shards, every process agreeing on skips and the gradient norm",
+    )
+
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write a checkpoint after every epoch")
     out.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
@@ -216,6 +224,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         progress=not args.quiet and sys.stderr.isatty(),
         plot=args.plot,
+        fsdp=args.fsdp,
     )
 
 

@@ -53,10 +53,10 @@ class TrainConfig:
     ``api`` (``"facade"`` or ``"functional"``), ``device`` (None: CUDA when available),
     ``epochs``, ``batch_size``, ``lr``, ``lr_schedule``, ``seed``, ``loss_scale``
     (``"dynamic"`` or a number), ``master`` and ``moments`` (the optimizer state's precision,
-    see :mod:`fp16fx.train.steppers`), ``compile`` (the facade's compiled path or
-    ``compile_step``; None: on CUDA only), ``limit`` (use only the first N train and test images),
-    ``compare_fp32``, ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars) and
-    ``plot``.
+    docs/precision.md), ``compile`` (the facade's compiled path or ``compile_step``; None: on
+    CUDA only), ``limit`` (use only the first N train and test images), ``compare_fp32``,
+    ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars), ``plot`` and ``fsdp``
+    (shard the FP32 model with FSDP2; several processes, facade only).
     """
 
     model: str = "cnn"
@@ -79,6 +79,7 @@ class TrainConfig:
     resume: str | None = None
     progress: bool = False
     plot: str | None = None
+    fsdp: bool = False
 
     def identity(self) -> dict[str, Any]:
         """Returns the settings a checkpoint must share with this session to be resumed.
@@ -184,7 +185,9 @@ def _restore_rng(state: dict[str, Any], generator: torch.Generator, device: torc
 def _fp16_stepper(
     config: TrainConfig, data: TrainTestData, device: torch.device, distributed: bool
 ) -> Stepper:
-    model = to_half(build_model(config.model, data.in_channels, data.num_classes)).to(device)
+    model = build_model(config.model, data.in_channels, data.num_classes).to(device)
+    if not config.fsdp:  # FSDP2 keeps FP32 params and computes in FP16
+        model = to_half(model)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
     return make_stepper(
         config.api,
@@ -195,6 +198,7 @@ def _fp16_stepper(
         distributed=distributed,
         master=config.master,
         moments=config.moments,
+        fsdp=config.fsdp,
     )
 
 
@@ -225,6 +229,13 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not config.lr > 0:
         raise SetupError(f"--lr must be > 0, got {config.lr}")
+    if config.fsdp and (config.master, config.moments) != ("fp32", "fp32"):
+        raise SetupError("--fsdp trains FP32 masters and moments: drop --master/--moments")
+    if config.fsdp and (config.api != "facade" or config.save or config.resume):
+        raise SetupError(
+            "--fsdp trains with FP16_Optimizer (--api facade) and without --save/--resume "
+            "(an FSDP2 run checkpoints through torch.distributed.checkpoint: docs/distributed.md)"
+        )
     if config.save is not None:
         checkpoint.check_writable(config.save)
     if config.plot is not None:
@@ -329,6 +340,8 @@ def train(config: TrainConfig) -> TrainResult:
             f"--batch-size {batch_size}{per_process} exceeds the {len(data.train)} training images"
         )
     distributed = processes.size > 1
+    if config.fsdp and not distributed:
+        raise SetupError("--fsdp shards the model over processes: add --nproc-per-node N (N > 1)")
     torch.manual_seed(config.seed)
     stepper = _fp16_stepper(config, data, device, distributed)
     per_process = f" ({processes.size} processes x {batch_size})" if distributed else ""

@@ -33,6 +33,7 @@ The functional stepper never syncs with the device; the facade stepper reads the
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -40,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel
 
@@ -250,6 +253,53 @@ class FacadeStepper(OptimizerStepper):
         )
 
 
+class FSDPStepper(FacadeStepper):
+    """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on an FP32 model sharded by FSDP2
+    (``fully_shard``, FP16 compute, FP32 gradient reduction): each process keeps its shard of
+    every param (its own master) and of the moments.
+
+    Each layer is an FSDP group of its own, BatchNorm computing in FP32 (as apex's
+    ``network_to_half`` keeps it). Evaluation runs an unsharded FP32 replica loaded with the
+    gathered params, so processes with different numbers of test batches never wait on each
+    other's all-gathers.
+    """
+
+    def __init__(
+        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = True
+    ) -> None:
+        self._replica = copy.deepcopy(model)
+        half = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for module in model.modules():  # one FSDP group per layer; BatchNorm computes in FP32
+            if module is not model and any(True for _ in module.parameters(recurse=False)):
+                bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
+                fully_shard(module, mp_policy=full if bn else half)
+        fully_shard(model, mp_policy=half)
+        super().__init__(model, lr, loss_scale, compile=compile)
+        self.label = self.label.replace(_FP16_MODEL, "FP32 model, FSDP2 (FP16 compute)")
+        self._replica_fresh = False
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        self._replica_fresh = False
+        return super().train_step(images, labels)
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        if not self._replica_fresh:  # every process's first test batch: gather once
+            self._replica.load_state_dict(self.state_dict()["model"])
+            self._replica_fresh = True
+        self._replica.train(self.model.training)
+        return self._replica(images.float())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the whole model (gathered: every process calls it) and the optimizer's
+        DCP dict (its shards as DTensors)."""
+        weights = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in self.model.state_dict().items()
+        }
+        return {"model": weights, "optimizer": self.optimizer.state_dict()}
+
+
 class FunctionalStepper(Stepper):
     """The pure API: ``functional_call`` + ``torch.func.grad`` + ``fp16fx.step``.
 
@@ -400,13 +450,19 @@ def make_stepper(
     distributed: bool = False,
     master: str = "fp32",
     moments: str = "fp32",
+    fsdp: bool = False,
 ) -> Stepper:
-    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``.
+    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``; with
+    ``fsdp``, the facade on an FP32 ``model`` that it shards with FSDP2 (:class:`FSDPStepper`).
 
     ``distributed``: one of several processes (``torch.distributed`` initialized), each
     stepping on its part of every batch with the gradients averaged over all of them.
     ``master``, ``moments``: the state's precision (docs/precision.md).
     """
+    if fsdp:
+        if api != "facade":
+            raise ValueError(f"FSDP2 training runs FP16_Optimizer (api 'facade'), not {api!r}")
+        return FSDPStepper(model, lr, loss_scale, compile=compile)
     options = {"compile": compile, "distributed": distributed, "master": master, "moments": moments}
     if api == "facade":
         return FacadeStepper(model, lr, loss_scale, **options)

@@ -1,0 +1,182 @@
+"""fp16fx on FSDP2 (``fully_shard``): its params' gradients, and checkpoints through DCP.
+
+Layer: ``distributed`` (docs/design.md). The step itself needs nothing from here:
+``fp16fx.init(dict(model.named_parameters()), ...)`` takes DTensor params (see
+:mod:`fp16fx.dtensors`) and steps their local shards in place, agreeing the skip and the global
+gradient norm over the mesh in one all-reduce. This module adds what a stateful client needs
+(:class:`FSDPParams`, the facade's fast path on an FSDP2 model) and Distributed Checkpoint
+(``torch.distributed.checkpoint``) conversions, which reshard between world sizes::
+
+    model = ...; fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    params = dict(model.named_parameters())
+    state = fp16fx.init(params, fp16fx.adamw(1e-3), fp16fx.DynamicLossScale())
+    ...
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": fsdp.state_dict(state, params)}, checkpoint_id=path)
+
+    # any world size: a fresh state is the template DCP loads into (in place), then checked
+    sd = {"model": get_model_state_dict(model), "optim": fsdp.state_dict(state, params)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    state = fsdp.load_state_dict(state, sd["optim"], params)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fp16fx import checkpoint, dtensors, tree
+from fp16fx.state import MixedPrecisionState
+
+
+class FSDPParams:
+    """An FSDP2 model's DTensor params and their gradients' local shards (stateful).
+
+    The counterpart of :class:`fp16fx.flat.FlatParams` for params that must stay where FSDP
+    keeps them: nothing is moved or re-pointed; FSDP writes each ``p.grad`` (a DTensor,
+    already reduce-scattered) and this reads its local shard, a view.
+
+    Attributes:
+      params: the params (DTensors sharded on one 1-D mesh).
+      mesh, group: their device mesh and its process group.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        _, self.mesh, self.group = dtensors.local_shards(self.params)
+        if self.mesh is None:
+            raise ValueError("FSDPParams takes DTensor params (an FSDP2 model's)")
+        self._addresses = [dtensors.local(p).data_ptr() for p in self.params]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """Returns each param's gradient's local shard (None: it has none).
+
+        Raises:
+          ValueError: a gradient is not laid out like its param (named).
+        """
+        grads = list(map(operator.attrgetter("grad"), self.params))
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None and (
+                not isinstance(g, DTensor)
+                or g.device_mesh != p.device_mesh
+                or g.placements != p.placements
+            ):
+                raise ValueError(
+                    f"param {i}'s gradient is not a DTensor placed like its param "
+                    f"({tuple(p.placements)} on {p.device_mesh}): was it made outside FSDP?"
+                )
+        return [None if g is None else dtensors.local(g) for g in grads]
+
+    def collect_grads(self) -> list[bool]:
+        """Returns, per param, whether it has a gradient now."""
+        return [p.grad is not None for p in self.params]
+
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The local shards of the gradients that exist."""
+        return [g for g in self.grads() if g is not None]
+
+    def grad_versions(self) -> tuple[Any, ...]:
+        """Returns what changes when autograd (FSDP) writes any param's gradient."""
+        return tuple(
+            None if p.grad is None else (id(p.grad), dtensors.local(p.grad)._version)
+            for p in self.params
+        )
+
+    def moved(self) -> int | None:
+        """Returns the index of the first param whose local shard is no longer where it was
+        (the model was moved or re-sharded after the optimizer was built), else None."""
+        for i, (p, address) in enumerate(zip(self.params, self._addresses)):
+            if dtensors.local(p).data_ptr() != address:
+                return i
+        return None
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        """Zeroes every gradient's local shard in place, or sets every ``p.grad`` to None."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                dtensors.local(p.grad).zero_()
+
+
+def _by_path(state: MixedPrecisionState, params: Any) -> dict[str, torch.Tensor]:
+    """Returns ``{path: param}`` for ``params``, the tree given to ``init``."""
+    leaves, treedef = tree.flatten(params)
+    if treedef != state.layout.treedef:
+        raise ValueError(
+            "params do not have the structure of the params this state was made from:\n"
+            f"  state:  {state.layout.treedef}\n  params: {treedef}"
+        )
+    return dict(zip(checkpoint.leaf_paths(state), leaves))
+
+
+def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
+    """Returns ``fp16fx.state_dict(state)`` with each per-param tensor as a DTensor laid out
+    like its param, for ``torch.distributed.checkpoint`` (which then saves each rank's part and
+    reshards on load). 0-d tensors (loss scale, counts, hyperparameters) and primitives stay
+    as they are: they are equal on every rank, and DCP keeps one copy.
+
+    ``params``: the DTensor params given to ``init`` (e.g. ``dict(model.named_parameters())``).
+    The DTensors share the state's storage: ``dcp.load`` into this dict writes into the live
+    state, whose :func:`load_state_dict` then checks and completes the load.
+    """
+    sd = checkpoint.state_dict(state)
+    by_path = _by_path(state, params)
+    wrapped = {}
+    for path, entries in sd["params"].items():
+        param = by_path[path]
+        wrapped[path] = {
+            key: dtensors.like(value, param)
+            if isinstance(param, DTensor) and value.ndim > 0
+            else value
+            for key, value in entries.items()
+        }
+    return {**sd, "params": wrapped}
+
+
+def load_state_dict(
+    state: MixedPrecisionState, sd: Mapping[str, Any], params: Any
+) -> MixedPrecisionState:
+    """Returns ``state`` holding ``sd``'s values: a :func:`state_dict` filled by ``dcp.load``
+    (at any world size) or saved by it. Each DTensor is checked to be laid out like its param,
+    then the values are loaded as by ``fp16fx.load_state_dict`` (which checks every key, shape
+    and dtype first).
+
+    Raises:
+      fp16fx.StateDictError, ValueError: an entry does not fit (named); nothing is changed.
+    """
+    by_path = _by_path(state, params)
+    local: dict[str, dict[str, Any]] = {}
+    for path, entries in sd.get("params", {}).items():
+        param = by_path.get(path)
+        out = {}
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                _check_like(f"['params'][{path!r}][{key!r}]", value, param)
+                value = dtensors.local(value)
+            out[key] = value
+        local[path] = out
+    return checkpoint.load_state_dict(state, {**sd, "params": local})
+
+
+def _check_like(where: str, value: DTensor, param: Any) -> None:
+    if not (
+        isinstance(param, DTensor)
+        and value.device_mesh == param.device_mesh
+        and tuple(value.placements) == tuple(param.placements)
+        and value.shape == param.shape
+    ):
+        raise checkpoint.StateDictError(
+            f"the state dict does not fit this state: {where} is {tuple(value.shape)} placed "
+            f"{tuple(value.placements)} on {value.device_mesh}; its param is "
+            f"{getattr(param, 'placements', 'not a DTensor')}"
+        )
+
+
+__all__ = ["FSDPParams", "load_state_dict", "state_dict"]

@@ -1,0 +1,484 @@
+"""fp16fx on FSDP2 (``fully_shard``), CPU/gloo: FP16_Optimizer and the functional API on DTensor
+params, the found-inf consensus over the mesh, DCP checkpoints resharded 2 -> 1, 2, 4, a dead or
+hung rank, no host sync and no recompiles.
+
+One spawned job per world size runs every scenario (imports cost ~6 s a job): d = 2 first (it
+writes the checkpoint the others read), then d = 1 (the one-process reference) and d = 4. A
+scenario that raises records its error; the tests reading it fail with that error. The model,
+``Linear(8, 13) -> Tanh -> Linear(13, 3)``, has 13 and 3 rows: uneven shards at d = 2 (7/6,
+2/1) and d = 4 (4/4/4/1, 1/1/1/0: rank 3 holds an empty shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+import fp16fx
+from fp16fx import dtensors
+from tests.test_distributed import spawn
+
+IN, HIDDEN, OUT = 8, 13, 3
+GLOBAL = 16  # samples per step, split over the ranks
+STEPS, SAVE_AT, INF_AT = 10, 5, 3
+LR, CLIP = 1e-2, 0.6  # the global grad norm is 0.5..0.9: clipping is active in some steps
+INIT_SCALE = 2.0**10
+HANG_TIMEOUT_S = 3
+#: FP16 compute: each rank's FP16 forward and backward over its part of the batch rounds
+#: differently from one over the whole batch (the ranks' FP32 grads are then averaged); after
+#: 10 AdamW steps of lr 1e-2 the params agree to FP16 gradient precision (measured: at most
+#: 3e-5 apart at d = 2 and 4, an eighth of this), the clip norms to 1.5e-4 relative.
+TOL = {"rtol": 1e-3, "atol": 2e-4}
+NORM_RTOL = 1e-3
+HALF_TOL = {"rtol": 4e-3, "atol": 1e-3}  # FP16 params: within a few ulps
+#: fp16fx against torch's AdamW in one process: the same FP16 compute, the scale a power of
+#: two; only the order of the FP32 update's operations differs (measured: 1.2e-7 apart).
+TORCH_TOL = {"rtol": 1e-5, "atol": 1e-6}
+MP = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+HALF = MixedPrecisionPolicy(param_dtype=torch.float16)  # FP16 params: cast the inputs only
+
+
+# -- model, data, helpers ----------------------------------------------------------------------
+
+
+def sharded(half: bool = False) -> nn.Module:
+    """The model under FSDP2: FP32 params (their own masters) computing in FP16, or with
+    ``half``, FP16 params (FP16 shards, grads reduced in FP16, FP32 masters kept by fp16fx)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    if half:
+        model = model.half()
+    for module in (model[0], model[2], model):
+        fully_shard(module, mp_policy=HALF if half else MP)
+    return model
+
+
+def loss_of(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    """The loss of rank ``rank``'s part of step ``step``'s global batch, in FP16 compute."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL, IN, generator=g), torch.randn(GLOBAL, OUT, generator=g)
+    part = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+    return F.mse_loss(model(x[part]).float(), y[part])
+
+
+def full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every param whole (a collective: every rank calls it)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def shards(model: nn.Module) -> list[torch.Tensor]:
+    return [dtensors.local(p).clone() for p in model.parameters()]
+
+
+def facade(model: nn.Module, inner: Any = None, **kwargs: Any) -> fp16fx.FP16_Optimizer:
+    return fp16fx.FP16_Optimizer(
+        inner or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": INIT_SCALE},
+        verbose=False,
+        **kwargs,
+    )
+
+
+def train(model, opt, steps, rank, world, *, inf_at: int | None = None) -> dict[str, Any]:
+    """Steps ``opt`` over ``steps``; at ``inf_at`` rank 1 puts an inf into its local shard of
+    ``2.weight``'s grad after backward. Returns the norms clip_master_grads saw, the scales."""
+    norms, scales = [], []
+    for i in steps:
+        opt.zero_grad()
+        opt.backward(loss_of(model, i, rank, world), update_master_grads=False)
+        if i == inf_at and rank == 1:
+            dtensors.local(model[2].weight.grad).view(-1)[0] = float("inf")
+        opt.update_master_grads()
+        norms.append(opt.clip_master_grads(CLIP))
+        opt.step()
+        scales.append(opt.loss_scale)
+    return {"norms": norms, "scales": scales}
+
+
+def save(model: nn.Module, opt: fp16fx.FP16_Optimizer, where: Path) -> None:
+    sd = {"model": get_model_state_dict(model), "optim": opt.state_dict()}
+    dcp.save(sd, checkpoint_id=str(where))
+
+
+def load(model: nn.Module, opt: fp16fx.FP16_Optimizer, where: Path) -> None:
+    sd = {"model": get_model_state_dict(model), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=str(where))  # reshards to this world size, in place
+    set_model_state_dict(model, sd["model"])
+    opt.load_state_dict(sd["optim"])
+
+
+def attempt(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Runs a scenario; an exception is recorded (the test reading it then fails with it)."""
+    try:
+        return run()
+    except Exception as err:  # reported by the test that reads it
+        return {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"}
+
+
+# -- scenarios (run by every rank) -------------------------------------------------------------
+
+
+def training(rank: int, world: int, where: Path, compiled: bool) -> dict[str, Any]:
+    """(1), (3): 10 steps of FP16_Optimizer(AdamW), a DCP checkpoint at step 5 (d = 2 saves
+    it; other world sizes load it and train on from it)."""
+    model = sharded()
+    opt = facade(model, compiled=compiled)
+    first = train(model, opt, range(SAVE_AT), rank, world)
+    if world == 2:
+        save(model, opt, where)
+    rest = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    out = {"params": full(model), "norms": first["norms"] + rest["norms"], "repr": repr(opt)}
+    again = sharded()
+    with torch.no_grad():
+        for p in again.parameters():
+            dtensors.local(p).zero_()  # the load must write every param
+    opt = facade(again, compiled=compiled)
+    load(again, opt, where)
+    train(again, opt, range(SAVE_AT, STEPS), rank, world)
+    return {**out, "resumed": full(again), "path": opt.path}
+
+
+def training_half(rank: int, world: int) -> dict[str, Any]:
+    """(1) with FP16 DTensor params: the masters are fp16fx's, the shards their rounding."""
+    model = sharded(half=True)
+    opt = facade(model, compiled=False)
+    seen = train(model, opt, range(STEPS), rank, world)
+    return {"params": full(model), "norms": seen["norms"], "path": opt.path}
+
+
+def torch_reference(rank: int, world: int) -> dict[str, Any]:
+    """(1)'s independent reference: torch's own AdamW and clip_grad_norm_ on the FSDP2 model,
+    on the unscaled loss."""
+    model = sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for i in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, i, rank, world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {"params": full(model)}
+
+
+def consensus(rank: int, world: int, compiled: bool, generic: bool) -> dict[str, Any]:
+    """(2): an inf in rank 1's local grad shard only: every rank skips, nothing moves."""
+    model = sharded()
+    inner = torch.optim.RMSprop(model.parameters(), lr=1e-3) if generic else None
+    opt = facade(model, inner, compiled=compiled)
+    train(model, opt, range(INF_AT), rank, world)
+    before = shards(model)
+    moments = None if generic else {k: v.to_local().clone() for k, v in _moments(opt)}
+    scale = opt.loss_scale
+    seen = train(model, opt, [INF_AT], rank, world, inf_at=INF_AT)
+    after = shards(model)
+    out = {
+        "path": opt.path,
+        "unchanged": all(map(torch.equal, before, after)),
+        "scales": (scale, seen["scales"][-1]),
+        "norm": seen["norms"][-1],
+        "skipped": opt.skipped_steps,
+    }
+    if moments is not None:
+        now = dict(_moments(opt))
+        out["moments_unchanged"] = all(
+            torch.equal(v, now[k].to_local()) for k, v in moments.items()
+        )
+    return out
+
+
+def _moments(opt: fp16fx.FP16_Optimizer) -> Iterator[tuple[str, DTensor]]:
+    for path, entry in opt.state_dict()["state"]["params"].items():
+        for key, value in entry.items():
+            if key.startswith("opt") and isinstance(value, DTensor):
+                yield f"{path}/{key}", value
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Makes every way of reading a tensor on the host raise (but Dynamo's own reads: while
+    compiling, and its guards on 0-d CPU inputs -- a read of a CPU scalar, not a sync)."""
+    names = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code
+            if torch._guards.CompileContext.try_get() is not None or (
+                caller.co_filename == "<string>" and caller.co_name == "guard"
+            ):
+                return saved[name](*args, **kwargs)
+            raise AssertionError(f"host sync in the step: Tensor.{name}")
+
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def no_sync(rank: int, world: int) -> dict[str, Any]:
+    """(5): the compiled steps -- functional and facade -- with the lr changed every step and
+    the scale changed by hand and by an overflow, under no_host_sync, counting graphs."""
+    from torch._dynamo.utils import counters
+
+    model = sharded()
+    params = dict(model.named_parameters())
+    state = fp16fx.init(params, fp16fx.adamw(LR), fp16fx.DynamicLossScale(init_scale=INIT_SCALE))
+    own_masters = [
+        m.data_ptr() == dtensors.local(p).data_ptr()
+        for m, p in zip(state.master_segments, [params[k] for k in sorted(params)])
+    ]  # the FP32 shards are the masters, no copy (a tree's dict leaves are in key order)
+    step = fp16fx.compile_step(inplace=True)
+    graphs, finite = [], []
+    for i in range(5):
+        model.zero_grad(set_to_none=False)
+        fp16fx.scale_loss(state, loss_of(model, i, rank, world)).backward()
+        fp16fx.set_hyperparams(state, lr=LR / (i + 1), inplace=True)
+        if i == 2:
+            state.loss_scale.scale.fill_(INIT_SCALE * 4)
+        if i == 3 and rank == 0:
+            dtensors.local(params["0.bias"].grad)[0] = float("nan")
+        with no_host_sync() if i > 0 else contextlib.nullcontext():  # step 0 compiles
+            state, info = step(state, {n: p.grad for n, p in params.items()})
+        finite.append(info.finite.clone())
+        graphs.append(counters["stats"]["unique_graphs"])
+    opt = facade(model, compiled=True)
+    for i in range(4):
+        for group in opt.param_groups:
+            group["lr"] = LR / (i + 1)
+        opt.zero_grad()
+        opt.backward(loss_of(model, i, rank, world))
+        with no_host_sync() if i > 0 else contextlib.nullcontext():
+            opt.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return {"graphs": graphs, "finite": [bool(f) for f in finite], "own_masters": own_masters}
+
+
+def refusals(rank: int, world: int) -> dict[str, Any]:
+    """Bad input: named errors, nothing changed."""
+    model = sharded()
+    params = dict(model.named_parameters())
+    state = fp16fx.init(params, fp16fx.adamw(LR))
+    mesh = params["0.weight"].device_mesh
+    seen: dict[str, str] = {}
+
+    def catch(name: str, run: Callable[[], Any]) -> None:
+        try:
+            run()
+        except ValueError as err:
+            seen[name] = str(err)
+        else:
+            seen[name] = "no error"
+
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    replicated = DTensor.from_local(torch.ones(3), mesh, [Replicate()])
+    catch("partial", lambda: fp16fx.init({**params, "extra": partial}, fp16fx.adamw(LR)))
+    catch("replicate", lambda: fp16fx.init({**params, "extra": replicated}, fp16fx.adamw(LR)))
+    catch("mixed", lambda: fp16fx.init({**params, "extra": torch.ones(3)}, fp16fx.adamw(LR)))
+    catch("buckets", lambda: fp16fx.init(params, fp16fx.adamw(LR), buckets=True))
+    catch("shard", lambda: facade(model, shard=True))
+    plain = fp16fx.init({k: dtensors.local(p).clone() for k, p in params.items()}, fp16fx.sgd(1))
+    model.zero_grad()
+    loss_of(model, 0, rank, world).backward()
+    grads = {n: p.grad for n, p in params.items()}
+    catch("dtensor_grads_to_plain_state", lambda: fp16fx.step(plain, grads))
+    before = shards(model)
+    bad = {**grads, "2.bias": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
+    catch("partial_grad", lambda: fp16fx.step(state, bad))
+    seen["unchanged"] = str(all(map(torch.equal, before, shards(model))) and int(state.count) == 0)
+    return seen
+
+
+def hang(rank: int, world: int) -> dict[str, Any]:
+    """(4): rank 1 hangs after backward; rank 0's step fails after the timeout of the group
+    its consensus runs on (its own, so the world group stays usable)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
+    model = sharded()
+    opt = facade(model, compiled=False, process_group=group)
+    opt.backward(loss_of(model, 0, rank, world))
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(HANG_TIMEOUT_S + 3)
+        return {}
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+def die(rank: int, world: int) -> dict[str, Any]:
+    """(4): rank 1 dies after backward, before its step."""
+    model = sharded()
+    opt = facade(model, compiled=False)
+    opt.backward(loss_of(model, 0, rank, world))
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+def worker(rank: int, world: int, out: str) -> None:
+    where = Path(out) / "checkpoint"
+    scenarios: dict[str, Callable[[], dict[str, Any]]]
+    if world == 2:
+        scenarios = {
+            "training": lambda: training(rank, world, where, compiled=True),
+            "training_half": lambda: training_half(rank, world),
+            "consensus": lambda: consensus(rank, world, compiled=True, generic=False),
+            "consensus_generic": lambda: consensus(rank, world, compiled=False, generic=True),
+            "no_sync": lambda: no_sync(rank, world),
+            "refusals": lambda: refusals(rank, world),
+            "hang": lambda: hang(rank, world),
+            "die": lambda: die(rank, world),  # last: it breaks the group
+        }
+    else:  # eager: the same core, without a compile per process
+        scenarios = {"training": lambda: training(rank, world, where, compiled=False)}
+        if world == 1:
+            scenarios["torch"] = lambda: torch_reference(rank, world)
+            scenarios["training_half"] = lambda: training_half(rank, world)
+    found: dict[str, Any] = {}
+    for name, run in scenarios.items():
+        found[name] = attempt(run)
+        torch.save(found, Path(out) / f"{world}_rank{rank}.pt")  # "die" ends rank 1 first
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
+    """Every scenario above: the d = 2 job (it saves the checkpoint), then d = 1 and d = 4."""
+    out = tmp_path_factory.mktemp("fsdp")
+    found = {}
+    for world in (2, 1, 4):
+        spawn(worker, world, str(out), timeout_s=30)
+        found[world] = [
+            torch.load(out / f"{world}_rank{r}.pt", weights_only=True) for r in range(world)
+        ]
+    return found
+
+
+def ranks(jobs: dict[int, Any], world: int, name: str) -> list[dict[str, Any]]:
+    got = [r[name] for r in jobs[world] if name in r]
+    for r in got:
+        assert "error" not in r, r["error"]
+    return got
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: Any = None) -> None:
+    for name in a:
+        torch.testing.assert_close(
+            a[name], b[name], **(tol or TOL), msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+def test_fsdp2_training_matches_one_process_on_the_whole_batch(jobs):
+    one = ranks(jobs, 1, "training")[0]
+    close(one["params"], ranks(jobs, 1, "torch")[0]["params"], TORCH_TOL)  # torch's math
+    for world in (2, 4):
+        got = ranks(jobs, world, "training")
+        assert {r["path"] for r in got} == {"fast"}
+        assert (
+            f"fast path ({'compiled' if world == 2 else 'eager'}), FSDP2 shards over {world}"
+            in got[0]["repr"]
+        )
+        for r in got[1:]:  # every rank holds the same full params
+            for name, value in got[0]["params"].items():
+                assert torch.equal(r["params"][name], value), name
+        close(got[0]["params"], one["params"])
+        assert all(r["norms"] == got[0]["norms"] for r in got)  # the global norm, everywhere
+        torch.testing.assert_close(got[0]["norms"], one["norms"], rtol=NORM_RTOL, atol=0)
+
+
+def test_fp16_dtensor_params_train_like_one_process(jobs):
+    one = ranks(jobs, 1, "training_half")[0]
+    got = ranks(jobs, 2, "training_half")
+    assert {r["path"] for r in got} == {"fast"}
+    for name, value in got[0]["params"].items():
+        assert value.dtype == torch.float16 and torch.equal(got[1]["params"][name], value)
+    # FSDP averages FP16 grads in FP16 here: the params agree to an FP16 ulp or two
+    close(got[0]["params"], one["params"], HALF_TOL)
+
+
+def test_an_inf_in_one_ranks_grad_shard_skips_every_rank(jobs):
+    for name in ("consensus", "consensus_generic"):
+        got = ranks(jobs, 2, name)
+        assert [r["path"] for r in got] == ["generic" if "generic" in name else "fast"] * 2
+        for r in got:
+            assert r["unchanged"] and r.get("moments_unchanged", True), name
+            assert r["scales"] == (INIT_SCALE, INIT_SCALE / 2), name
+            assert r["norm"] == -1.0 and r["skipped"] == 1, name
+
+
+def test_dcp_checkpoint_resumes_bitwise_at_2_and_to_tolerance_at_1_and_4(jobs):
+    two = ranks(jobs, 2, "training")
+    for r in two:
+        for name, value in two[0]["params"].items():
+            assert torch.equal(r["resumed"][name], value), name
+    for world in (1, 4):
+        for r in ranks(jobs, world, "training"):
+            close(r["resumed"], two[0]["params"])
+
+
+def test_a_dead_rank_fails_the_others_at_once(jobs):
+    report = ranks(jobs, 2, "die")[0]
+    assert "fp16fx: the found-inf consensus of a step failed on rank 0 of 2" in report["message"]
+    assert report["seconds"] < 20
+
+
+def test_a_hung_rank_fails_the_others_after_the_timeout(jobs):
+    report = ranks(jobs, 2, "hang")[0]
+    assert "found-inf consensus" in report["message"]
+    assert "imed out" in report["message"] or "imeout" in report["message"], report["message"]
+    assert HANG_TIMEOUT_S - 0.5 < report["seconds"] < HANG_TIMEOUT_S + 20
+
+
+def test_compiled_steps_never_sync_and_never_recompile(jobs):
+    for r in ranks(jobs, 2, "no_sync"):
+        assert r["own_masters"] == [True] * 4
+        assert r["finite"] == [True, True, True, False, True]
+        functional, facade_graphs = r["graphs"][:5], r["graphs"][5:]
+        assert len(set(functional)) == 1, r["graphs"]  # compiled at step 0, never again
+        assert len(set(facade_graphs)) == 1, r["graphs"]
+
+
+def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
+    for r in ranks(jobs, 2, "refusals"):
+        assert "extra" in r["partial"] and "Shard" in r["partial"]
+        assert "extra" in r["replicate"] and "Shard" in r["replicate"]
+        assert "extra" in r["mixed"] and "plain" in r["mixed"]
+        assert "buckets=False" in r["buckets"]
+        assert "FSDP2 shards" in r["shard"]
+        assert "not made from DTensor params" in r["dtensor_grads_to_plain_state"]
+        assert "2.bias" in r["partial_grad"] and "Partial" in r["partial_grad"]
+        assert r["unchanged"] == "True"
