@@ -75,6 +75,8 @@ class Fp16fxCompiledRunner(_FunctionalRunner):
     label = "fp16fx compile_step(inplace), buckets"
     order = 10
     compiled = True
+    master: ClassVar[str] = "fp32"
+    moments: ClassVar[str] = "fp32"
 
     def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
         self.state = fp16fx.init(
@@ -82,6 +84,8 @@ class Fp16fxCompiledRunner(_FunctionalRunner):
             self.make_transform(),
             fp16fx.StaticLossScale(self.config.loss_scale),
             buckets=True,
+            master=self.master,
+            moments=self.moments,
         )
         self.grad_tree = fp16fx.grad_buffers(self.state)
         with torch.no_grad():
@@ -101,24 +105,7 @@ class Fp16fxCompactRunner(Fp16fxCompiledRunner):
     and its int8 correction read and written (6), and each moment read and written.
     """
 
-    master: ClassVar[str] = "compensated"
-    moments: ClassVar[str]
-
-    def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
-        self.state = fp16fx.init(
-            params,
-            self.make_transform(),
-            fp16fx.StaticLossScale(self.config.loss_scale),
-            buckets=True,
-            master=self.master,
-            moments=self.moments,
-        )
-        self.grad_tree = fp16fx.grad_buffers(self.state)
-        with torch.no_grad():
-            for view, grad in zip(self.grad_tree, grads, strict=True):
-                view.copy_(grad)
-        self.info = None
-        self._step = self.make_step()
+    master = "compensated"
 
 
 @register_runner
