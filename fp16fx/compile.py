@@ -24,17 +24,9 @@ import torch
 import torch._dynamo
 
 from fp16fx import tree
+from fp16fx.prepare import Prepared, Scratch, finish, prepare
 from fp16fx.state import MixedPrecisionState
-from fp16fx.step import (
-    Prepared,
-    Scratch,
-    StepInfo,
-    apply_updates,
-    apply_updates_,
-    check,
-    finish,
-    prepare,
-)
+from fp16fx.step import StepInfo, apply_updates, apply_updates_, check
 
 #: The errors ``torch.compile`` raises when it cannot compile (no C++ compiler, an Inductor
 #: bug); raised before the compiled code runs, so nothing has changed.

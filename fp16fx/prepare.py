@@ -1,0 +1,226 @@
+"""The host-side bookkeeping around the pure step: checking grads, cutting segments, rebuilding.
+
+Layer: ``step`` (docs/design.md). :func:`prepare` checks a step's grads against the state and
+gathers what the core reads and writes (:class:`Trained`, one entry per segment that has a
+gradient), cutting a segment where only some of its leaves have a gradient; :func:`finish`
+rebuilds the state from the core's results. Both run on the host, outside the compiled region,
+and neither changes a value the core computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, NamedTuple
+
+import torch
+
+from fp16fx import dtensors, flat, tree
+from fp16fx.scaling import LossScaleState
+from fp16fx.segments import Segments, merge, select
+from fp16fx.state import MixedPrecisionState, recut
+
+#: Per bucket, a flat buffer that grads are packed into, and its views (reused every step).
+Scratch = dict[flat.Bucket, tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+class Trained(NamedTuple):
+    """The tensors a step reads and writes, one entry per segment that has a gradient.
+
+    Attributes:
+      params: the flat FP16/BF16 params to check against their masters and to write; None
+        where the param is its own master (FP32) or is not one flat tensor (written after).
+      masters, opt_state, loss_scale, count: as in :class:`~fp16fx.state.MixedPrecisionState`
+        (a compensated state's masters are its params' corrections: :mod:`fp16fx.precision`).
+    """
+
+    params: Segments
+    masters: Segments
+    opt_state: Any
+    loss_scale: LossScaleState
+    count: torch.Tensor
+
+
+class Prepared(NamedTuple):
+    """A step's inputs, checked and gathered on the host (:func:`prepare`).
+
+    Attributes:
+      state: the state, with segments cut so that each has a gradient for all or none of its
+        leaves (the given state when no cut was needed).
+      active: per segment of ``state``, whether it has gradients this step.
+      written: per segment, whether its params are one flat tensor the step writes itself
+        (for FP32 params: the master itself); the others are copied from the master after.
+      grads: the active segments' flat gradients.
+      trained: the active segments' tensors.
+    """
+
+    state: MixedPrecisionState
+    active: tuple[bool, ...]
+    written: tuple[bool, ...]
+    grads: Segments
+    trained: Trained
+
+
+def prepare(
+    state: MixedPrecisionState,
+    grads: Any,
+    scratch: Scratch | None = None,
+) -> Prepared:
+    """Returns the step's inputs after checking ``grads`` against ``state``'s params.
+
+    Grads laid out like the state's buckets (``grad_buffers``) prove themselves valid by
+    their addresses: one check per leaf, no copy. Any other grads get the full check, leaf by
+    leaf, and are packed into one flat buffer per bucket (``scratch``'s, reused from step to
+    step, when given). A leaf whose grad is None, in a segment whose other leaves have one,
+    gets a segment of its own (the state is cut; one recompile for a compiled step).
+
+    Raises:
+      ValueError, TypeError: the grads do not fit the params (named); nothing is changed.
+    """
+    layout = state.layout
+    grads = _local_grads(state, grads)
+    flats = _laid_out(state, grads)
+    if flats is None:
+        leaves = tree.check_grads(state.params, grads)
+        has = [g is not None for g in leaves]
+        cut = layout.recut(has)
+        if cut != layout:
+            state, layout = recut(state, cut), cut
+        active = tuple(has[layout.buckets[s.bucket].indices[s.lo]] for s in layout.segments)
+        grad_list = _segment_grads(layout, leaves, active, scratch)
+    else:
+        active = (True,) * len(layout.segments)
+        grad_list = [flats[s.bucket][s.start : s.end] for s in layout.segments]
+    seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
+    targets = [
+        _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
+    ]
+    written = tuple(t is not None for t in targets)
+    params = Segments(
+        [None if t is None or t.dtype == torch.float32 else t for t in targets],
+        state.param_segments.labels,
+    )
+    trained = Trained(
+        params=select(params, active),
+        masters=select(state.master_segments, active),
+        opt_state=select(state.opt_state, active),
+        loss_scale=state.loss_scale,
+        count=state.count,
+    )
+    return Prepared(state, active, written, seg_grads, trained)
+
+
+def _local_grads(state: MixedPrecisionState, grads: Any) -> Any:
+    """Returns ``grads`` with DTensor leaves as their local shards, after checking that the
+    state steps shards (made by ``init`` from DTensor params)."""
+    local, mesh, _ = dtensors.local_shards(grads, root="grads")
+    if mesh is not None:
+        consensus = state.consensus
+        if consensus is None or not consensus.sharded:
+            raise ValueError(
+                f"the grads are DTensors on {mesh}, but this state was not made from DTensor "
+                "params of that mesh (fp16fx.init(dict(model.named_parameters()), ...))"
+            )
+    return local
+
+
+def _segment_grads(
+    layout: flat.Layout,
+    leaves: list[torch.Tensor | None],
+    active: tuple[bool, ...],
+    scratch: Scratch | None,
+) -> list[torch.Tensor]:
+    """Returns each active segment's flat gradient: a view where its grads are one flat
+    tensor (a single leaf always is), else a slice of the bucket's packed grads."""
+    packed: dict[int, torch.Tensor] = {}
+    out = []
+    for s, on in zip(layout.segments, active):
+        if not on:
+            continue
+        bucket = layout.buckets[s.bucket]
+        own = flat.flat_view(bucket, leaves, s.lo, s.hi) if s.hi - s.lo < len(bucket) else None
+        if own is None:
+            if s.bucket not in packed:
+                packed[s.bucket] = _pack(bucket, leaves, scratch)
+            own = packed[s.bucket][s.start : s.end]
+        out.append(own)
+    return out
+
+
+def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.Tensor | None:
+    """Returns the segment's params as one flat tensor, or None when they are not one."""
+    if isinstance(params, torch.Tensor):
+        return params
+    bucket = layout.buckets[seg.bucket]
+    return flat.joined(params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1])
+
+
+def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:
+    """Returns one flat grad per bucket when ``grads`` are views laid out like the buckets
+    (every trained leaf has one, of its param's dtype and device), else None."""
+    layout = state.layout
+    leaves, treedef = tree.flatten(grads)
+    if treedef != layout.treedef:
+        return None
+    device = state.count.device
+    flats: list[torch.Tensor | None] = []
+    for bucket in layout.buckets:
+        found = flat.flat_view(bucket, leaves)
+        if found is None or found.dtype != bucket.dtype or found.device != device:
+            return None
+        flats.append(found)
+    trained = sum(len(bucket) for bucket in layout.buckets)
+    given = sum(map(operator.is_not, leaves, itertools.repeat(None)))
+    if given != trained:  # a grad for an untrained leaf
+        return None
+    return flats
+
+
+def _pack(
+    bucket: flat.Bucket, leaves: list[torch.Tensor | None], scratch: Scratch | None
+) -> torch.Tensor:
+    """Returns the bucket's grads as one flat tensor: their own buffer when they are views of
+    one, else a copy (into ``scratch``'s buffer for the bucket, when given)."""
+    if all(leaves[i] is not None for i in bucket.indices):
+        found = flat.flat_view(bucket, leaves)
+        if found is not None:
+            return found
+    if scratch is None:
+        return flat.pack(bucket, leaves)
+    if bucket not in scratch:
+        first = next(leaves[i] for i in bucket.indices if leaves[i] is not None)
+        buffer = torch.empty(bucket.padded, dtype=bucket.dtype, device=first.device)
+        scratch[bucket] = (buffer, flat.views(bucket, buffer))
+    buffer, views = scratch[bucket]
+    return flat.pack(bucket, leaves, out=buffer, out_views=views)
+
+
+def finish(prepared: Prepared, new: Trained | None) -> MixedPrecisionState:
+    """Returns the state after the step: ``new``'s values merged into a new state (pure), or,
+    with ``new=None`` (the core wrote in place), the prepared state after copying the new
+    masters into params that are not one flat tensor."""
+    state, active = prepared.state, prepared.active
+    if new is None:
+        layout = state.layout
+        with torch.no_grad():
+            for seg, on, done, params, master in zip(
+                layout.segments,
+                active,
+                prepared.written,
+                state.param_segments,
+                state.master_segments,
+            ):
+                if on and not done:  # one more pass over them
+                    bucket = layout.buckets[seg.bucket]
+                    flat.copy_all(params, flat.views(bucket, master, seg.lo, seg.hi))
+        return state
+    params = Segments(
+        [m if p is None else p for p, m in zip(new.params, new.masters)], new.params.labels
+    )
+    return state.replace(
+        param_segments=merge(state.param_segments, params, active),
+        master_segments=merge(state.master_segments, new.masters, active),
+        opt_state=merge(state.opt_state, new.opt_state, active),
+        loss_scale=new.loss_scale,
+        count=new.count,
+    )
