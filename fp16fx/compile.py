@@ -134,15 +134,7 @@ class StepFunction:
         self, state: MixedPrecisionState, grads: Any
     ) -> tuple[MixedPrecisionState, StepInfo]:
         prepared = self._prepare(state, grads)
-        state = prepared.state
-        args = (
-            state.optimizer,
-            state.policy,
-            state.consensus,
-            state.precision,
-            prepared.grads,
-            prepared.trained,
-        )
+        args = prepared.core_args()
         with torch.no_grad():
             if self.inplace:
                 info = self._run(apply_updates_, prepared, *args)

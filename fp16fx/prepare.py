@@ -60,6 +60,18 @@ class Prepared(NamedTuple):
     grads: Segments
     trained: Trained
 
+    def core_args(self) -> tuple[Any, ...]:
+        """Returns the arguments of the core (``apply_updates`` and ``apply_updates_``)."""
+        state = self.state
+        return (
+            state.optimizer,
+            state.policy,
+            state.consensus,
+            state.precision,
+            self.grads,
+            self.trained,
+        )
+
 
 def prepare(
     state: MixedPrecisionState,

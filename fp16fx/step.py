@@ -251,14 +251,7 @@ def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, S
     """
     prepared = prepare(state, grads)
     with torch.no_grad():
-        new, info = apply_updates(
-            state.optimizer,
-            state.policy,
-            state.consensus,
-            state.precision,
-            prepared.grads,
-            prepared.trained,
-        )
+        new, info = apply_updates(*prepared.core_args())
     return finish(prepared, new), info
 
 

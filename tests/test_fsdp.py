@@ -321,6 +321,12 @@ def hang(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         time.sleep(HANG_TIMEOUT_S + 3)
         return {}
+    return failed_step(opt, start)
+
+
+def failed_step(opt: fp16fx.FP16_Optimizer, start: float) -> dict[str, Any]:
+    """Returns the error ``opt.step()`` raised ("no error" if none) and the seconds since
+    ``start``."""
     try:
         opt.step()
     except RuntimeError as err:
@@ -337,14 +343,7 @@ def die(rank: int, world: int) -> dict[str, Any]:
     opt.backward(loss_of(model, 0, rank, world))
     if rank == 1:
         os._exit(0)
-    start = time.monotonic()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        message = str(err)
-    else:
-        message = "no error"
-    return {"message": message, "seconds": time.monotonic() - start}
+    return failed_step(opt, time.monotonic())
 
 
 def worker(rank: int, world: int, out: str) -> None:
