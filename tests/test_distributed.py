@@ -174,6 +174,18 @@ def functional(rank: int, world: int, compiled: bool, ddp: bool = True) -> dict[
     return {"params": [p.detach().clone() for p in params], "finite": finite}
 
 
+def failed_step(opt: Any, start: float) -> dict[str, Any]:
+    """Returns the error ``opt.step()`` raised ("no error" if none) and the seconds since
+    ``start``: what a rank reports when another dies or hangs."""
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
 def die(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 dies after backward, before its step's consensus all-reduce."""
     model = DDP(make_model(torch.float16))
@@ -185,13 +197,7 @@ def die(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         os._exit(0)
     start = time.monotonic()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        message = str(err)
-    else:
-        message = "no error"
-    return {"message": message, "seconds": time.monotonic() - start}
+    return failed_step(opt, start)
 
 
 def hang(rank: int, world: int) -> dict[str, Any]:
@@ -212,13 +218,7 @@ def hang(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         time.sleep(HANG_TIMEOUT_S + 3)
         return {}
-    try:
-        opt.step()
-    except RuntimeError as err:
-        message = str(err)
-    else:
-        message = "no error"
-    return {"message": message, "seconds": time.monotonic() - start}
+    return failed_step(opt, start)
 
 
 HANG_TIMEOUT_S = 3

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import fp16fx
 from fp16fx import dtensors
-from tests.test_distributed import spawn
+from tests.test_distributed import failed_step, spawn
 
 IN, HIDDEN, OUT = 8, 13, 3
 GLOBAL = 16  # samples per step, split over the ranks
@@ -322,18 +322,6 @@ def hang(rank: int, world: int) -> dict[str, Any]:
         time.sleep(HANG_TIMEOUT_S + 3)
         return {}
     return failed_step(opt, start)
-
-
-def failed_step(opt: fp16fx.FP16_Optimizer, start: float) -> dict[str, Any]:
-    """Returns the error ``opt.step()`` raised ("no error" if none) and the seconds since
-    ``start``."""
-    try:
-        opt.step()
-    except RuntimeError as err:
-        message = str(err)
-    else:
-        message = "no error"
-    return {"message": message, "seconds": time.monotonic() - start}
 
 
 def die(rank: int, world: int) -> dict[str, Any]:
