@@ -152,12 +152,17 @@ def encode_master(
         reach = (master - param.float()).abs() <= (top - 1) * _unit(param)[0]
         p = torch.where(reach, param.to(dtype), p)
     unit, per_unit = _unit(p)
-    rest = (master - p.float()) * per_unit
+    p32 = p.float()
+    rest = (master - p32) * per_unit
     c = torch.floor(rest + noise) if noise is not None else torch.round(rest)
-    up = (p.float() + 2 * top * unit).to(dtype)  # the next value up: here, p + 2**k units
-    bump = (c >= top) & torch.isfinite(up)
-    c = torch.where(bump, (p.float() + c * unit - up.float()) * _unit(up)[1], c)
-    p = torch.where(bump, up, p)
+    # The rest is at most ``top`` units, so the bump is from c == top: to ``up``, the next
+    # value (exact in FP32; finite unless p is the largest), whose rest is -top units of p's:
+    # -top of its own, or -top / 2 where ``up`` is a power of two, its unit twice p's.
+    bump = (c >= top) & (p32 < torch.finfo(dtype).max)
+    up = p32 + 2 * top * unit
+    doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
+    c = torch.where(bump, torch.where(doubled, -top / 2, -top * 1.0), c)
+    p = torch.where(bump, up.to(dtype), p)
     return p, torch.clamp(c, -top, top - 1).to(corr_dtype)
 
 
