@@ -46,16 +46,26 @@ def _fresh_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _exact_casts(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``compiled`` run with Inductor's ``emulate_precision_casts``.
+#: Inductor settings for every compiled region (``torch._inductor.config``):
+#:
+#: * ``emulate_precision_casts``: without it Inductor drops a cast to FP16 that feeds more
+#:   arithmetic, computing on in FP32; the step's check that a param is its master rounded
+#:   (``p != m.to(p.dtype)``) would then compare against the unrounded master, and re-sync
+#:   every param from its FP16 value.
+#: * ``realize_reads_threshold`` (default 4): a value read more often is stored in a
+#:   temporary. An int8 moment's new value is read by its block's maximum, its encoding and
+#:   the update; stored, it costs 8 B/param of FP32 temporaries, written and read back.
+#:   Recomputed in each pass from the 1-byte codes it is cheaper: resnet18's compensated
+#:   int8 step takes ~60 ms instead of ~110 on the 2-core CPU (docs/precision.md), the other
+#:   modes are unchanged.
+_INDUCTOR_SETTINGS = {"emulate_precision_casts": True, "realize_reads_threshold": 16}
 
-    Without it Inductor drops a cast to FP16 that feeds more arithmetic, computing on in
-    FP32; the step's check that a param is its master rounded (``p != m.to(p.dtype)``) would
-    then compare against the unrounded master, and re-sync every param from its FP16 value.
-    """
+
+def _with_settings(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``compiled`` run (and so compiled) under :data:`_INDUCTOR_SETTINGS`."""
 
     def run(*args: Any) -> Any:
-        with torch._inductor.config.patch(emulate_precision_casts=True):
+        with torch._inductor.config.patch(_INDUCTOR_SETTINGS):
             return compiled(*args)
 
     return run
@@ -77,7 +87,7 @@ def _run_region(
     made anew, fresh, if it ever reaches its graph limit: no limit is process-wide)."""
     if key not in _REGIONS:
         limit = {"recompile_limit": _GRAPHS_PER_REGION} if _HAS_LIMIT else {}  # torch >= 2.8
-        _REGIONS[key] = _exact_casts(torch.compile(_fresh_copy(fn), **limit, **options))
+        _REGIONS[key] = _with_settings(torch.compile(_fresh_copy(fn), **limit, **options))
     try:
         return _REGIONS[key](*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:  # before anything ran
