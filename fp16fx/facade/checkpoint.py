@@ -1,4 +1,4 @@
-"""``FP16_Optimizer.state_dict`` / ``load_state_dict``: apex's keys, validated before any change.
+"""``FP16_Optimizer.state_dict``: apex's keys and meanings, and the sharded and FSDP2 forms.
 
 Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 
@@ -20,31 +20,24 @@ A sharded optimizer's dict is its rank's: ``fp16fx.distributed.state_dict`` of i
 param groups and the scaler entries; :func:`consolidate_state_dict` joins every rank's
 (through ``fp16fx.distributed.consolidate``, the one consolidator) into the apex-format dict.
 
-Loading accepts that dict, apex's own dicts as :func:`fp16fx.load_apex_checkpoint` returns them
-(scaler formats ``apex.amp``, ``apex.fp16_utils.dynamic``, ``apex.fp16_utils.static``), and
-apex dicts still holding scaler objects (``apex_scaler_to_dict`` converts them). Everything is
-checked first; only then is anything written, so a dict that does not fit raises an error naming
-the entry and leaves the optimizer exactly as it was.
+Loading one, every entry checked before anything changes, is :mod:`fp16fx.facade.loading`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
 from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
-from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec
 from fp16fx.facade.params import ParamSet
-from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict, scaler_to_dict
+from fp16fx.facade.policy import Scaler, scaler_to_dict
 from fp16fx.scaling import DynamicLossScale
 
 KEYS = (
@@ -56,16 +49,10 @@ KEYS = (
     "fp32_from_fp16",
     "applied_steps",
 )
-_REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
-_FLAGS = ("overflow", "first_closure_call_this_step")
+#: apex's two flags, saved beside the scaler.
+FLAGS = ("overflow", "first_closure_call_this_step")
 SHARDED_FORMAT = "fp16fx.FP16_Optimizer.sharded/2"
 FSDP_FORMAT = "fp16fx.FP16_Optimizer.fsdp/1"
-#: Per-param state keys of the optimizers whose states are checked entry by entry.
-_STATE_KEYS: dict[type, tuple[str, ...]] = {
-    torch.optim.SGD: ("momentum_buffer",),
-    torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
 
 
 @contextlib.contextmanager
@@ -85,7 +72,7 @@ def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     return {
         "loss_scaler": scaler_to_dict(scaler.policy, (scale, good_steps, overflows)),
         "dynamic_loss_scale": isinstance(scaler.policy, DynamicLossScale),
-        **{key: flags[key] for key in _FLAGS},
+        **{key: flags[key] for key in FLAGS},
     }
 
 
@@ -101,8 +88,8 @@ def state_dict(
         return {
             "format": FSDP_FORMAT,
             "state": fsdp.state_dict(engine.state, engine.flat.params),
-            "param_groups": [_numbers(g) for g in inner.param_groups],
-            **{key: flags[key] for key in _FLAGS},
+            "param_groups": [group_numbers(g) for g in inner.param_groups],
+            **{key: flags[key] for key in FLAGS},
         }
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
@@ -139,53 +126,9 @@ def state_dict(
     }
 
 
-def _numbers(group: Mapping[str, Any]) -> dict[str, Any]:
+def group_numbers(group: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns a param group's entries but its params (lr, betas, ...)."""
     return {key: value for key, value in group.items() if key != "params"}
-
-
-def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any]) -> None:
-    """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
-    fast engine, or raises naming what does not fit, having changed nothing."""
-    if not (isinstance(engine, FastEngine) and engine.fsdp):
-        raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
-    if not isinstance(sd.get("state"), Mapping):
-        raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
-    groups = sd.get("param_groups")
-    if not isinstance(groups, Sequence) or len(groups) != len(inner.param_groups):
-        raise _fail(f"it has {len(groups or [])} param groups, this optimizer "
-                    f"{len(inner.param_groups)}")  # fmt: skip
-    for k, (saved, group) in enumerate(zip(groups, inner.param_groups)):
-        if set(saved) != set(_numbers(group)):
-            raise _fail(f"param_groups[{k}] has keys {sorted(saved)}, this optimizer's "
-                        f"{sorted(_numbers(group))}")  # fmt: skip
-    engine.check_structure(
-        [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
-         enumerate(zip(groups, inner.param_groups))]
-    )  # fmt: skip
-    policy = _saved_policy(engine.scaler.policy, sd["state"])
-    state = engine.state
-    try:
-        engine.state = fsdp.load_state_dict(
-            state.replace(policy=policy), sd["state"], engine.flat.params
-        )
-    except BaseException:
-        engine.state = state
-        raise
-    engine.scaler.policy = policy
-    for group, saved in zip(inner.param_groups, groups):
-        group.update(saved)
-
-
-def _saved_policy(policy: Any, sd: Any) -> Any:
-    """Returns ``policy`` with the fields saved in ``sd["policy"]`` (the checkpoint's scaler
-    settings win, as in apex), or ``policy`` itself when ``sd`` saved another kind."""
-    saved = sd.get("policy") if isinstance(sd, Mapping) else None
-    if not (isinstance(saved, Mapping) and saved.get("type") == type(policy).__name__):
-        return policy  # fp16fx.load_state_dict names the mismatch
-    try:
-        return dataclasses.replace(policy, **{k: v for k, v in saved.items() if k != "type"})
-    except (TypeError, ValueError) as err:
-        raise _fail(f"its loss-scale policy {dict(saved)} cannot be rebuilt: {err}") from None
 
 
 def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -218,234 +161,7 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
                 group_masters.append(leaf["master"])
         masters.append(group_masters)
     return {
-        **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *_FLAGS)},
+        **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
         "optimizer_state_dict": {"state": state, "param_groups": groups},
         "fp32_from_fp16": masters,
     }
-
-
-@dataclasses.dataclass
-class Plan:
-    """A checked state dict: what loading it will write."""
-
-    policy: FacadePolicy
-    values: ScaleValues
-    osd: Mapping[str, Any]
-    groups: list[dict[str, Any]]  # the param groups as they will be after loading
-    masters: list[tuple[torch.Tensor, torch.Tensor]]  # (FP16/BF16 param, its saved FP32 master)
-    specs: list[GroupSpec] | None  # the fast path's group structures after loading; None: generic
-    overflow: bool | None
-    first_closure_call: bool
-    applied_steps: torch.Tensor | None  # the fast path's count of applied steps, if saved
-
-
-def _fail(message: str) -> ValueError:
-    return ValueError(f"the state dict does not fit this FP16_Optimizer: {message}")
-
-
-def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype | None) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise _fail(f"{name} is a {type(value).__name__}, not a tensor")
-    if value.shape != like.shape:
-        raise _fail(f"{name} has shape {tuple(value.shape)}, its param {tuple(like.shape)}")
-    if dtype is not None and value.dtype != dtype:
-        raise _fail(f"{name} has dtype {value.dtype}, expected {dtype}")
-    if not value.is_floating_point():
-        raise _fail(f"{name} has dtype {value.dtype}, expected a floating-point tensor")
-
-
-def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
-    scaler = sd["loss_scaler"]
-    if not isinstance(scaler, Mapping):
-        try:
-            scaler = apex_scaler_to_dict(scaler)
-        except ApexCheckpointError as err:
-            raise _fail(f"loss_scaler: {err}") from None
-    try:
-        policy, values = scaler_from_dict(scaler)
-    except ValueError as err:
-        raise _fail(str(err)) from None
-    dynamic = sd.get("dynamic_loss_scale", isinstance(policy, DynamicLossScale))
-    if dynamic is not isinstance(policy, DynamicLossScale):
-        raise _fail(f"dynamic_loss_scale is {dynamic!r} but loss_scaler is {scaler}")
-    for key in _FLAGS:
-        if key in sd and not isinstance(sd[key], bool):
-            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
-    return policy, values
-
-
-def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
-    """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading."""
-    if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
-        raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
-    saved_groups, groups = osd["param_groups"], inner.param_groups
-    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
-        n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
-        raise _fail(f"optimizer_state_dict has {n} param group(s), this optimizer {len(groups)}")
-    entries: dict[Any, torch.Tensor] = {}
-    merged = []
-    for k, (saved, group) in enumerate(zip(saved_groups, groups)):
-        ids = saved.get("params") if isinstance(saved, Mapping) else None
-        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
-            n = len(ids) if isinstance(ids, (list, tuple)) else ids
-            raise _fail(
-                f"param group {k} has {n} params in optimizer_state_dict, "
-                f"{len(group['params'])} in this optimizer"
-            )
-        entries.update(zip(ids, group["params"]))
-        merged.append({**group, **saved, "params": group["params"]})
-    state = osd["state"]
-    if not isinstance(state, Mapping):
-        raise _fail("optimizer_state_dict['state'] must be a dict")
-    known = _STATE_KEYS.get(type(inner))
-    for key, value in state.items():
-        if key not in entries:
-            raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
-        if not isinstance(value, Mapping):
-            raise _fail(f"optimizer_state_dict['state'][{key!r}] is not a dict")
-        if known is None:
-            continue
-        name = type(inner).__name__
-        extra = sorted(set(value) - set(known))
-        if extra:
-            raise _fail(
-                f"optimizer_state_dict['state'][{key!r}] has {extra}, which torch.optim.{name} "
-                "does not keep (was it saved from another optimizer?)"
-            )
-        for field, tensor in value.items():
-            where = f"optimizer_state_dict['state'][{key!r}][{field!r}]"
-            if field == "step":
-                if not (
-                    isinstance(tensor, (int, float))
-                    or (isinstance(tensor, torch.Tensor) and tensor.numel() == 1)
-                ):
-                    raise _fail(f"{where} is {tensor!r}, not a step count")
-            elif tensor is not None:
-                _check_tensor(where, tensor, entries[key], None)
-    return merged
-
-
-def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    current = [[p for p in ps if p.dtype != torch.float32] for ps in params.trainable]
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
-        n = len(saved) if isinstance(saved, (list, tuple)) else saved
-        raise _fail(f"fp32_from_fp16 has {n} group(s), this optimizer {len(current)}")
-    pairs = []
-    for k, (mine, theirs) in enumerate(zip(current, saved)):
-        if not isinstance(theirs, (list, tuple)) or len(theirs) != len(mine):
-            n = len(theirs) if isinstance(theirs, (list, tuple)) else theirs
-            raise _fail(
-                f"fp32_from_fp16[{k}] has {n} master(s); this optimizer's group {k} has "
-                f"{len(mine)} FP16/BF16 params"
-            )
-        for i, (param, value) in enumerate(zip(mine, theirs)):
-            _check_tensor(f"fp32_from_fp16[{k}][{i}]", value, param, torch.float32)
-            pairs.append((param, value))
-    return pairs
-
-
-def _parse_steps(sd: Mapping[str, Any]) -> torch.Tensor | None:
-    steps = sd.get("applied_steps")
-    if steps is not None and not (
-        isinstance(steps, torch.Tensor) and steps.ndim == 0 and not steps.is_floating_point()
-    ):
-        raise _fail(f"applied_steps must be a 0-d integer tensor, got {steps!r}")
-    return steps
-
-
-def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> Plan:
-    """Returns the plan for loading ``sd``; raises naming what does not fit."""
-    if not isinstance(sd, Mapping):
-        raise TypeError(
-            "load_state_dict expects a dict (or the list of a sharded optimizer's per-rank "
-            f"dicts), got {type(sd).__name__}"
-        )
-    missing = [key for key in _REQUIRED if key not in sd]
-    if missing:
-        raise _fail(
-            f"it has no {missing} entries (it has {sorted(map(str, sd))}); an FP16_Optimizer "
-            "state dict comes from FP16_Optimizer.state_dict() or fp16fx.load_apex_checkpoint()"
-        )
-    unknown = sorted(set(map(str, sd)) - set(KEYS))
-    if unknown:
-        raise _fail(f"it has unknown entries {unknown}")
-    policy, values = _parse_scaler(sd)
-    groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
-    masters = _parse_masters(params, sd["fp32_from_fp16"])
-    specs = None
-    if isinstance(engine, FastEngine):
-        try:
-            specs = [group_spec(engine.kind, g, k) for k, g in enumerate(groups)]
-        except Unsupported:
-            specs = None  # the loaded options need the generic path
-        if specs is not None:
-            try:
-                build_transform(specs, groups, engine.labels)
-            except (ValueError, TypeError, KeyError) as err:
-                raise _fail(str(err)) from None
-        if engine.sharded is not None:
-            if specs is None:
-                raise ValueError(
-                    "the state dict's param groups need the generic path (e.g. maximize=True), "
-                    "which a sharded FP16_Optimizer does not have"
-                )
-            engine.check_structure(specs)
-    return Plan(
-        policy, values, sd["optimizer_state_dict"], groups, masters, specs,
-        sd.get("overflow"), sd.get("first_closure_call_this_step", True), _parse_steps(sd),
-    )  # fmt: skip
-
-
-def load(
-    inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, scaler: Scaler, plan: Plan
-) -> None:
-    """Loads a checked ``plan``, or raises having changed nothing.
-
-    Raises:
-      Unsupported: the engine is the fast one and the loaded groups need the generic path.
-      ValueError: a saved state does not fit its param (found while converting it).
-    """
-    if isinstance(engine, FastEngine) and plan.specs is None:
-        raise Unsupported("the loaded param groups need it")
-    saved = (inner.state, inner.param_groups, scaler.policy)
-    try:
-        # Where the groups hold the model's FP16 params, torch's load would cast the state to
-        # FP16: it is read from the dict instead.
-        keep_groups = isinstance(engine, FastEngine) and engine.groups_hold_params
-        if keep_groups:
-            ids = {}
-            for saved_group, group in zip(plan.osd["param_groups"], inner.param_groups):
-                ids.update(zip(saved_group["params"], group["params"]))
-            per_param = {ids[key]: dict(value) for key, value in plan.osd["state"].items()}
-        else:
-            inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
-            trained = [m for masters in params.masters for m in masters]
-            per_param = {m: inner.state.pop(m) for m in trained if m in inner.state}
-        scaler.policy = plan.policy
-        master_values = {id(p): value for p, value in plan.masters}
-        if isinstance(engine, FastEngine):
-            if plan.specs != engine.specs:
-                engine.check_state(per_param, plan.specs)
-                engine.set_specs(plan.specs)
-            engine.load(per_param, master_values, plan.policy)
-            if keep_groups:  # last: the groups hold the model's params, not new dicts
-                for group, loaded in zip(inner.param_groups, plan.groups):
-                    group.update(loaded)
-        else:
-            inner.state.update(per_param)
-            master_of = params.master_of()
-            with torch.no_grad():
-                for param, value in plan.masters:
-                    master_of[id(param)].copy_(value)
-                for ps, ms in zip(params.trainable, params.masters):
-                    for p, master in zip(ps, ms):
-                        if master is not p:
-                            p.copy_(master)
-    except BaseException:
-        inner.state, inner.param_groups, scaler.policy = saved
-        raise
-    with torch.no_grad():
-        for dst, value in zip(scaler.state, plan.values):
-            dst.fill_(value)
-        if isinstance(engine, FastEngine) and plan.applied_steps is not None:
-            engine.state.count.copy_(plan.applied_steps)

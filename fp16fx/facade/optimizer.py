@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from fp16fx.consensus import default_consensus
-from fp16fx.facade import checkpoint, closure
+from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
@@ -526,7 +526,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         The FP16/BF16 model params are set from the loaded masters.
         """
         if isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT:
-            checkpoint.load_fsdp(self.optimizer, self._engine, state_dict)
+            loading.load_fsdp(self.optimizer, self._engine, state_dict)
             self._phase = Phase(
                 overflow=state_dict["overflow"],
                 first_closure_call=state_dict["first_closure_call_this_step"],
@@ -536,12 +536,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
             isinstance(d, Mapping) for d in state_dict
         ):  # every rank's dict of a sharded run
             state_dict = checkpoint.consolidate_state_dict(state_dict)
-        plan = checkpoint.parse(self.optimizer, self._engine, self._params, state_dict)
+        plan = loading.parse(self.optimizer, self._engine, self._params, state_dict)
         try:
-            checkpoint.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+            loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
         except Unsupported as err:  # the loaded groups need the generic path
             self._handover(err, keep_state=False)
-            checkpoint.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+            loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
         self._phase = Phase(overflow=plan.overflow, first_closure_call=plan.first_closure_call)
 
     # -- internals -----------------------------------------------------------------------
