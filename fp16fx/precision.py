@@ -161,7 +161,7 @@ def encode_master(
     bump = (c >= top) & (p32 < torch.finfo(dtype).max)
     up = p32 + 2 * top * unit
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
-    c = torch.where(bump, torch.where(doubled, -top / 2, -top * 1.0), c)
+    c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
     p = torch.where(bump, up.to(dtype), p)
     return p, torch.clamp(c, -top, top - 1).to(corr_dtype)
 
