@@ -238,23 +238,46 @@ class DigitsRunner:
         return history.test_accuracy, shown
 
 
-def digits_section(runner: DigitsRunner, results: list[Runs]) -> str:
-    """Returns the digits section of the report: heading, what ran, the table."""
+def _rows(
+    results: list[Runs],
+    *,
+    scale: float,
+    decimals: int,
+    change: Callable[[float, float], float],
+    unit: str,
+    target: float,
+) -> list[list[str]]:
+    """Returns one table row per mode: master, moments, the mean ± std and each seed's value
+    (times ``scale``), the mean's ``change`` from the baseline's (in ``unit``), whether that
+    is within ``target``, and the seconds per run."""
     base = results[0].mean
     rows = []
     for runs in results:
-        delta = 100 * (runs.mean - base)
+        delta = change(runs.mean, base)
         rows.append(
             [
                 _master_cell(runs.mode),
                 runs.mode.moments,
-                _pm(100 * runs.mean, 100 * runs.std, 2),
-                "—" if runs.mode.is_baseline else f"{delta:+.2f}",
-                "—" if runs.mode.is_baseline else _yes(abs(delta) <= DIGITS_TARGET_POINTS),
-                ", ".join(f"{100 * v:.2f}" for v in runs.values),
+                _pm(scale * runs.mean, scale * runs.std, decimals),
+                "—" if runs.mode.is_baseline else f"{delta:+.2f}{unit}",
+                "—" if runs.mode.is_baseline else _yes(abs(delta) <= target),
+                ", ".join(f"{scale * v:.{decimals}f}" for v in runs.values),
                 _s_per_run(runs),
             ]
         )
+    return rows
+
+
+def digits_section(runner: DigitsRunner, results: list[Runs]) -> str:
+    """Returns the digits section of the report: heading, what ran, the table."""
+    rows = _rows(
+        results,
+        scale=100,
+        decimals=2,
+        change=lambda mean, base: 100 * (mean - base),
+        unit="",
+        target=DIGITS_TARGET_POINTS,
+    )
     header = [
         "master",
         "moments",
@@ -523,21 +546,15 @@ class LMRunner:
 
 def lm_section(runner: LMRunner, results: list[Runs]) -> str:
     """Returns the language model's section of the report: heading, what ran, the table."""
-    s, base = runner.setup, results[0].mean
-    rows = []
-    for runs in results:
-        relative = (runs.mean - base) / base
-        rows.append(
-            [
-                _master_cell(runs.mode),
-                runs.mode.moments,
-                _pm(runs.mean, runs.std, 4),
-                "—" if runs.mode.is_baseline else f"{100 * relative:+.2f}%",
-                "—" if runs.mode.is_baseline else _yes(abs(relative) <= LM_TARGET_RELATIVE),
-                ", ".join(f"{v:.4f}" for v in runs.values),
-                _s_per_run(runs),
-            ]
-        )
+    s = runner.setup
+    rows = _rows(
+        results,
+        scale=1,
+        decimals=4,
+        change=lambda mean, base: 100 * (mean - base) / base,
+        unit="%",
+        target=100 * LM_TARGET_RELATIVE,
+    )
     header = [
         "master",
         "moments",

@@ -73,11 +73,12 @@ def run(model, opt, steps, poison=()):
     return trace
 
 
-def save_and_load(obj):
+def save_and_load(obj, **load_options):
+    """Returns ``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
+    return torch.load(buffer, weights_only=True, **load_options)
 
 
 def fingerprint(model, opt):

@@ -8,7 +8,6 @@ Compiles are slow on CPU, so every test here builds the same model and optimizer
 from __future__ import annotations
 
 import inspect
-import io
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from fp16fx.fp16_utils import FP16_Optimizer, network_to_half
+from tests.test_facade_checkpoint import save_and_load
 
 pytestmark = pytest.mark.compile
 X = torch.randn(16, 6).half()
@@ -131,10 +131,7 @@ def test_compiled_checkpoint_round_trip_is_bitwise():
     full = [train_step(model, opt, i) for i in range(6)]
     first, first_opt = build()
     head = [train_step(first, first_opt, i) for i in range(3)]
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buffer)
-    buffer.seek(0)
-    ckpt = torch.load(buffer, weights_only=True)
+    ckpt = save_and_load({"model": first.state_dict(), "optimizer": first_opt.state_dict()})
     resumed, resumed_opt = build(seed=1)
     resumed.load_state_dict(ckpt["model"])
     resumed_opt.load_state_dict(ckpt["optimizer"])
@@ -200,9 +197,7 @@ def test_fast_path_on_cuda_matches_the_generic_path_and_its_checkpoint_loads_on_
         assert opt.path == path and opt._scaler.stats.is_cuda
     for a, b in zip(runs["fast"][1], runs["generic"][1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
+    saved = save_and_load(opt.state_dict(), map_location="cpu")
     model, cpu_opt = build()
-    cpu_opt.load_state_dict(torch.load(buffer, weights_only=True, map_location="cpu"))
+    cpu_opt.load_state_dict(saved)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(masters(cpu_opt), runs["generic"][1]))

@@ -4,14 +4,13 @@ precisions, and clear refusals where compact precision cannot go."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch import nn
 
 from fp16fx.fp16_utils import FP16_Optimizer
 from fp16fx.train import command
+from tests.test_facade_checkpoint import save_and_load
 
 #: Every compact mode the facade offers (FP32 masters and moments is the default).
 COMPACT = [
@@ -51,14 +50,6 @@ def train(model: nn.Module, opt: FP16_Optimizer, steps: int) -> float:
     return loss.item()
 
 
-def saved(sd: dict) -> dict:
-    """Returns ``sd`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize(("master", "moments"), COMPACT)
 def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, moments):
     model = make_model()
@@ -66,7 +57,7 @@ def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, 
     start = train(model, opt, 1)
     loss = train(model, opt, 15)
     assert loss < 0.8 * start, "it did not train"
-    sd = saved(opt.state_dict())
+    sd = save_and_load(opt.state_dict())
     # apex's keys: FP32 masters (decoded) for every FP16 param, torch-format moments in FP32.
     assert [len(g) for g in sd["fp32_from_fp16"]] == [4]
     assert all(m.dtype == torch.float32 for m in sd["fp32_from_fp16"][0])
@@ -109,7 +100,7 @@ def test_a_checkpoint_loads_across_precisions(master, moments):
     model = make_model()
     opt = wrap(model, master, moments)
     train(model, opt, 5)
-    sd = saved(opt.state_dict())
+    sd = save_and_load(opt.state_dict())
     other = ("compensated", "int8") if master == "fp32" else ("fp32", "fp32")
     target = make_model()
     target.load_state_dict(model.state_dict())

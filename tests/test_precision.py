@@ -29,7 +29,6 @@ about 35 s on two busy cores with Inductor's cache warm, 2-3 minutes cold.
 
 from __future__ import annotations
 
-import io
 import math
 
 import optree
@@ -52,6 +51,7 @@ from fp16fx.precision import (
 )
 from fp16fx.segments import named_segments
 from tests.strategies import grads_like
+from tests.test_facade_checkpoint import save_and_load
 from tests.test_step import same_bits
 
 MASTERS = ("fp32", "compensated")
@@ -678,18 +678,11 @@ def _trained(master: str, moments: str, seed: int = 0):
     return state
 
 
-def _through_bytes(sd):
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("moments", MOMENTS)
 def test_a_compact_checkpoint_round_trips_bitwise_and_steps_alike(moments):
     source = _trained("compensated", moments)
     target = fp16fx.load_state_dict(
-        tail_state("compensated", moments, seed=9), _through_bytes(fp16fx.state_dict(source))
+        tail_state("compensated", moments, seed=9), save_and_load(fp16fx.state_dict(source))
     )
     assert differing(stored(source), stored(target)) == []
     grads = scaled_grads(source, 99)
@@ -706,7 +699,7 @@ def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
     block from the segment's start."""
     source = _trained("fp32", "fp32")
     target = fp16fx.load_state_dict(
-        tail_state("compensated", "int8", seed=9), _through_bytes(fp16fx.state_dict(source))
+        tail_state("compensated", "int8", seed=9), save_and_load(fp16fx.state_dict(source))
     )
     corrections = fp16fx.state_dict(target)["params"]
     for path, master in source.master.items():
@@ -730,7 +723,7 @@ def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
     source = _trained("compensated", "int8")
     target = fp16fx.load_state_dict(
-        tail_state("fp32", "fp32", seed=9), _through_bytes(fp16fx.state_dict(source))
+        tail_state("fp32", "fp32", seed=9), save_and_load(fp16fx.state_dict(source))
     )
     for path in source.params:
         assert same_bits(target.params[path], source.params[path]), path
