@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import optree
 import pytest
 import torch
@@ -107,6 +109,26 @@ def test_fifty_steps_with_changing_lr_scale_and_overflows_compile_once(inplace):
     # Every injected NaN skips; the scale grows until real FP16 overflows back it off.
     assert {7, 14, 21, 28, 35, 42, 49} <= set(skipped) and len(scales) > 2
     assert fp16fx.get_hyperparams(state)["lr"] == pytest.approx(1e-3 / 50)
+
+
+def test_compiling_fp16_params_beside_bf16_moments_warns_nothing():
+    """Inductor warns that a fused loop mixes FP16 and BF16 (it computes in FP32, as the step
+    means to); the compiled region silences that one warning. Its graph cache is off here: a
+    cached kernel skips the code generation that warns."""
+    params = {"w": torch.randn(300).half(), "b": torch.randn(7).half()}
+    policy = fp16fx.StaticLossScale(2.0**10)
+    state = fp16fx.init(
+        params, fp16fx.adam(), policy, buckets=True, master="compensated", moments="bf16"
+    )
+    grads = grads_like(params, 0, scale=2.0**10)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        _, info = fp16fx.compile_step()(state, grads)
+    assert info["finite"].item()
+    assert [str(w.message) for w in caught] == []
 
 
 def test_inplace_step_refuses_bad_grads_before_touching_anything():
