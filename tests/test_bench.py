@@ -14,6 +14,7 @@ from math import prod
 import optree
 import pytest
 import torch
+import torchvision
 
 from fp16fx.bench import command, harness, interleave, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
@@ -31,9 +32,8 @@ TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
 def test_resnet18_preset_is_torchvision_resnet18() -> None:
     p = presets.preset("resnet18")
     assert (p.num_params, p.num_leaves) == (11_689_512, 62)
-    models = pytest.importorskip("torchvision.models")
     with torch.device("meta"):
-        model = models.resnet18()
+        model = torchvision.models.resnet18()
     assert list(p.shapes) == [tuple(param.shape) for param in model.parameters()]
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -154,7 +155,6 @@ def test_clipping_is_folded_into_the_compiled_step():
 
 
 def test_apex_seed_recipe_on_resnet18():
-    torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = network_to_half(torchvision.models.resnet18(num_classes=10))
     optimizer = FP16_Optimizer(

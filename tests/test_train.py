@@ -13,13 +13,8 @@ import sys
 import pytest
 import torch
 
-import fp16fx
 from fp16fx import cli
 from fp16fx.train import command
-
-requires_facade = pytest.mark.skipif(
-    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
-)
 
 
 def train_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -47,7 +42,6 @@ def accuracy(cell: str) -> float:
 # --- real runs -----------------------------------------------------------------------------
 
 
-@requires_facade
 def test_default_run_learns_digits_in_fp16_to_95_percent(capsys) -> None:
     code, out, err = train_cli(capsys)  # exactly the README's command: no flags
     assert code == 0, err
@@ -68,7 +62,6 @@ def test_functional_api_learns_digits_to_95_percent(capsys) -> None:
     assert "fp16fx.step over fp16fx.adam, torch.func.grad of functional_call" in out
 
 
-@requires_facade
 def test_compare_fp32_trains_both_from_the_same_start(capsys) -> None:
     code, out, err = train_cli(
         capsys, "--compare-fp32", "--epochs", "2", "--limit", "640", "--quiet"
@@ -82,7 +75,7 @@ def test_compare_fp32_trains_both_from_the_same_start(capsys) -> None:
     assert "FP32: torch.optim.Adam; FP32 model" in out
 
 
-@pytest.mark.parametrize("api", ["functional", pytest.param("facade", marks=requires_facade)])
+@pytest.mark.parametrize("api", ["functional", "facade"])
 def test_every_step_overflows_at_a_huge_static_scale_and_is_skipped(capsys, api) -> None:
     # FP16's largest value is 65504: a loss scaled by 1e30 overflows in every backward pass.
     code, out, err = train_cli(
@@ -95,7 +88,7 @@ def test_every_step_overflows_at_a_huge_static_scale_and_is_skipped(capsys, api)
     assert accuracy(rows["test accuracy"][0]) < 0.5  # nothing was learned
 
 
-@pytest.mark.parametrize("api", ["functional", pytest.param("facade", marks=requires_facade)])
+@pytest.mark.parametrize("api", ["functional", "facade"])
 def test_resnet18_smoke_run_on_fake_data(capsys, api) -> None:
     code, out, err = train_cli(
         capsys,
@@ -193,7 +186,6 @@ def test_without_the_train_extra_the_error_says_how_to_install_it(capsys, monkey
 
 
 def test_plot_is_written_after_a_run(capsys, tmp_path) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
     path = tmp_path / "curves.png"
     code, out, err = train_cli(
         capsys, "--api", "functional", "--epochs", "1", "--limit", "64", "--plot", str(path)

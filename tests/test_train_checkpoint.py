@@ -11,16 +11,12 @@ import os
 import pytest
 import torch
 
-import fp16fx
 from fp16fx import cli
 from fp16fx.train import checkpoint, loop
 from fp16fx.train.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from fp16fx.train.models import build_model, to_half
 
-requires_facade = pytest.mark.skipif(
-    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
-)
-APIS = ["functional", pytest.param("facade", marks=requires_facade)]
+APIS = ["functional", "facade"]
 SMALL = ("--limit", "160", "--quiet")  # 5 steps per epoch
 
 

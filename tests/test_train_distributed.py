@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -25,10 +24,7 @@ from fp16fx.train.models import to_half
 from fp16fx.train.parallel import Processes
 from fp16fx.train.steppers import make_stepper
 
-requires_facade = pytest.mark.skipif(
-    not hasattr(fp16fx, "FP16_Optimizer"), reason="fp16fx.FP16_Optimizer (facade) not available"
-)
-APIS = ["functional", pytest.param("facade", marks=requires_facade)]
+APIS = ["functional", "facade"]
 SMALL = ("--limit", "320", "--epochs", "1")  # 5 global batches of 2 x 32
 
 
@@ -122,7 +118,6 @@ def test_two_processes_step_like_one_process_on_the_global_batch(tmp_path) -> No
 # --- the command: both ways to start it ----------------------------------------------------
 
 
-@requires_facade
 def test_nproc_per_node_trains_and_only_rank_0_reports(tmp_path) -> None:
     ckpt = tmp_path / "ck.pt"
     done = run_command(

@@ -201,7 +201,6 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch) -> None:
 
 
 def test_plot_writes_an_image(tmp_path) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
     path = str(tmp_path / "curves.png")
     runs = [
         RunSummary("FP16", "facade", _history(0.9, 128.0, [False, True])),
