@@ -20,8 +20,9 @@ from fp16fx.fp16_utils import FP16_Optimizer, network_to_half
 from tests.test_facade_checkpoint import save_and_load
 
 pytestmark = pytest.mark.compile
-X = torch.randn(16, 6).half()
-Y = torch.randn(16, 3)
+_DATA = torch.Generator().manual_seed(0)  # the same data however the tests are collected
+X = torch.randn(16, 6, generator=_DATA).half()
+Y = torch.randn(16, 3, generator=_DATA)
 
 
 def build(path="fast", lr=1e-3, seed=0, device="cpu", **kwargs) -> tuple[nn.Module, FP16_Optimizer]:
