@@ -12,6 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fp16fx
+from fp16fx.precision import decode_master
 from tests.strategies import grads_like, has_tensor, pytrees
 from tests.test_step import OPTIMIZERS, bitwise_equal, snapshot
 
@@ -129,6 +130,37 @@ def test_compiling_fp16_params_beside_bf16_moments_warns_nothing():
         _, info = fp16fx.compile_step()(state, grads)
     assert info["finite"].item()
     assert [str(w.message) for w in caught] == []
+
+
+def _sub_ulp_sgd_steps(step, master):
+    """Ten SGD steps of 1e-4 on FP16 weights of 1.0 (ulp 2**-10: each update is below half
+    of it). Returns the masters, in FP32."""
+    params = {"w": torch.ones(16).half()}
+    state = fp16fx.init(
+        params, fp16fx.sgd(1e-4), fp16fx.StaticLossScale(1.0), buckets=True, master=master
+    )
+    for _ in range(10):
+        state, _ = step(state, {"w": torch.ones(16).half()})
+    entry = fp16fx.state_dict(state)["params"]["w"]
+    if master == "fp32":
+        return entry["master"].clone()
+    return decode_master(entry["param"], entry["correction"])
+
+
+@pytest.mark.parametrize("master", ["fp32", "compensated"])
+def test_torch_compile_of_step_keeps_the_master_only_with_rounding_casts(master):
+    """Inductor's default fuses ``x.to(float16)`` away inside FP32 arithmetic: compiled that
+    way the step would restart every master from its FP16 param, losing these updates. So
+    ``torch.compile(fp16fx.step)`` is refused until ``emulate_precision_casts`` is set, and
+    then it gives the eager step's masters."""
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="emulate_precision_casts"):
+        _sub_ulp_sgd_steps(torch.compile(fp16fx.step), master)
+    eager = _sub_ulp_sgd_steps(fp16fx.step, master)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = _sub_ulp_sgd_steps(torch.compile(fp16fx.step), master)
+    assert torch.equal(compiled, eager)
+    assert (eager < 1.0 - 5e-4).all()  # the masters moved by about 1e-3
 
 
 def test_inplace_step_refuses_bad_grads_before_touching_anything():
