@@ -166,6 +166,36 @@ def encode_master(
     return p, torch.clamp(c, -top, top - 1).to(corr_dtype)
 
 
+def require_rounding_casts() -> None:
+    """Refuses to be traced by ``torch.compile`` unless Inductor keeps FP16/BF16 rounding.
+
+    Called by code whose FP32 arithmetic reads rounded values: the check that a param is its
+    master rounded (``p != m.to(p.dtype)``, in the step and in the facade's generic path) and
+    the rest of a compensated master (``master - master.to(dtype)``). Inductor's default
+    fuses such a cast away and computes on in FP32: the check then fails for every param,
+    each master restarts from its FP16 param every step, and an update below half an ulp is
+    lost as if there were no master (a compensated master's correction stays zero).
+    ``fp16fx.compile_step`` compiles with ``emulate_precision_casts`` on
+    (``fp16fx/compile.py``); a ``torch.compile`` of one's own around ``fp16fx.step`` or
+    ``FP16_Optimizer.step`` must turn it on too.
+    """
+    if torch.compiler.is_compiling() and not torch._inductor.config.emulate_precision_casts:
+        _refuse_compiling_without_rounding()
+
+
+@torch._dynamo.disable
+def _refuse_compiling_without_rounding() -> None:
+    # Run, not traced: an exception raised while tracing makes Dynamo run the frame eagerly
+    # instead, silently; a Dynamo-disabled call is a graph break that raises when it runs.
+    raise RuntimeError(
+        "fp16fx's step is being compiled by torch.compile with Inductor's default numerics, "
+        "which fuse away the FP16/BF16 rounding the step relies on: every master would "
+        "restart from its FP16 param each step. Set "
+        "torch._inductor.config.emulate_precision_casts = True before compiling "
+        "(fp16fx.compile_step does, for the regions it compiles)"
+    )
+
+
 # -- moments ---------------------------------------------------------------------------------
 
 

@@ -245,9 +245,9 @@ def init(
     ``buckets`` must be False.
 
     Raises:
-      TypeError, ValueError: the params cannot be trained, the optimizer, policy or precision
-        is not one, or a compensated state's params are not flat or all FP32 (the message
-        names it); nothing is changed.
+      TypeError, ValueError: the params cannot be trained (or hold one tensor twice), the
+        optimizer, policy or precision is not one, or a compensated state's params are not
+        flat or all FP32 (the message names it); nothing is changed.
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(

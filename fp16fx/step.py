@@ -32,6 +32,7 @@ from fp16fx.precision import (
     encode_moment,
     hash_bits,
     map_moments,
+    require_rounding_casts,
     uniform,
 )
 from fp16fx.prepare import Trained, finish, prepare
@@ -86,34 +87,6 @@ def _is_hyperparams(x: Any) -> bool:
     return isinstance(x, Hyperparams)
 
 
-def _require_rounding_casts() -> None:
-    """Refuses to be traced by ``torch.compile`` unless Inductor keeps FP16/BF16 rounding.
-
-    The step's FP32 arithmetic reads rounded values: the check that a param is its master
-    rounded (``p != m.to(p.dtype)``) and the rest of a compensated master
-    (``master - master.to(dtype)``). Inductor's default fuses such a cast away and computes
-    on in FP32: the check then fails for every param, each master restarts from its FP16
-    param every step, and an update below half an ulp is lost as if there were no master (a
-    compensated master's correction stays zero). ``fp16fx.compile_step`` compiles with
-    ``emulate_precision_casts`` on (``fp16fx/compile.py``); a ``torch.compile`` of one's own
-    around ``fp16fx.step`` must turn it on too.
-    """
-    if torch.compiler.is_compiling() and not torch._inductor.config.emulate_precision_casts:
-        _refuse_compiling_without_rounding()
-
-
-@torch._dynamo.disable
-def _refuse_compiling_without_rounding() -> None:
-    # Run, not traced: an exception raised while tracing makes Dynamo run the frame eagerly
-    # instead, silently; a Dynamo-disabled call is a graph break that raises when it runs.
-    raise RuntimeError(
-        "fp16fx.step is being compiled by torch.compile with Inductor's default numerics, "
-        "which fuse away the FP16/BF16 rounding the step relies on: every master would "
-        "restart from its FP16 param each step. Use fp16fx.compile_step(), or set "
-        "torch._inductor.config.emulate_precision_casts = True before compiling"
-    )
-
-
 def apply_updates(
     optimizer: GradientTransformation,
     policy: LossScalePolicy,
@@ -131,7 +104,7 @@ def apply_updates(
     params are the new masters rounded (None where the param is its own FP32 master).
     """
     if any(p is not None for p in trained.params):
-        _require_rounding_casts()
+        require_rounding_casts()
     checked = unscale_and_check(list(grads), trained.loss_scale.scale)
     finite, norm = checked.finite, checked.norm
     if consensus is not None:

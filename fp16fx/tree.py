@@ -58,12 +58,14 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
     """Returns the flat leaves of ``params`` after checking they can be trained.
 
     Raises:
-      ValueError: the tree holds no tensor, or its tensors live on several devices.
+      ValueError: the tree holds no tensor, holds one tensor twice (tied weights), or its
+        tensors live on several devices.
       TypeError: a leaf is neither ``None`` nor a floating tensor of a dtype in ``MODEL_DTYPES``.
     """
     leaves, treedef = flatten(params)
     names = leaf_names(params)
     devices = set()
+    seen: dict[tuple[Any, ...], str] = {}  # where each tensor's memory was first met
     for name, leaf in zip(names, leaves):
         if leaf is None:
             continue
@@ -77,6 +79,15 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
                 "params (integer, bool, complex and float64 leaves cannot be trained: pass None "
                 "for leaves that are not trained)"
             )
+        memory = _memory(leaf)
+        if memory in seen:
+            # Stepped as two params, one tensor would get two masters and two updates, and
+            # keep whichever was written last.
+            raise ValueError(
+                f"{name} is the same tensor as {seen[memory]}: pass each tensor once (tied "
+                "weights are one param, whose gradient sums both uses)"
+            )
+        seen[memory] = name
         devices.add(leaf.device)
     if not devices:
         raise ValueError("params holds no tensor: there is nothing to train")
@@ -86,6 +97,15 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
             "device's params per state (make one state per device)"
         )
     return leaves, treedef
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    """Returns what identifies a tensor's elements in memory (the same for two tensor objects
+    over the same elements, e.g. a param and ``param.data``)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return (id(t),)
+    storage = t.untyped_storage().data_ptr()
+    return (t.device, storage, t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
 
 
 def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:

@@ -163,6 +163,30 @@ def test_torch_compile_of_step_keeps_the_master_only_with_rounding_casts(master)
     assert (eager < 1.0 - 5e-4).all()  # the masters moved by about 1e-3
 
 
+def _sub_ulp_facade_steps(compiled):
+    """Ten Adagrad steps (the facade's generic path) of at most 1e-4 on FP16 weights of 1.0.
+    Returns the FP32 masters."""
+    w = torch.nn.Parameter(torch.ones(16).half())
+    opt = fp16fx.FP16_Optimizer(torch.optim.Adagrad([w], lr=1e-4), static_loss_scale=1.0)
+    step = torch.compile(opt.step) if compiled else opt.step
+    for _ in range(10):
+        w.grad = torch.ones(16).half()
+        step()
+    assert opt.path == "generic"
+    return opt.state_dict()["fp32_from_fp16"][0][0].clone()
+
+
+def test_torch_compile_of_the_facades_generic_step_keeps_the_master_only_with_rounding_casts():
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="emulate_precision_casts"):
+        _sub_ulp_facade_steps(compiled=True)
+    eager = _sub_ulp_facade_steps(compiled=False)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = _sub_ulp_facade_steps(compiled=True)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-7)
+    assert (eager < 1.0 - 3e-4).all()  # ten sub-ulp updates, kept by the master
+
+
 def test_inplace_step_refuses_bad_grads_before_touching_anything():
     params = {"w": torch.randn(4).half()}
     state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))

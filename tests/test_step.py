@@ -277,3 +277,19 @@ def test_grads_laid_out_like_the_buckets_but_of_another_dtype_are_refused():
 def test_params_on_several_devices_are_refused():
     with pytest.raises(ValueError, match="several devices"):
         fp16fx.init([torch.ones(1), torch.ones(1, device="meta")], fp16fx.sgd(0.1))
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_a_tensor_given_twice_is_refused_and_left_as_it_was(buckets):
+    """Tied weights passed as two leaves would get two masters and two updates (and with
+    buckets, be untied: the tensor re-pointed at the second leaf's slot). Also through
+    ``.data``, another object over the same memory."""
+    w = torch.randn(4).half()
+    before, storage = w.clone(), w.untyped_storage().data_ptr()
+    for params in ({"a": w, "b": w}, {"a": w, "b": {"c": w.data}}):
+        with pytest.raises(ValueError, match=r"params\['b'\].* is the same tensor as "):
+            fp16fx.init(params, fp16fx.sgd(0.1), buckets=buckets)
+    assert torch.equal(w, before) and w.untyped_storage().data_ptr() == storage
+    # Views of one buffer are separate params: init accepts them.
+    flat = torch.randn(8).half()
+    fp16fx.init({"a": flat[:4], "b": flat[4:]}, fp16fx.sgd(0.1), buckets=buckets)

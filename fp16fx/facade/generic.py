@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
 from fp16fx.facade.policy import Scaler
+from fp16fx.precision import require_rounding_casts
 from fp16fx.scaling import unscale_and_check
 
 
@@ -112,6 +113,7 @@ class GenericEngine:
         with torch.no_grad():
             for p, master in self.pairs:
                 if master is not p:
+                    require_rounding_casts()
                     master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
 
     def masters_to_model(self) -> None:
