@@ -38,6 +38,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch._dynamo
+import torch._inductor.config
 
 from fp16fx.segments import MASKED, Segments
 
