@@ -135,9 +135,23 @@ def encode_master(
     noise: torch.Tensor | None,
     param: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(p, c)``: ``p`` the master rounded to nearest in ``dtype``, ``c`` the rest in
-    units of ``unit(p)``, rounded down after adding ``noise`` in (0, 1) (stochastic rounding),
-    or to nearest without it.
+    """Returns ``(p, c)`` of :func:`split_master`, stored: ``p`` in ``dtype``, ``c`` in the
+    correction's integer dtype."""
+    p, c = split_master(master, dtype, noise, param)
+    return p.to(dtype), c.to(correction_dtype(dtype))
+
+
+def split_master(
+    master: torch.Tensor,
+    dtype: torch.dtype,
+    noise: torch.Tensor | None,
+    param: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(p, c)`` as FP32 tensors whose values ``dtype`` and the correction's dtype
+    hold exactly: ``p`` the master rounded to nearest in ``dtype``, ``c`` the rest in units
+    of ``unit(p)``, rounded down after adding ``noise`` in (0, 1) (stochastic rounding), or
+    to nearest without it. (In FP32 so that a step chooses between them and the old values
+    before the one cast into storage.)
 
     The rest lies within half an ulp of ``p``: ``[-2**(k-1), 2**(k-1)]`` units. Where it
     rounds to ``2**(k-1)``, one more than the correction holds (the master within a unit
@@ -147,8 +161,7 @@ def encode_master(
     ``param``: a value of ``p`` to keep wherever the correction can reach the master from it
     (a checkpoint's own param: loading its ``(param, master)`` then restores ``(p, c)``
     exactly, although the master decoded from them need not round to ``p``)."""
-    corr_dtype, bits = _CORRECTION[dtype]
-    top = 2 ** (bits - 1)
+    top = 2 ** (_CORRECTION[dtype][1] - 1)
     p = master.to(dtype)
     if param is not None:
         reach = (master - param.float()).abs() <= (top - 1) * _unit(param)[0]
@@ -164,8 +177,7 @@ def encode_master(
     up = p32 + 2 * top * unit
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
     c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
-    p = torch.where(bump, up.to(dtype), p)
-    return p, torch.clamp(c, -top, top - 1).to(corr_dtype)
+    return torch.where(bump, up, p32), torch.clamp(c, -top, top - 1)
 
 
 def require_rounding_casts() -> None:
@@ -229,16 +241,30 @@ def _per_value(scales: torch.Tensor, numel: int, block: int) -> torch.Tensor:
 def encode_moment(
     x: torch.Tensor, how: str, non_negative: bool, block: int, noise: torch.Tensor | None
 ) -> Any:
-    """Returns an FP32 moment ``x`` (1-D) stored as ``how`` (see the module docstring)."""
+    """Returns an FP32 moment ``x`` (1-D) stored as ``how`` (see the module docstring): what
+    :func:`round_moment` returns, cast into the storage dtype."""
+    rounded = round_moment(x, how, non_negative, block, noise)
+    if isinstance(rounded, Quantized):
+        codes = rounded.codes.to(torch.uint8 if non_negative else torch.int8)
+        return Quantized(codes, rounded.scales)
+    return rounded.to(torch.bfloat16) if how == "bf16" else rounded
+
+
+def round_moment(
+    x: torch.Tensor, how: str, non_negative: bool, block: int, noise: torch.Tensor | None
+) -> Any:
+    """Returns an FP32 moment ``x`` (1-D) rounded as ``how`` stores it, still in FP32 (BF16
+    values, or int8 codes beside their scales), so that a step chooses between them and the
+    old values before the one cast into storage."""
     if how == "fp32":
         return x
     if how == "bf16":
         if noise is None:
-            return x.to(torch.bfloat16)
+            return x.to(torch.bfloat16).float()
         # Stochastic rounding: add the dither below BF16's last bit, then truncate (IEEE floats
         # are sign and magnitude: this rounds the magnitude).
         bits = x.view(torch.int32) + (noise * 65536.0).to(torch.int32)
-        return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+        return (bits & -65536).view(torch.float32)
     # A block of zeros (or of FP32 subnormals) keeps the smallest normal scale: decoding
     # multiplies by the scale stored, and it must be the one divided by.
     scales = torch.clamp(_block_amax(x, block), min=torch.finfo(x.dtype).tiny)
@@ -248,10 +274,10 @@ def encode_moment(
         r = torch.floor(r + noise) if noise is not None else torch.round(r)
         # A positive value keeps code 1 at least: it never decodes to zero.
         low = (y > 0).float()
-        return Quantized(torch.clamp(torch.maximum(r, low), 0, 255).to(torch.uint8), scales)
+        return Quantized(torch.clamp(torch.maximum(r, low), 0, 255), scales)
     r = 127.0 * torch.sign(y) * torch.sqrt(torch.abs(y))
     r = torch.floor(r + noise) if noise is not None else torch.round(r)
-    return Quantized(torch.clamp(r, -127, 127).to(torch.int8), scales)
+    return Quantized(torch.clamp(r, -127, 127), scales)
 
 
 def decode_moment(stored: Any, non_negative: bool, block: int) -> torch.Tensor:
