@@ -110,11 +110,12 @@ class GenericEngine:
     def resync_masters(self) -> None:
         """Makes each master take its param's value where the param no longer is the master
         rounded (written since the last step: ``load_state_dict``, a clamp); exact."""
+        rounded = [(p, master) for p, master in self.pairs if master is not p]
+        if rounded:
+            require_rounding_casts()
         with torch.no_grad():
-            for p, master in self.pairs:
-                if master is not p:
-                    require_rounding_casts()
-                    master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
+            for p, master in rounded:
+                master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
 
     def masters_to_model(self) -> None:
         """Copies every master into its FP16/BF16 model param."""
