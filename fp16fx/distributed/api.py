@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from fp16fx.consensus import default_consensus
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
+from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
+from fp16fx.state import FP32
 from fp16fx.state import init as _init_state
 from fp16fx.transforms import GradientTransformation
 
@@ -28,11 +30,14 @@ def init(
     buckets: bool = False,
     process_group: Any = "auto",
     shard: bool = False,
+    master: str = "fp32",
+    moments: str = "fp32",
 ) -> Any:
     """Returns the training state for ``params`` on one of several processes.
 
     Args:
-      params, optimizer, loss_scale, buckets: as for :func:`fp16fx.init`.
+      params, optimizer, loss_scale, buckets, master, moments: as for :func:`fp16fx.init`
+        (compact precision, docs/precision.md, runs replicated only: not with ``shard``).
       process_group: ``"auto"`` (the world group when torch.distributed is initialized with
         more than one process), ``None`` (no consensus: a single-process state), or a group.
       shard: keep only this rank's 1/d (always bucketed) of the FP32 masters and optimizer moments
@@ -44,8 +49,14 @@ def init(
     ``fp16fx.step`` / ``compile_step`` then skip or apply on every process together. Give it
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
+    precision = Precision(master, moments)  # checks the names before anything moves
     consensus = default_consensus(process_group)
     if shard:
+        if precision != FP32:
+            raise ValueError(
+                f"master={master!r}, moments={moments!r} do not run sharded (shard=True): "
+                "the sharded state keeps FP32 masters and moments"
+            )
         if consensus is None:
             raise ValueError(
                 "shard=True needs torch.distributed initialized with more than one process "
@@ -57,7 +68,15 @@ def init(
         with torch.no_grad():
             for p in optree.tree_leaves(params):
                 dist.broadcast(p, src=first_rank(consensus.group), group=consensus.group)
-    return _init_state(params, optimizer, loss_scale, buckets=buckets, consensus=consensus)
+    return _init_state(
+        params,
+        optimizer,
+        loss_scale,
+        buckets=buckets,
+        consensus=consensus,
+        master=master,
+        moments=moments,
+    )
 
 
 #: The most bytes of loose grads coalesced into one all-reduce (DDP's default bucket_cap_mb).
