@@ -10,7 +10,7 @@ from torch import nn
 
 from fp16fx.fp16_utils import FP16_Optimizer
 from fp16fx.train import command
-from tests.test_facade_checkpoint import save_and_load
+from tests.test_facade_checkpoint import assert_same_fingerprint, fingerprint, save_and_load
 
 #: Every compact mode the facade offers (FP32 masters and moments is the default).
 COMPACT = [
@@ -73,6 +73,59 @@ def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, 
     train(resumed, opt2, 3)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def sgd_with_a_param_missing_grads(model: nn.Module, opt: FP16_Optimizer, steps: int) -> None:
+    """Trains ``model``; the last bias has no gradient in every third step, the first too."""
+    for i in range(steps):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(X).float(), Y))
+        if i % 3 == 0:
+            model[2].bias.grad = None
+        opt.step()
+
+
+@pytest.mark.parametrize("master", ["compensated", "fp32"])
+def test_a_compact_sgd_resumes_bitwise_after_a_param_missed_gradients(master):
+    """torch's SGD keeps no step count, but a param that missed gradients has int8 blocks of
+    its own (they start where counts differ): the dict's ``param_steps`` restores them.
+    (Without it the resumed momentum was re-blocked, and training left the original's bits.)"""
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    model = make_model()
+    opt = wrap(model, master, "int8", inner=sgd)
+    sgd_with_a_param_missing_grads(model, opt, 10)
+    sd = save_and_load(opt.state_dict())
+    assert sd["param_steps"].tolist() == [10, 10, 10, 6]
+    assert "step" not in sd["optimizer_state_dict"]["state"][3]  # torch's SGD format
+
+    resumed = make_model()
+    resumed.load_state_dict(model.state_dict())
+    opt2 = wrap(resumed, master, "int8", inner=sgd)
+    opt2.load_state_dict(sd)
+    sgd_with_a_param_missing_grads(model, opt, 4)
+    sgd_with_a_param_missing_grads(resumed, opt2, 4)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("param_steps", torch.tensor([1, 1, 1]), r"param_steps must be .* of shape \(4,\)"),
+        ("param_steps", torch.tensor([1, 1, 1, -1]), "param_steps must be a non-negative"),
+        ("param_steps", torch.ones(4), "param_steps must be a non-negative integer"),
+        ("applied_steps", torch.tensor([3]), r"applied_steps must be .* of shape \(\)"),
+    ],
+)
+def test_malformed_compact_step_counts_are_refused_and_change_nothing(key, value, message):
+    model = make_model()
+    opt = wrap(model, "compensated", "int8")
+    train(model, opt, 2)
+    sd = {**save_and_load(opt.state_dict()), key: value}
+    before = fingerprint(model, opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    assert_same_fingerprint(before, fingerprint(model, opt))
 
 
 def test_compensated_param_groups_hold_the_model_params_and_state_shows_fp32():

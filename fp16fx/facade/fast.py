@@ -203,6 +203,16 @@ class FastEngine:
                 out[self.entry(p)] = state
         return out
 
+    def step_counts(self) -> torch.Tensor:
+        """Returns each param's own step count in the core's state, in ``flat.params`` order
+        (0 where it keeps none), as one int64 tensor (no sync). torch's SGD keeps no count,
+        and int8 moments' blocks start where params of different counts meet: a compact
+        checkpoint carries these (``param_steps``) so that it resumes bitwise."""
+        leaves = checkpoint.per_leaf(self.state)
+        zero = torch.zeros((), dtype=torch.int64, device=self.state.count.device)
+        keys = [None if leaf is None else torch_state.count_key(leaf) for leaf in leaves]
+        return torch.stack([zero if key is None else leaf[key] for leaf, key in zip(leaves, keys)])
+
     def _leaves_fp32(self) -> list[dict[str, torch.Tensor] | None]:
         """Returns each param's part of the core's state in FP32 terms: views of the live
         tensors, or in a compact state decoded (new tensors)."""
@@ -219,11 +229,17 @@ class FastEngine:
             torch_state.check(specs[self.labels[k]], entry, per_param.get(entry, {}))
 
     def load(
-        self, per_param: PerParamState, masters: Mapping[int, torch.Tensor], policy: Any
+        self,
+        per_param: PerParamState,
+        masters: Mapping[int, torch.Tensor],
+        policy: Any,
+        counts: torch.Tensor | None = None,
     ) -> None:
         """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
         ``masters`` given (``{id(model param): value}``; the others keep theirs) under loss-scale
-        ``policy``. The FP16/BF16 params are set to their masters rounded.
+        ``policy``. The FP16/BF16 params are set to their masters rounded. ``counts``
+        (:meth:`step_counts`' form) replaces torch's step count of every param that has state
+        (SGD's is 1 once it has a momentum buffer).
 
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
@@ -237,11 +253,15 @@ class FastEngine:
         paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
         params = {}
         block = self.state.precision.block
+        given = None if counts is None else counts.tolist()
         for k, (path, p) in enumerate(zip(paths, self.flat.params)):
             mine = checkpoint.canonical(template["params"][path], block)
             spec = self.specs[self.labels[k]]
             opt = {key: value for key, value in mine.items() if key.startswith("opt")}
             entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
+            key = torch_state.count_key(entry)
+            if given is not None and key is not None and entry[key] > 0 and given[k] > 0:
+                entry[key] = torch.tensor(given[k], dtype=entry[key].dtype)
             master = masters[id(p)] if id(p) in masters else mine.get("master", p)
             # A compensated param stays where its correction reaches the master (load the
             # model's weights first, and saving and loading is exact); else it is rounded.
@@ -274,8 +294,9 @@ class FastEngine:
         """Rebuilds the transform for new group ``specs`` and loads ``per_param``; masters and
         the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
         self.check_state(per_param, specs)
+        counts = self.step_counts()
         self.set_specs(specs)
-        self.load(per_param, {}, self.state.policy)
+        self.load(per_param, {}, self.state.policy, counts)
 
     def set_specs(self, specs: list[GroupSpec]) -> None:
         """Rebuilds the transform for new group ``specs``, its state fresh (masters stay).
@@ -320,6 +341,8 @@ class FastEngine:
         labels = [*self.labels, *[len(groups) - 1] * len(params)]
         transform = build_transform(specs, groups, labels)
         saved = self.export()
+        counts = self.step_counts()
+        counts = torch.cat([counts, counts.new_zeros(len(params))])  # the new group: none yet
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
@@ -330,7 +353,7 @@ class FastEngine:
         self.state = state.replace(loss_scale=self.scaler.state)
         self._entries = self._make_entries()
         moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}
-        self.load({moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy)
+        self.load({moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, counts)
         return moved
 
     # -- stepping ------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class Plan:
     overflow: bool | None
     first_closure_call: bool
     applied_steps: torch.Tensor | None  # the fast path's count of applied steps, if saved
+    param_steps: torch.Tensor | None  # and each param's own step count, if saved
 
 
 def _fail(message: str) -> ValueError:
@@ -200,12 +201,19 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
     return pairs
 
 
-def _parse_steps(sd: Mapping[str, Any]) -> torch.Tensor | None:
-    steps = sd.get("applied_steps")
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _parse_steps(sd: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """Returns the compact precision's step counts ``sd[name]`` of ``shape``, if saved."""
+    steps = sd.get(name)
     if steps is not None and not (
-        isinstance(steps, torch.Tensor) and steps.ndim == 0 and not steps.is_floating_point()
+        isinstance(steps, torch.Tensor)
+        and steps.shape == shape
+        and steps.dtype in _INTEGERS
+        and bool((steps >= 0).all())
     ):
-        raise _fail(f"applied_steps must be a 0-d integer tensor, got {steps!r}")
+        raise _fail(f"{name} must be a non-negative integer tensor of shape {shape}, got {steps!r}")
     return steps
 
 
@@ -246,9 +254,11 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
                     "which a sharded FP16_Optimizer does not have"
                 )
             engine.check_structure(specs)
+    trained = sum(len(ps) for ps in params.trainable)
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
-        sd.get("overflow"), sd.get("first_closure_call_this_step", True), _parse_steps(sd),
+        sd.get("overflow"), sd.get("first_closure_call_this_step", True),
+        _parse_steps(sd, "applied_steps", ()), _parse_steps(sd, "param_steps", (trained,)),
     )  # fmt: skip
 
 
@@ -283,7 +293,7 @@ def load(
             if plan.specs != engine.specs:
                 engine.check_state(per_param, plan.specs)
                 engine.set_specs(plan.specs)
-            engine.load(per_param, master_values, plan.policy)
+            engine.load(per_param, master_values, plan.policy, plan.param_steps)
             if keep_groups:  # last: the groups hold the model's params, not new dicts
                 for group, loaded in zip(inner.param_groups, plan.groups):
                     group.update(loaded)
