@@ -313,7 +313,11 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]
-    state = recut(state, state.layout.recut(marks))
+    layout = state.layout.recut(marks)
+    if saved == state.precision:
+        saved_entries = [sd["params"].get(path) for path in paths]
+        layout = layout.recut(_block_restarts(layout, saved_entries, saved.block))
+    state = recut(state, layout)
     exact = saved == state.precision and _same_layout(state_dict(state), sd)
     with torch.no_grad():
         if exact:  # as stored: bitwise
@@ -331,6 +335,26 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
                     master.copy_(param)
     load_shared(state, sd)
     return state
+
+
+def _block_restarts(
+    layout: flat.Layout, saved: list[Mapping[str, Any] | None], block: int
+) -> list[int]:
+    """Returns per flat leaf a mark that changes wherever the saved int8 moments' blocks
+    restart and ``layout``'s would not: the saved state was cut there (its params' step
+    counts, which cut it, have become equal again). A cut on a block boundary moves no block,
+    and gets no mark."""
+    marks = [0] * layout.num_leaves
+    for bucket, cuts in zip(layout.buckets, layout.cuts):
+        restarts, start = 0, 0
+        for j, i in enumerate(bucket.indices):
+            if j in cuts:
+                start = bucket.offsets[j]
+            offsets = [v for key, v in (saved[i] or {}).items() if key.endswith(".offset")]
+            if offsets and int(offsets[0]) != (bucket.offsets[j] - start) % block:
+                restarts, start = restarts + 1, bucket.offsets[j]
+            marks[i] = restarts
+    return marks
 
 
 def _store(state: MixedPrecisionState, entries: list[Any]) -> None:

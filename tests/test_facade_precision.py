@@ -75,35 +75,48 @@ def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, 
         assert torch.equal(a, b)
 
 
-def sgd_with_a_param_missing_grads(model: nn.Module, opt: FP16_Optimizer, steps: int) -> None:
-    """Trains ``model``; the last bias has no gradient in every third step, the first too."""
-    for i in range(steps):
+def train_with_missing_grads(model: nn.Module, opt: FP16_Optimizer, missing: list) -> None:
+    """Trains ``model`` one step per entry of ``missing``: the indices of the params that get
+    no gradient in that step."""
+    params = list(model.parameters())
+    for without in missing:
         opt.zero_grad()
         opt.backward(nn.functional.cross_entropy(model(X).float(), Y))
-        if i % 3 == 0:
-            model[2].bias.grad = None
+        for k in without:
+            params[k].grad = None
         opt.step()
 
 
+@pytest.mark.parametrize(
+    ("inner", "missing"),
+    [
+        # torch's SGD keeps no step count: the counts that cut the state are lost.
+        ("sgd", [(3,), (), (), (3,), (), ()]),
+        # Adam's counts, cut by these misses, are equal again: they cannot place the cut.
+        ("adam", [(3,), (0, 1, 2), (), ()]),
+    ],
+)
 @pytest.mark.parametrize("master", ["compensated", "fp32"])
-def test_a_compact_sgd_resumes_bitwise_after_a_param_missed_gradients(master):
-    """torch's SGD keeps no step count, but a param that missed gradients has int8 blocks of
-    its own (they start where counts differ): the dict's ``param_steps`` restores them.
-    (Without it the resumed momentum was re-blocked, and training left the original's bits.)"""
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+def test_a_compact_optimizer_resumes_bitwise_after_params_missed_gradients(master, inner, missing):
+    """A param without a gradient gets a segment of its own, where int8 moments' blocks
+    restart; the dict's ``param_segments`` restores the segments (before, the resumed
+    moments were re-blocked, and training left the original's bits)."""
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    }[inner]
     model = make_model()
-    opt = wrap(model, master, "int8", inner=sgd)
-    sgd_with_a_param_missing_grads(model, opt, 10)
+    opt = wrap(model, master, "int8", inner=make)
+    train_with_missing_grads(model, opt, missing)
     sd = save_and_load(opt.state_dict())
-    assert sd["param_steps"].tolist() == [10, 10, 10, 6]
-    assert "step" not in sd["optimizer_state_dict"]["state"][3]  # torch's SGD format
+    assert sd["param_segments"].tolist() == [0, 0, 0, 1]
 
     resumed = make_model()
     resumed.load_state_dict(model.state_dict())
-    opt2 = wrap(resumed, master, "int8", inner=sgd)
+    opt2 = wrap(resumed, master, "int8", inner=make)
     opt2.load_state_dict(sd)
-    sgd_with_a_param_missing_grads(model, opt, 4)
-    sgd_with_a_param_missing_grads(resumed, opt2, 4)
+    train_with_missing_grads(model, opt, [(3,), (), ()])
+    train_with_missing_grads(resumed, opt2, [(3,), (), ()])
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
@@ -111,13 +124,13 @@ def test_a_compact_sgd_resumes_bitwise_after_a_param_missed_gradients(master):
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("param_steps", torch.tensor([1, 1, 1]), r"param_steps must be .* of shape \(4,\)"),
-        ("param_steps", torch.tensor([1, 1, 1, -1]), "param_steps must be a non-negative"),
-        ("param_steps", torch.ones(4), "param_steps must be a non-negative integer"),
+        ("param_segments", torch.tensor([0, 0, 1]), r"param_segments must be .* of shape \(4,\)"),
+        ("param_segments", torch.tensor([0, 0, 0, -1]), "param_segments must be a non-negative"),
+        ("param_segments", torch.zeros(4), "param_segments must be a non-negative integer"),
         ("applied_steps", torch.tensor([3]), r"applied_steps must be .* of shape \(\)"),
     ],
 )
-def test_malformed_compact_step_counts_are_refused_and_change_nothing(key, value, message):
+def test_malformed_compact_entries_are_refused_and_change_nothing(key, value, message):
     model = make_model()
     opt = wrap(model, "compensated", "int8")
     train(model, opt, 2)

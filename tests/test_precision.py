@@ -691,6 +691,27 @@ def test_a_compact_checkpoint_round_trips_bitwise_and_steps_alike(moments):
     assert differing(stored(a), stored(b)) == []
 
 
+def test_a_checkpoint_cut_where_step_counts_are_equal_again_round_trips_bitwise():
+    """A param without a gradient gets a segment of its own; int8 blocks restart there. When
+    the step counts that cut the state become equal again, the saved blocks' offsets still
+    place the cut (before, the load re-blocked those moments)."""
+    state = tail_state("compensated", "int8")
+    for i, missing in enumerate([("w",), ("b", "c"), ()]):
+        grads = scaled_grads(state, 20 + i)
+        state, _ = fp16fx.step(state, {k: None if k in missing else g for k, g in grads.items()})
+    counts = {e["opt[1].count"].item() for e in fp16fx.state_dict(state)["params"].values()}
+    # Equal counts; the leaves sit as b, c, w (sorted keys): w, at 720, starts a block.
+    assert counts == {2} and state.layout.cuts == ((0, 2, 3),)
+    target = fp16fx.load_state_dict(
+        tail_state("compensated", "int8", seed=9), save_and_load(fp16fx.state_dict(state))
+    )
+    assert differing(stored(state), stored(target)) == []
+    grads = scaled_grads(state, 99)
+    a, _ = fp16fx.step(state, grads)
+    b, _ = fp16fx.step(target, grads)
+    assert differing(stored(a), stored(b)) == []
+
+
 def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
     """Each param loads as saved wherever the correction reaches the master from it (the
     rest rounds to -128..127 units), else as the next FP16 value up (the rest rounds to 128:

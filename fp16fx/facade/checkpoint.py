@@ -9,10 +9,11 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 * ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
   pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
 * ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools;
-* ``applied_steps`` and ``param_steps`` (fp16fx's, compact precision only) -- the core's
-  count of applied steps, which seeds compact precision's stochastic rounding, and each
-  param's own step count (one int64 tensor in param-group order; torch's SGD keeps none),
-  which places int8 moments' blocks (absent: kept as they are, and as torch's state implies).
+* ``applied_steps`` and ``param_segments`` (fp16fx's, compact precision only) -- the core's
+  count of applied steps, which seeds compact precision's stochastic rounding, and per param
+  (one int64 tensor in param-group order) the core's segment that holds it, where int8
+  moments' blocks start; torch's format keeps neither (absent: as they are, and as the step
+  counts imply).
 
 On an FSDP2 model the dict is DCP's (``FSDP_FORMAT``): the core's state with every per-param
 tensor a DTensor laid out like its param (:func:`fp16fx.distributed.fsdp.state_dict`), the
@@ -50,7 +51,7 @@ KEYS = (
     "optimizer_state_dict",
     "fp32_from_fp16",
     "applied_steps",
-    "param_steps",
+    "param_segments",
 )
 #: apex's two flags, saved beside the scaler.
 FLAGS = ("overflow", "first_closure_call_this_step")
@@ -111,9 +112,9 @@ def state_dict(
     if isinstance(engine, FastEngine):
         extra, fp32 = engine.export(), engine.fp32_masters()
         masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]
-        if engine.compact:  # its rounding reads the count, its int8 blocks the param steps
+        if engine.compact:  # its rounding reads the count, its int8 blocks the segments
             steps["applied_steps"] = engine.state.count
-            steps["param_steps"] = engine.step_counts()
+            steps["param_segments"] = engine.segment_marks()
     else:
         extra = {}
         masters = [

@@ -39,7 +39,7 @@ from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
-from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init
+from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo
 from fp16fx.transforms import read_hyperparams, replace_hyperparams
 
@@ -203,15 +203,17 @@ class FastEngine:
                 out[self.entry(p)] = state
         return out
 
-    def step_counts(self) -> torch.Tensor:
-        """Returns each param's own step count in the core's state, in ``flat.params`` order
-        (0 where it keeps none), as one int64 tensor (no sync). torch's SGD keeps no count,
-        and int8 moments' blocks start where params of different counts meet: a compact
-        checkpoint carries these (``param_steps``) so that it resumes bitwise."""
-        leaves = checkpoint.per_leaf(self.state)
-        zero = torch.zeros((), dtype=torch.int64, device=self.state.count.device)
-        keys = [None if leaf is None else torch_state.count_key(leaf) for leaf in leaves]
-        return torch.stack([zero if key is None else leaf[key] for leaf, key in zip(leaves, keys)])
+    def segment_marks(self) -> torch.Tensor:
+        """Returns, per param in ``flat.params`` order, the index of the core's segment that
+        holds it, as one int64 tensor. A bucket is cut into segments where its params' step
+        counts differ (as after a param missed gradients), and int8 moments' blocks start with
+        each segment: a compact checkpoint carries these (``param_segments``), which torch's
+        format cannot express, so that it resumes bitwise."""
+        marks = [0] * self.state.layout.num_leaves
+        for k, seg in enumerate(self.state.layout.segments):
+            for i in self.state.layout.buckets[seg.bucket].indices[seg.lo : seg.hi]:
+                marks[i] = k
+        return torch.tensor(marks, dtype=torch.int64)
 
     def _leaves_fp32(self) -> list[dict[str, torch.Tensor] | None]:
         """Returns each param's part of the core's state in FP32 terms: views of the live
@@ -233,13 +235,13 @@ class FastEngine:
         per_param: PerParamState,
         masters: Mapping[int, torch.Tensor],
         policy: Any,
-        counts: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> None:
         """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
         ``masters`` given (``{id(model param): value}``; the others keep theirs) under loss-scale
-        ``policy``. The FP16/BF16 params are set to their masters rounded. ``counts``
-        (:meth:`step_counts`' form) replaces torch's step count of every param that has state
-        (SGD's is 1 once it has a momentum buffer).
+        ``policy``. The FP16/BF16 params are set to their masters rounded. ``segments``
+        (:meth:`segment_marks`' form) cuts the core's state where they change, beside the
+        cuts the step counts make.
 
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
@@ -253,15 +255,11 @@ class FastEngine:
         paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
         params = {}
         block = self.state.precision.block
-        given = None if counts is None else counts.tolist()
         for k, (path, p) in enumerate(zip(paths, self.flat.params)):
             mine = checkpoint.canonical(template["params"][path], block)
             spec = self.specs[self.labels[k]]
             opt = {key: value for key, value in mine.items() if key.startswith("opt")}
             entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
-            key = torch_state.count_key(entry)
-            if given is not None and key is not None and entry[key] > 0 and given[k] > 0:
-                entry[key] = torch.tensor(given[k], dtype=entry[key].dtype)
             master = masters[id(p)] if id(p) in masters else mine.get("master", p)
             # A compensated param stays where its correction reaches the master (load the
             # model's weights first, and saving and loading is exact); else it is rounded.
@@ -281,6 +279,8 @@ class FastEngine:
         self.state = state.replace(policy=policy)
         try:
             if self.sharded is None:
+                if segments is not None:
+                    self.state = recut(self.state, self.state.layout.recut(segments.tolist()))
                 self.state = checkpoint.load_state_dict(self.state, sd)
             else:
                 fdist.load_state_dict(self.sharded, sd)
@@ -294,9 +294,9 @@ class FastEngine:
         """Rebuilds the transform for new group ``specs`` and loads ``per_param``; masters and
         the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
         self.check_state(per_param, specs)
-        counts = self.step_counts()
+        segments = self.segment_marks()
         self.set_specs(specs)
-        self.load(per_param, {}, self.state.policy, counts)
+        self.load(per_param, {}, self.state.policy, segments)
 
     def set_specs(self, specs: list[GroupSpec]) -> None:
         """Rebuilds the transform for new group ``specs``, its state fresh (masters stay).
@@ -341,8 +341,8 @@ class FastEngine:
         labels = [*self.labels, *[len(groups) - 1] * len(params)]
         transform = build_transform(specs, groups, labels)
         saved = self.export()
-        counts = self.step_counts()
-        counts = torch.cat([counts, counts.new_zeros(len(params))])  # the new group: none yet
+        segments = self.segment_marks()
+        segments = torch.cat([segments, segments.new_full((len(params),), -1)])  # new buckets
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
@@ -353,7 +353,9 @@ class FastEngine:
         self.state = state.replace(loss_scale=self.scaler.state)
         self._entries = self._make_entries()
         moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}
-        self.load({moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, counts)
+        self.load(
+            {moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, segments
+        )
         return moved
 
     # -- stepping ------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class Plan:
     overflow: bool | None
     first_closure_call: bool
     applied_steps: torch.Tensor | None  # the fast path's count of applied steps, if saved
-    param_steps: torch.Tensor | None  # and each param's own step count, if saved
+    param_segments: torch.Tensor | None  # and the core segment of each param, if saved
 
 
 def _fail(message: str) -> ValueError:
@@ -204,8 +204,8 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _parse_steps(sd: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """Returns the compact precision's step counts ``sd[name]`` of ``shape``, if saved."""
+def _parse_counts(sd: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """Returns compact precision's ``sd[name]`` (integers of ``shape``), if saved."""
     steps = sd.get(name)
     if steps is not None and not (
         isinstance(steps, torch.Tensor)
@@ -258,7 +258,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
         sd.get("overflow"), sd.get("first_closure_call_this_step", True),
-        _parse_steps(sd, "applied_steps", ()), _parse_steps(sd, "param_steps", (trained,)),
+        _parse_counts(sd, "applied_steps", ()), _parse_counts(sd, "param_segments", (trained,)),
     )  # fmt: skip
 
 
@@ -293,7 +293,7 @@ def load(
             if plan.specs != engine.specs:
                 engine.check_state(per_param, plan.specs)
                 engine.set_specs(plan.specs)
-            engine.load(per_param, master_values, plan.policy, plan.param_steps)
+            engine.load(per_param, master_values, plan.policy, plan.param_segments)
             if keep_groups:  # last: the groups hold the model's params, not new dicts
                 for group, loaded in zip(inner.param_groups, plan.groups):
                     group.update(loaded)
