@@ -24,6 +24,7 @@ from fp16fx.bench.report import format_report, to_json
 from fp16fx.bench.runner import BenchConfig, Runner, register_runner, storage_bytes
 
 TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
+COMPACT = "fp16fx-compensated-int8"
 
 
 # --- presets -------------------------------------------------------------------------------
@@ -310,6 +311,20 @@ def test_cli_dtype_bfloat16_steps_bf16_params(capsys: pytest.CaptureFixture[str]
     doc = json.loads(capsys.readouterr().out)
     assert doc["dtype"] == "bfloat16"
     assert {r["status"] for r in doc["presets"][0]["results"]} == {"ok"}
+
+
+def test_a_compact_contender_keeps_and_moves_one_byte_more_per_param_on_bf16() -> None:
+    """A BF16 param's correction is int16, an FP16 one's int8: the compact contender's kept
+    bytes and its own roofline (read and written: 2 bytes) follow the dtype."""
+    rows = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        doc = json.loads(to_json(_tiny_run([COMPACT], config=BenchConfig(dtype=dtype))))
+        (rows[dtype],) = (r for r in doc["presets"][0]["results"] if r["name"] == COMPACT)
+    fp16, bf16 = rows[torch.float16], rows[torch.bfloat16]
+    assert fp16["status"] == bf16["status"] == "ok"
+    assert (fp16["moved_bytes_per_param"], bf16["moved_bytes_per_param"]) == (14.0, 16.0)
+    kept = bf16["persistent_bytes_per_param"] - fp16["persistent_bytes_per_param"]
+    assert kept == pytest.approx(1.0)
 
 
 def test_bench_config_refuses_other_dtypes() -> None:

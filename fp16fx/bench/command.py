@@ -29,8 +29,9 @@ DESCRIPTION = """\
 Time one Adam step (lr 1e-3, static loss scale 2**16) on FP16 (or --dtype bfloat16) params
 with scaled grads, for fp16fx and for the baselines users would pick instead, side by side:
 median ms/step, effective GB/s and fraction of the roofline (30 B/param / measured copy
-bandwidth), speed-ups vs torch-fused and apex-style, cold/warm compile time, recompiles,
-peak memory during the timed steps and persistent optimizer bytes per param."""
+bandwidth; a compact-precision contender's own bytes for it), speed-ups vs torch-fused and
+apex-style, cold/warm compile time, recompiles, peak memory during the timed steps and
+persistent optimizer bytes per param."""
 
 DEFAULT_STEPS = 30
 DEFAULT_WARMUP = 5
@@ -51,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["float16", "bfloat16"],
         default="float16",
-        help="dtype of the params and grads (default float16); every contender keeps FP32 "
-        "masters either way, and the roofline is the same 30 B/param",
+        help="dtype of the params and grads (default float16); the contenders keep their "
+        "masters as they would for FP16 (FP32, or compensated), and the roofline is the same",
     )
     parser.add_argument("--params", type=int, help="custom parameter set: total params")
     parser.add_argument("--leaves", type=int, help="custom parameter set: number of tensors")
@@ -173,10 +174,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 
 
 def _list_contenders() -> str:
-    lines = ["roofline          30 B/param / measured copy bandwidth (always reported)"]
-    for cls in select_runners(None):
-        lines.append(f"{cls.name:<17} {cls.label}")
-    return "\n".join(lines)
+    rows = [("roofline", "30 B/param / measured copy bandwidth (always reported)")]
+    rows += [(cls.name, cls.label) for cls in select_runners(None)]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {label}" for name, label in rows)
 
 
 def run(args: argparse.Namespace) -> int:

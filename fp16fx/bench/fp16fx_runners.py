@@ -102,16 +102,21 @@ class Fp16fxCompactRunner(Fp16fxCompiledRunner):
     """``fp16fx-compiled`` with its state in compact precision: ``master`` and ``moments``.
 
     A step moves, per param: the grads twice (the check, then the update: 4), the FP16 param
-    and its int8 correction read and written (6), and each moment read and written.
+    and its int8 correction read and written (6), and each moment read and written. A BF16
+    param's correction is int16: 2 bytes more.
     """
 
     master = "compensated"
+
+    @classmethod
+    def moved_bytes(cls, dtype: torch.dtype) -> float:
+        return cls.moved_bytes_per_param + (2.0 if dtype == torch.bfloat16 else 0.0)
 
 
 @register_runner
 class Fp16fxCompensatedRunner(Fp16fxCompactRunner):
     name = "fp16fx-compensated"
-    label = "fp16fx compile_step, compensated master (26 B/param roof)"
+    label = "fp16fx compile_step, compensated master (26 B/param roof; BF16 28)"
     order = 14
     moments = "fp32"
     moved_bytes_per_param = 26.0
@@ -120,7 +125,7 @@ class Fp16fxCompensatedRunner(Fp16fxCompactRunner):
 @register_runner
 class Fp16fxCompensatedBf16Runner(Fp16fxCompactRunner):
     name = "fp16fx-compensated-bf16"
-    label = "fp16fx compile_step, compensated + bf16 moments (18 B/param roof)"
+    label = "fp16fx compile_step, compensated + bf16 moments (18 B/param roof; BF16 20)"
     order = 15
     moments = "bf16"
     moved_bytes_per_param = 18.0
@@ -129,7 +134,7 @@ class Fp16fxCompensatedBf16Runner(Fp16fxCompactRunner):
 @register_runner
 class Fp16fxCompensatedInt8Runner(Fp16fxCompactRunner):
     name = "fp16fx-compensated-int8"
-    label = "fp16fx compile_step, compensated + int8 moments (14 B/param roof)"
+    label = "fp16fx compile_step, compensated + int8 moments (14 B/param roof; BF16 16)"
     order = 16
     moments = "int8"
     moved_bytes_per_param = 14.0

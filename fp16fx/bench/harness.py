@@ -102,11 +102,13 @@ def _set_times(row: ContenderResult, ms: list[float]) -> None:
     row.steps = len(ms)
 
 
-def _row(cls: type[Runner], status: str = "ok", reason: str | None = None) -> ContenderResult:
+def _row(
+    cls: type[Runner], opts: BenchOptions, status: str = "ok", reason: str | None = None
+) -> ContenderResult:
     """Returns ``cls``'s result row, nothing measured yet."""
     kind = "baseline" if cls.baseline else "fp16fx"
     row = ContenderResult(cls.name, cls.label, kind, status, reason)
-    row.moved_bytes_per_param = cls.moved_bytes_per_param
+    row.moved_bytes_per_param = cls.moved_bytes(opts.config.dtype)
     return row
 
 
@@ -121,7 +123,7 @@ def _measure(
     tag = f"[{preset.name}] {cls.name}"
     if opts.rounds > 1:
         tag += f" (round {round_ + 1}/{opts.rounds})"
-    result = _row(cls)
+    result = _row(cls, opts)
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
@@ -271,7 +273,7 @@ def _run_preset(
             except Exception as exc:  # a broken contender must not sink the others
                 traceback.print_exc(file=sys.stderr)
                 progress(f"[{preset.name}] {cls.name}: error ({type(exc).__name__}: {exc})")
-                failed[cls.name] = _row(cls, "error", f"{type(exc).__name__}: {exc}")
+                failed[cls.name] = _row(cls, opts, "error", f"{type(exc).__name__}: {exc}")
                 measured.pop(cls.name, None)
                 measure.forget_compiled()
                 measure.release_memory(device)

@@ -53,8 +53,9 @@ class BenchConfig:
         eps: Adam's epsilon.
         loss_scale: the static loss scale the grads were multiplied by; runners unscale by it.
         dtype: the params' and grads' dtype, ``torch.float16`` or ``torch.bfloat16`` (both 2
-            bytes: the roofline is the same). BF16 grads are scaled too, so that every
-            contender does the same work in either dtype.
+            bytes: the roofline is the same, but for state that follows the dtype:
+            :meth:`Runner.moved_bytes`). BF16 grads are scaled too, so that every contender
+            does the same work in either dtype.
     """
 
     lr: float = 1e-3
@@ -90,8 +91,9 @@ class Runner(abc.ABC):
         baseline: whether this is one of the reference baselines users would pick instead
             of fp16fx (as opposed to fp16fx's own runners).
         default: whether a run without ``--only`` includes it.
-        moved_bytes_per_param: what one step must move per param, its roofline's bytes (30:
-            FP32 masters and moments).
+        moved_bytes_per_param: what one step must move per param on FP16 params, its
+            roofline's bytes (30: FP32 masters and moments); :meth:`moved_bytes` gives it
+            per dtype.
     """
 
     name: ClassVar[str]
@@ -101,6 +103,12 @@ class Runner(abc.ABC):
     baseline: ClassVar[bool] = False
     default: ClassVar[bool] = True
     moved_bytes_per_param: ClassVar[float] = 30.0
+
+    @classmethod
+    def moved_bytes(cls, dtype: torch.dtype) -> float:
+        """Returns what one step must move per param on ``dtype`` params: the same for FP16
+        and BF16 (both 2 bytes) unless the runner keeps state whose size follows the dtype."""
+        return cls.moved_bytes_per_param
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
