@@ -323,6 +323,7 @@ def test_a_compact_contender_keeps_and_moves_one_byte_more_per_param_on_bf16() -
     fp16, bf16 = rows[torch.float16], rows[torch.bfloat16]
     assert fp16["status"] == bf16["status"] == "ok"
     assert (fp16["moved_bytes_per_param"], bf16["moved_bytes_per_param"]) == (14.0, 16.0)
+    assert bf16["label"].endswith("int8 moments (16 B/param roof)")
     kept = bf16["persistent_bytes_per_param"] - fp16["persistent_bytes_per_param"]
     assert kept == pytest.approx(1.0)
 

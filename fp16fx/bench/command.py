@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
+from fp16fx.bench.measure import ROOFLINE_BYTES_PER_PARAM
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
 from fp16fx.bench.report import format_report, to_json
-from fp16fx.bench.runner import BenchConfig
+from fp16fx.bench.runner import BenchConfig, Runner
 from fp16fx.bench.sharded import (
     ShardedOptions,
     format_sharded_report,
@@ -173,9 +174,17 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(dtype=getattr(torch, args.dtype))
 
 
+def _listed(cls: type[Runner]) -> str:
+    """Returns ``cls``'s label, with its own roofline if it has one (FP16; BF16 if other)."""
+    fp16, bf16 = cls.moved_bytes(torch.float16), cls.moved_bytes(torch.bfloat16)
+    if fp16 == bf16 == ROOFLINE_BYTES_PER_PARAM:
+        return cls.label
+    return f"{cls.label} ({fp16:g} B/param roof" + (f"; BF16 {bf16:g})" if bf16 != fp16 else ")")
+
+
 def _list_contenders() -> str:
     rows = [("roofline", "30 B/param / measured copy bandwidth (always reported)")]
-    rows += [(cls.name, cls.label) for cls in select_runners(None)]
+    rows += [(cls.name, _listed(cls)) for cls in select_runners(None)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {label}" for name, label in rows)
 

@@ -116,7 +116,7 @@ class Fp16fxCompactRunner(Fp16fxCompiledRunner):
 @register_runner
 class Fp16fxCompensatedRunner(Fp16fxCompactRunner):
     name = "fp16fx-compensated"
-    label = "fp16fx compile_step, compensated master (26 B/param roof; BF16 28)"
+    label = "fp16fx compile_step, compensated master"
     order = 14
     moments = "fp32"
     moved_bytes_per_param = 26.0
@@ -125,7 +125,7 @@ class Fp16fxCompensatedRunner(Fp16fxCompactRunner):
 @register_runner
 class Fp16fxCompensatedBf16Runner(Fp16fxCompactRunner):
     name = "fp16fx-compensated-bf16"
-    label = "fp16fx compile_step, compensated + bf16 moments (18 B/param roof; BF16 20)"
+    label = "fp16fx compile_step, compensated + bf16 moments"
     order = 15
     moments = "bf16"
     moved_bytes_per_param = 18.0
@@ -134,7 +134,7 @@ class Fp16fxCompensatedBf16Runner(Fp16fxCompactRunner):
 @register_runner
 class Fp16fxCompensatedInt8Runner(Fp16fxCompactRunner):
     name = "fp16fx-compensated-int8"
-    label = "fp16fx compile_step, compensated + int8 moments (14 B/param roof; BF16 16)"
+    label = "fp16fx compile_step, compensated + int8 moments"
     order = 16
     moments = "int8"
     moved_bytes_per_param = 14.0

@@ -105,10 +105,15 @@ def _set_times(row: ContenderResult, ms: list[float]) -> None:
 def _row(
     cls: type[Runner], opts: BenchOptions, status: str = "ok", reason: str | None = None
 ) -> ContenderResult:
-    """Returns ``cls``'s result row, nothing measured yet."""
+    """Returns ``cls``'s result row, nothing measured yet; a contender with a roofline of its
+    own says so in its label."""
     kind = "baseline" if cls.baseline else "fp16fx"
-    row = ContenderResult(cls.name, cls.label, kind, status, reason)
-    row.moved_bytes_per_param = cls.moved_bytes(opts.config.dtype)
+    moved = cls.moved_bytes(opts.config.dtype)
+    label = cls.label
+    if moved != measure.ROOFLINE_BYTES_PER_PARAM:
+        label += f" ({moved:g} B/param roof)"
+    row = ContenderResult(cls.name, label, kind, status, reason)
+    row.moved_bytes_per_param = moved
     return row
 
 
