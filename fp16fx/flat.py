@@ -101,6 +101,15 @@ class Layout:
     def num_leaves(self) -> int:
         return self.treedef.num_leaves
 
+    def marks(self) -> list[int]:
+        """Returns, per flat leaf, the index in :attr:`segments` of the segment that holds it
+        (-1: in no bucket); ``recut(marks(), keep=False)`` is this layout."""
+        marks = [-1] * self.num_leaves
+        for k, seg in enumerate(self.segments):
+            for i in self.buckets[seg.bucket].indices[seg.lo : seg.hi]:
+                marks[i] = k
+        return marks
+
     def recut(self, marks: Sequence[Hashable], *, keep: bool = True) -> Layout:
         """Returns this layout with a segment boundary wherever ``marks[i]`` (one per flat
         leaf) changes within a bucket; ``keep=False`` drops the boundaries it had."""

@@ -124,3 +124,16 @@ def test_a_none_grad_cuts_its_leaf_a_segment_of_its_own_and_leaves_it_untouched(
     assert state.layout.cuts == ((0, 1, 2, 3),)
     counts = [entry["opt[1].count"].item() for entry in fp16fx.state_dict(state)["params"].values()]
     assert counts == [1, 2, 1]
+
+
+@given(params=pytrees(), labels=st.data())
+def test_a_layouts_segment_marks_rebuild_its_cuts(params, labels):
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+    assume(has_tensor(params))
+    layout = flat.plan(leaves, treedef)
+    cut_marks = labels.draw(st.lists(st.integers(0, 2), min_size=len(leaves), max_size=len(leaves)))
+    layout = layout.recut(cut_marks)
+    marks = layout.marks()
+    assert [m == -1 for m in marks] == [leaf is None for leaf in leaves]
+    assert layout.recut(marks, keep=False) == layout
+    assert sorted(set(marks) - {-1}) == list(range(len(layout.segments)))

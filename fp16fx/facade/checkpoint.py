@@ -29,6 +29,7 @@ Loading one, every entry checked before anything changes, is :mod:`fp16fx.facade
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -151,20 +152,14 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
     full = fdist.consolidate([d["shard"] for d in shards])
     first = shards[0]
     groups, trainable = first["param_groups"], first["trainable"]
-    leaves = iter(full["params"][str(k)] for k in range(len(full["params"])))
-    state, masters = {}, []
-    for group_trainable in trainable:
-        group_masters = []
-        for pid in group_trainable:
-            leaf = next(leaves)
-            count_key = torch_state.count_key(leaf)
-            count = 0 if count_key is None else int(leaf[count_key])
-            torch_format = torch_state.to_torch(leaf, count, None)
-            if torch_format:
-                state[pid] = torch_format
-            if "master" in leaf:
-                group_masters.append(leaf["master"])
-        masters.append(group_masters)
+    leaves = [full["params"][str(k)] for k in range(len(full["params"]))]
+    keys = [pid for pids in trainable for pid in pids]
+    state = torch_state.export(leaves, keys, [None] * len(leaves))
+    rest = iter(leaves)
+    masters = [
+        [leaf["master"] for leaf in itertools.islice(rest, len(pids)) if "master" in leaf]
+        for pids in trainable
+    ]
     return {
         **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
         "optimizer_state_dict": {"state": state, "param_groups": groups},

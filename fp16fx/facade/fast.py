@@ -185,35 +185,22 @@ class FastEngine:
         ``state_dict`` holds references. Params that never took a step have no entry.
         """
         self._require_unsharded("the per-param optimizer state (optimizer.state)")
-        leaves = self._leaves_fp32()
-        count_keys = [torch_state.count_key(leaf) for leaf in leaves]
-        counts_at = [k for k, key in enumerate(count_keys) if key is not None]
-        if not counts_at:
-            return {}
-        counts = torch.stack([leaves[k][count_keys[k]] for k in counts_at]).tolist()
-        count_of = dict(zip(counts_at, counts))
-        out: PerParamState = {}
-        for k, (p, leaf) in enumerate(zip(self.flat.params, leaves)):
-            label = self.labels[k]
-            group = self.optimizer.param_groups[label]
-            on_device = group.get("capturable") or group.get("fused")
-            device = self.scaler.state.scale.device if on_device else None
-            state = torch_state.to_torch(leaf, count_of.get(k, 0), device)
-            if state:
-                out[self.entry(p)] = state
-        return out
+        groups = self.optimizer.param_groups
+        on_device = [groups[k].get("capturable") or groups[k].get("fused") for k in self.labels]
+        device = self.scaler.state.scale.device
+        return torch_state.export(
+            self._leaves_fp32(),
+            [self.entry(p) for p in self.flat.params],
+            [device if here else None for here in on_device],
+        )
 
     def segment_marks(self) -> torch.Tensor:
         """Returns, per param in ``flat.params`` order, the index of the core's segment that
-        holds it, as one int64 tensor. A bucket is cut into segments where its params' step
-        counts differ (as after a param missed gradients), and int8 moments' blocks start with
-        each segment: a compact checkpoint carries these (``param_segments``), which torch's
-        format cannot express, so that it resumes bitwise."""
-        marks = [0] * self.state.layout.num_leaves
-        for k, seg in enumerate(self.state.layout.segments):
-            for i in self.state.layout.buckets[seg.bucket].indices[seg.lo : seg.hi]:
-                marks[i] = k
-        return torch.tensor(marks, dtype=torch.int64)
+        holds it (:meth:`fp16fx.flat.Layout.marks`), as one int64 tensor. A compact checkpoint
+        carries these (``param_segments``): int8 moments' blocks start with each segment, and
+        torch's format cannot say where the segments are, so without them it would not resume
+        bitwise."""
+        return torch.tensor(self.state.layout.marks(), dtype=torch.int64)
 
     def _leaves_fp32(self) -> list[dict[str, torch.Tensor] | None]:
         """Returns each param's part of the core's state in FP32 terms: views of the live

@@ -9,7 +9,7 @@ keeps none at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,28 @@ def to_torch(
         return {}
     if "exp_avg" in out:
         out = {"step": torch.tensor(float(count), dtype=torch.float32, device=step_device), **out}
+    return out
+
+
+def export(
+    leaves: Sequence[Mapping[str, torch.Tensor] | None],
+    keys: Sequence[Any],
+    step_devices: Sequence[torch.device | None],
+) -> dict[Any, dict[str, Any]]:
+    """Returns torch.optim's per-param state of the params whose parts of the core's state
+    are ``leaves`` (in FP32 terms; None: not trained), keyed by ``keys[i]``, Adam's ``step``
+    on ``step_devices[i]`` (see :func:`to_torch`). Reads every step count in one sync."""
+    count_keys = [None if leaf is None else count_key(leaf) for leaf in leaves]
+    counts_at = [i for i, key in enumerate(count_keys) if key is not None]
+    if not counts_at:
+        return {}
+    counts = torch.stack([leaves[i][count_keys[i]] for i in counts_at]).tolist()
+    count_of = dict(zip(counts_at, counts))
+    out = {}
+    for i, leaf in enumerate(leaves):
+        state = {} if leaf is None else to_torch(leaf, count_of.get(i, 0), step_devices[i])
+        if state:
+            out[keys[i]] = state
     return out
 
 
