@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch._dynamo.utils import counters
 
 import fp16fx
 from fp16fx.fp16_utils import FP16_Optimizer
@@ -158,10 +159,12 @@ def test_a_model_whose_params_were_replaced_is_refused_by_name(path):
 
 
 @pytest.mark.compile
-def test_twenty_layouts_in_one_process_each_compile_their_own_step():
+def test_more_layouts_than_dynamos_recompile_limit_each_compile_their_own_step():
     torch._dynamo.reset()
+    counters.clear()
     step = fp16fx.compile_step(inplace=True)
-    for width in range(1, 21):  # a notebook sweeping model widths
+    widths = range(1, torch._dynamo.config.recompile_limit + 3)  # a notebook sweeping widths
+    for width in widths:
         params = {"w": torch.ones(width, 3).half(), "b": torch.ones(width).half()}
         state = fp16fx.init(params, fp16fx.sgd(0.25), fp16fx.StaticLossScale(1.0), buckets=True)
         grads = fp16fx.grad_buffers(state)
@@ -169,6 +172,7 @@ def test_twenty_layouts_in_one_process_each_compile_their_own_step():
             g.fill_(1.0)
         state, info = step(state, grads)
         assert bool(info.finite) and params["b"].tolist() == [0.75] * width
+    assert counters["stats"]["unique_graphs"] == len(widths)  # compiled, none ran eagerly
 
 
 # -- 4. sparse gradients ----------------------------------------------------------------------
