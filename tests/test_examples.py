@@ -5,6 +5,7 @@ Each prints what it claims to show; these tests read it back.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import fp16fx.compile
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -98,3 +101,21 @@ def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step   20  loss" in result.stdout
     assert "resumed from step 10" in result.stdout and "same: True" in result.stdout
+
+
+@pytest.mark.compile
+def test_compact_arithmetic_example_times_each_format_under_fp16fxs_settings() -> None:
+    path = EXAMPLES / "compact_arithmetic.py"
+    spec = importlib.util.spec_from_file_location("compact_arithmetic", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.SETTINGS == fp16fx.compile._INDUCTOR_SETTINGS  # the floor of fp16fx's kernels
+
+    out = run_example("compact_arithmetic.py", "--sizes", "4096", "--rounds", "1")
+    row = r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$"  # update, ns, ms, same as eager
+    rows = {m[0]: m[1:] for m in re.findall(row, out, re.M)}
+    assert sorted(rows) == ["compensated", "compensated+int8", "fp32"], out
+    for ns, _ms, same in rows.values():
+        assert float(ns) > 0 and float(same) > 99.0  # the compiled kernels store eager's values
+    assert re.search(r"^target: .* takes [\d.]+ ms at resnet18's size", out, re.M), out
