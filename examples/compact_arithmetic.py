@@ -39,21 +39,12 @@ from collections.abc import Callable
 
 import torch
 
-from fp16fx.precision import (
-    Precision,
-    Quantized,
-    decode_master,
-    decode_moment,
-    encode_master,
-    encode_moment,
-    hash_bits,
-    uniform,
-)
+from fp16fx import precision
 
 #: The Inductor settings of fp16fx's compiled regions (``fp16fx/compile.py`` says why).
 SETTINGS = {"emulate_precision_casts": True, "realize_reads_threshold": 16}
 RESNET18 = 11_689_512
-BLOCK = Precision().block
+BLOCK = precision.Precision().block
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 
 
@@ -66,6 +57,7 @@ def adam(master: torch.Tensor, g: torch.Tensor, mu: torch.Tensor, nu: torch.Tens
 
 
 def fp32(p, m, g, mu, nu, count):
+    """FP32 master ``m`` and moments; the FP16 param ``p`` is the master rounded."""
     new, mu2, nu2 = adam(m, g, mu, nu)
     m.copy_(new)
     p.copy_(new.half())
@@ -74,8 +66,10 @@ def fp32(p, m, g, mu, nu, count):
 
 
 def compensated(p, c, g, mu, nu, count):
-    new, mu2, nu2 = adam(decode_master(p, c), g, mu, nu)
-    p2, c2 = encode_master(new, torch.float16, uniform(hash_bits(p.numel(), 0, count), 0))
+    """The master is ``p`` + ``c`` units; FP32 moments."""
+    dither = precision.uniform(precision.hash_bits(p.numel(), 0, count), 0)
+    new, mu2, nu2 = adam(precision.decode_master(p, c), g, mu, nu)
+    p2, c2 = precision.encode_master(new, torch.float16, dither)
     p.copy_(p2)
     c.copy_(c2)
     mu.copy_(mu2)
@@ -83,13 +77,14 @@ def compensated(p, c, g, mu, nu, count):
 
 
 def compensated_int8(p, c, g, mu_codes, mu_scales, nu_codes, nu_scales, count):
-    bits = hash_bits(p.numel(), 0, count)
-    mu = decode_moment(Quantized(mu_codes, mu_scales), False, BLOCK)
-    nu = decode_moment(Quantized(nu_codes, nu_scales), True, BLOCK)
-    new, mu2, nu2 = adam(decode_master(p, c), g, mu, nu)
-    p2, c2 = encode_master(new, torch.float16, uniform(bits, 0))
-    qmu = encode_moment(mu2, "int8", False, BLOCK, uniform(bits, 1))
-    qnu = encode_moment(nu2, "int8", True, BLOCK, uniform(bits, 2))
+    """The master is ``p`` + ``c`` units; each moment is int8 codes and a scale per block."""
+    bits = precision.hash_bits(p.numel(), 0, count)
+    mu = precision.decode_moment(precision.Quantized(mu_codes, mu_scales), False, BLOCK)
+    nu = precision.decode_moment(precision.Quantized(nu_codes, nu_scales), True, BLOCK)
+    new, mu2, nu2 = adam(precision.decode_master(p, c), g, mu, nu)
+    p2, c2 = precision.encode_master(new, torch.float16, precision.uniform(bits, 0))
+    qmu = precision.encode_moment(mu2, "int8", False, BLOCK, precision.uniform(bits, 1))
+    qnu = precision.encode_moment(nu2, "int8", True, BLOCK, precision.uniform(bits, 2))
     for stored, value in zip(
         (p, c, mu_codes, mu_scales, nu_codes, nu_scales), (p2, c2, *qmu, *qnu)
     ):
@@ -105,11 +100,11 @@ def operands(name: str, n: int) -> list[torch.Tensor]:
     count = torch.tensor(7)
     if name == "fp32":
         return [master.half(), master, g, mu, nu, count]
-    p, c = encode_master(master, torch.float16, None)
+    p, c = precision.encode_master(master, torch.float16, None)
     if name == "compensated":
         return [p, c, g, mu, nu, count]
-    mu_stored = encode_moment(mu, "int8", False, BLOCK, None)
-    nu_stored = encode_moment(nu, "int8", True, BLOCK, None)
+    mu_stored = precision.encode_moment(mu, "int8", False, BLOCK, None)
+    nu_stored = precision.encode_moment(nu, "int8", True, BLOCK, None)
     return [p, c, g, *mu_stored, *nu_stored, count]
 
 
