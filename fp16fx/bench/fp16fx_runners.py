@@ -27,6 +27,7 @@ from torch import Tensor
 
 import fp16fx
 from fp16fx.bench.runner import Runner, register_runner
+from fp16fx.precision import correction_dtype
 
 __all__ = [
     "Fp16fxCompactRunner",
@@ -103,14 +104,15 @@ class Fp16fxCompactRunner(Fp16fxCompiledRunner):
 
     A step moves, per param: the grads twice (the check, then the update: 4), the FP16 param
     and its int8 correction read and written (6), and each moment read and written. A BF16
-    param's correction is int16: 2 bytes more.
+    param's correction is int16 (``fp16fx.precision.correction_dtype``): 2 bytes more.
     """
 
     master = "compensated"
 
     @classmethod
     def moved_bytes(cls, dtype: torch.dtype) -> float:
-        return cls.moved_bytes_per_param + (2.0 if dtype == torch.bfloat16 else 0.0)
+        wider = correction_dtype(dtype).itemsize - correction_dtype(torch.float16).itemsize
+        return cls.moved_bytes_per_param + 2 * wider  # read and written
 
 
 @register_runner

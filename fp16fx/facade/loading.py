@@ -204,17 +204,19 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _parse_counts(sd: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """Returns compact precision's ``sd[name]`` (integers of ``shape``), if saved."""
-    steps = sd.get(name)
-    if steps is not None and not (
-        isinstance(steps, torch.Tensor)
-        and steps.shape == shape
-        and steps.dtype in _INTEGERS
-        and bool((steps >= 0).all())
+def _parse_integers(
+    sd: Mapping[str, Any], name: str, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """Returns compact precision's ``sd[name]`` (non-negative integers of ``shape``), if saved."""
+    value = sd.get(name)
+    if value is not None and not (
+        isinstance(value, torch.Tensor)
+        and value.shape == shape
+        and value.dtype in _INTEGERS
+        and bool((value >= 0).all())
     ):
-        raise _fail(f"{name} must be a non-negative integer tensor of shape {shape}, got {steps!r}")
-    return steps
+        raise _fail(f"{name} must be a non-negative integer tensor of shape {shape}, got {value!r}")
+    return value
 
 
 def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> Plan:
@@ -258,7 +260,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
         sd.get("overflow"), sd.get("first_closure_call_this_step", True),
-        _parse_counts(sd, "applied_steps", ()), _parse_counts(sd, "param_segments", (trained,)),
+        _parse_integers(sd, "applied_steps", ()), _parse_integers(sd, "param_segments", (trained,)),
     )  # fmt: skip
 
 
