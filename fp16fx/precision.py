@@ -174,7 +174,9 @@ def split_master(
     # value (exact in FP32; finite unless p is the largest), whose rest is -top units of p's:
     # -top of its own, or -top / 2 where ``up`` is a power of two, its unit twice p's.
     bump = (c >= top) & (p32 < torch.finfo(dtype).max)
-    up = p32 + 2 * top * unit
+    # Negated twice so that the step up from -2**-24 (FP16) lands on -0, IEEE's next value up
+    # (``p32 + 2 * top * unit`` would give +0; either zero decodes alike).
+    up = -(-p32 - 2 * top * unit)
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
     c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
     return torch.where(bump, up, p32), torch.clamp(c, -top, top - 1)
