@@ -235,8 +235,9 @@ def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _per_value(scales: torch.Tensor, numel: int, block: int) -> torch.Tensor:
     """Returns each value's block scale. (Gathered by ``index >> log2(block)``: Inductor
-    (torch 2.14, CPU) turns ``index // block`` into a loop over ``(numel // block, block)``
-    that never computes the last ``numel % block`` values.)"""
+    (torch 2.14, CPU) turns ``index // block``, or a broadcast of the scales, into a loop over
+    ``(numel // block, block)`` that never computes the last ``numel % block`` values. The
+    broadcast would be faster: docs/precision.md, "Speed".)"""
     return scales[torch.arange(numel, device=scales.device) >> (block.bit_length() - 1)]
 
 
