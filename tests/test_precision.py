@@ -434,6 +434,26 @@ def test_compiled_sgd_steps_are_bitwise_those_of_eager_steps(master, moments):
     assert differing(run(fp16fx.step), run(fp16fx.compile_step())) == []
 
 
+@pytest.mark.compile
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch 2.14's CPU loop split drops the tail; once this passes, precision._per_value "
+    "can broadcast instead of gathering (docs/precision.md, Speed)",
+)
+def test_inductor_computes_the_tail_of_a_broadcast_block_scale():
+    """Why the step gathers each value's block scale: Inductor (CPU) cuts a loop that reads a
+    broadcast block scale into rows of a block, and never computes the values past the last
+    whole block. The broadcast is a third faster; this fails loudly when torch fixes it."""
+
+    def scaled(x, scales):
+        return x * scales[:, None].expand(-1, BLOCK).reshape(-1)[: x.numel()]
+
+    x, scales = torch.randn(4 * BLOCK + 40), torch.randn(5)
+    compiled = torch.compile(scaled, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, scales), scaled(x, scales))
+
+
 # -- 5. zero recompiles ----------------------------------------------------------------------
 
 
