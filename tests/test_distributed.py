@@ -375,20 +375,20 @@ def test_without_torch_distributed_there_is_no_consensus():
         fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
 
 
-def test_compact_precision_runs_replicated_and_is_refused_sharded():
-    """fdist.init passes master=/moments= on to fp16fx.init (two processes:
-    test_train_distributed's compact runs); a sharded state refuses them before any check
-    of the process group, and an unknown name is refused first of all."""
+def test_fdist_init_passes_compact_precision_on_and_checks_its_names_first():
+    """fdist.init passes master=/moments= on to fp16fx.init (two processes: the compact runs
+    of test_train_distributed and test_distributed_sharded); an unknown name is refused
+    before anything else, the process group's check included."""
     compact = {"master": "compensated", "moments": "int8"}
     w = torch.ones(300, dtype=torch.float16)
     state = fdist.init({"w": w}, fp16fx.adam(0.1), buckets=True, **compact)
     assert (state.precision.master, state.precision.moments) == ("compensated", "int8")
     assert state.master_segments[0].dtype == torch.int8  # the correction: no FP32 copy
     params = {"w": torch.ones(2, dtype=torch.float16)}
-    with pytest.raises(ValueError, match="'compensated', moments='int8' do not run sharded"):
-        fdist.init(params, fp16fx.sgd(0.1), shard=True, **compact)
     with pytest.raises(ValueError, match="moments must be one of"):
-        fdist.init(params, fp16fx.sgd(0.1), moments="int4")
+        fdist.init(params, fp16fx.sgd(0.1), shard=True, moments="int4")
+    with pytest.raises(ValueError, match="nothing to shard across"):
+        fdist.init(params, fp16fx.sgd(0.1), shard=True, **compact)
 
 
 def test_average_grads_sees_a_flat_buffer_as_one_tensor():

@@ -17,7 +17,6 @@ from fp16fx.consensus import default_consensus
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.state import FP32
 from fp16fx.state import init as _init_state
 from fp16fx.transforms import GradientTransformation
 
@@ -37,10 +36,11 @@ def init(
 
     Args:
       params, optimizer, loss_scale, buckets, master, moments: as for :func:`fp16fx.init`
-        (compact precision, docs/precision.md, runs replicated only: not with ``shard``).
+        (compact precision: docs/precision.md; sharded, each rank keeps its slice of the
+        corrections and moments).
       process_group: ``"auto"`` (the world group when torch.distributed is initialized with
         more than one process), ``None`` (no consensus: a single-process state), or a group.
-      shard: keep only this rank's 1/d (always bucketed) of the FP32 masters and optimizer moments
+      shard: keep only this rank's 1/d (always bucketed) of the masters and optimizer moments
         (:class:`fp16fx.distributed.ShardedState`; step it with
         :func:`fp16fx.distributed.sharded_step`). Needs a process group.
 
@@ -52,18 +52,13 @@ def init(
     precision = Precision(master, moments)  # checks the names before anything moves
     consensus = default_consensus(process_group)
     if shard:
-        if precision != FP32:
-            raise ValueError(
-                f"master={master!r}, moments={moments!r} do not run sharded (shard=True): "
-                "the sharded state keeps FP32 masters and moments"
-            )
         if consensus is None:
             raise ValueError(
                 "shard=True needs torch.distributed initialized with more than one process "
                 "(or a process_group): there is nothing to shard across"
             )
         group = consensus.group
-        return init_sharded(params, optimizer, loss_scale, group=group)
+        return init_sharded(params, optimizer, loss_scale, group=group, precision=precision)
     if consensus is not None:
         with torch.no_grad():
             for p in optree.tree_leaves(params):

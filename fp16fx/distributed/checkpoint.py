@@ -4,7 +4,9 @@ Layer: ``distributed`` (docs/design.md). A rank's dict (:func:`state_dict`) is i
 ``fp16fx.state_dict`` (this rank's slice of each bucket's params, masters and optimizer
 moments; the shared counts, hyperparameters and loss-scale state) plus the metadata that puts
 slices back together: world size, rank, each bucket's length, and where each param sits.
-Only tensors and Python primitives (``weights_only=True``); tensors are copies.
+Only tensors and Python primitives (``weights_only=True``); tensors are copies. Every slice
+of a state with int8 moments is whole blocks, so the ranks' block scales join into the
+bucket's.
 
 :func:`consolidate` joins every rank's dict into the dict ``fp16fx.state_dict`` makes for an
 unsharded state, keyed by param path -- the one format every loader reads:
@@ -23,6 +25,7 @@ import torch
 
 from fp16fx import checkpoint, flat, tree
 from fp16fx.distributed.sharded import ShardedState
+from fp16fx.precision import Precision
 
 FORMAT = "fp16fx.sharded/2"
 ShardDict = dict[str, Any]
@@ -96,6 +99,7 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     shards = check_complete(shards)
     first = shards[0]
+    block = _block(first["shard"])
     try:
         whole = []  # per bucket: key -> the joined tensor (or the shared scalar)
         for b, bucket in enumerate(first["buckets"]):
@@ -107,14 +111,14 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 }
             )
             for key, value in whole[-1].items():
-                if value.ndim and value.numel() != bucket["padded"]:
+                length = bucket["padded"] // (block if key.endswith(".scales") else 1)
+                if value.ndim and value.numel() != length:
                     raise ValueError(f"bucket {b}'s {key!r} joins to {value.numel()} values")
         params = {}
         for path, where in first["leaves"].items():
             start, shape = where["offset"], tuple(where["shape"])
-            part = slice(start, start + math.prod(shape))
             params[path] = {
-                key: value if value.ndim == 0 else value[part].view(shape)
+                key: _leaf_part(key, value, start, shape, block)
                 for key, value in whole[where["bucket"]].items()
             }
     except (KeyError, IndexError, TypeError, RuntimeError) as err:
@@ -131,21 +135,52 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _block(shard: Mapping[str, Any]) -> int:
+    """Returns the int8 block size of a rank's shard dict (dicts saved before compact
+    precision have no ``precision``: their block is never read)."""
+    return shard.get("precision", checkpoint.precision_dict(Precision()))["block"]
+
+
+def _leaf_part(key: str, value: torch.Tensor, start: int, shape: tuple, block: int) -> Any:
+    """Returns the part of a bucket's joined ``value`` that a leaf of ``shape`` at ``start``
+    saves under ``key``, as ``fp16fx.state_dict`` saves it: its values; for an int8 moment
+    the ``.scales`` of the blocks it overlaps and its ``.offset`` in the first."""
+    end = start + math.prod(shape)
+    if key.endswith(".scales"):
+        return value[start // block : -(-end // block)]
+    if key.endswith(".offset"):
+        return torch.tensor(start % block, device=value.device)
+    return value if value.ndim == 0 else value[start:end].view(shape)
+
+
 def template(state: ShardedState) -> dict[str, Any]:
     """Returns the unsharded state dict ``state`` would have, with meta tensors as values."""
     mine = checkpoint.state_dict(state.shard)
+    block = state.shard.precision.block
     paths = _leaf_paths(state)
     params = {}
     for b, bucket in enumerate(state.buckets):
         slice_entry = mine["params"][str(b)]
         for k, i in enumerate(bucket.indices):
+            start, end = bucket.offsets[k], bucket.offsets[k + 1]
             params[paths[state.trained[i]]] = {
                 key: torch.empty(
-                    () if value.ndim == 0 else bucket.shapes[k], dtype=value.dtype, device="meta"
+                    _leaf_shape(key, value, bucket.shapes[k], start, end, block),
+                    dtype=value.dtype,
+                    device="meta",
                 )
                 for key, value in slice_entry.items()
             }
     return {**mine, "params": params}
+
+
+def _leaf_shape(
+    key: str, value: torch.Tensor, shape: tuple, start: int, end: int, block: int
+) -> tuple[int, ...]:
+    """Returns the shape of what a leaf of ``shape`` in ``[start, end)`` saves under ``key``."""
+    if key.endswith(".scales"):
+        return (-(-end // block) - start // block,)
+    return () if value.ndim == 0 else tuple(shape)
 
 
 def load_state_dict(
@@ -172,6 +207,7 @@ def load_state_dict(
         )
     sd = {**sd, "precision": mine}
     checkpoint.check_fits(template(state), sd)
+    block = state.shard.precision.block
     paths = _leaf_paths(state)
     per_bucket = []
     for bucket in state.buckets:
@@ -182,19 +218,38 @@ def load_state_dict(
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
+        for start, entry in zip(bucket.offsets, saved):
+            offsets = [int(v) for key, v in entry.items() if key.endswith(".offset")]
+            if any(offset != start % block for offset in offsets):
+                raise checkpoint.StateDictError(
+                    "its int8 moments' blocks restart inside a flat bucket (the state was cut "
+                    "where params missed gradients); a sharded state keeps one run of blocks "
+                    "per bucket: load it into an unsharded state (fp16fx.load_state_dict)"
+                )
         per_bucket.append(saved)
     mine = checkpoint.per_leaf(state.shard)
     with torch.no_grad():
         for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
+            mine_slice = state.sharding.slice(bucket)
             for key, dst in mine[b].items():
+                if key.endswith(".offset"):  # 0: every slice starts a block
+                    continue
                 if dst.ndim == 0:
                     dst.copy_(saved[0][key])
-                    continue
-                full = torch.zeros(bucket.padded, dtype=dst.dtype, device=dst.device)
-                for view, entry in zip(flat.views(bucket, full), saved):
-                    view.copy_(entry[key])
-                if key == "param":
-                    state.flat.param_buffers[b].copy_(full)
+                elif key.endswith(".scales"):
+                    # Blocks of padding alone are in no leaf's entry: a block of zeros' scale.
+                    tiny = torch.finfo(dst.dtype).tiny
+                    full = dst.new_full((bucket.padded // block,), tiny)
+                    for start, entry in zip(bucket.offsets, saved):
+                        piece = entry[key]
+                        full[start // block : start // block + piece.numel()] = piece
+                    dst.copy_(full[mine_slice.start // block : mine_slice.stop // block])
                 else:
-                    dst.copy_(full[state.sharding.slice(bucket)])
+                    full = torch.zeros(bucket.padded, dtype=dst.dtype, device=dst.device)
+                    for view, entry in zip(flat.views(bucket, full), saved):
+                        view.copy_(entry[key])
+                    if key == "param":
+                        state.flat.param_buffers[b].copy_(full)
+                    else:
+                        dst.copy_(full[mine_slice])
         checkpoint.load_shared(state.shard, sd)

@@ -1,4 +1,4 @@
-"""Sharded (ZeRO-1 style) state: each of d ranks keeps 1/d of the FP32 masters and moments.
+"""Sharded (ZeRO-1 style) state: each of d ranks keeps 1/d of the masters and moments.
 
 Layer: ``distributed`` (docs/design.md). No optimizer math and no loss-scale math here: the
 shard is an ordinary :class:`~fp16fx.state.MixedPrecisionState` over this rank's slices of the
@@ -10,15 +10,17 @@ flat buffers, stepped by the one core. One step, on every rank::
     shard step             = the core on my slice             # finite + norm agreed by all ranks
     flat param (FP16)      = all_gather(my slice)             # every rank gets the new params
 
-A bucket of n values is padded with zeros to d * ceil(n / d); the padding's params, grads,
-masters and moments stay 0 (an Adam or SGD update of a zero grad on a zero param is 0), so an
-uneven last shard needs no special case. The consensus is :class:`Consensus` with
+A bucket of n values is padded with zeros to a multiple of d (of d blocks with int8 moments,
+so that every slice is whole blocks); the padding's params, grads, masters and moments stay 0
+(an Adam or SGD update of a zero grad on a zero param is 0), so an uneven last shard needs no
+special case. The consensus is :class:`Consensus` with
 ``sharded=True``: the global gradient norm is the root of the ranks' summed squares.
 :class:`Sharding` is the one place that slices, reduce-scatters and all-gathers; the functional
 :func:`sharded_step` and ``FP16_Optimizer(shard=True)`` both step through it.
 
 Persistent bytes per param and rank, Adam: FP16 param 2 + FP16 grad 2 + (master 4 + m 4 +
-v 4) / d = 4 + 12/d.
+v 4) / d = 4 + 12/d; with compensated masters and int8 moments (correction 1 + m 1 + v 1 +
+their scales 8/256) / d, about 4 + 3/d.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from fp16fx import flat, tree
 from fp16fx.compile import StepFunction
 from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
+from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.state import MixedPrecisionState, init
+from fp16fx.state import FP32, MixedPrecisionState, init
 from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation
 
@@ -139,8 +142,9 @@ class ShardedState:
         place) and their flat grad buffers; every rank holds all of them.
       sharding: this rank's :class:`Sharding` of those buffers.
       shard: the :class:`~fp16fx.state.MixedPrecisionState` of this rank's slice of each
-        bucket: its params are views into ``flat``'s buffers, its FP32 masters and optimizer
-        moments exist only for the slice. Hyperparameters and the loss scale live here
+        bucket: its params are views into ``flat``'s buffers, its masters (FP32, or a compact
+        precision's corrections) and optimizer moments exist only for the slice.
+        Hyperparameters and the loss scale live here
         (``fp16fx.set_hyperparams(state.shard, lr=..., inplace=True)``).
       treedef, trained: the structure of the params as given, and which of its flat leaves
         are trained (not None), in ``flat.params`` order.
@@ -196,12 +200,15 @@ def init_sharded(
     loss_scale: LossScalePolicy | None = None,
     *,
     group: Any = None,
+    precision: Precision = FP32,
 ) -> ShardedState:
     """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
 
     The params move into one padded flat buffer per dtype (and optimizer label), each given
     tensor re-pointed at its view, and are broadcast from the group's first rank (as DDP
-    does), so every rank starts from the same values.
+    does), so every rank starts from the same values. ``precision`` is the shard's storage
+    (:mod:`fp16fx.precision`); with int8 moments each buffer is padded to a multiple of d
+    blocks, so that every slice is whole blocks and the ranks' blocks are the bucket's.
     """
     leaves, treedef = tree.check_params(params)
     trained = [i for i, p in enumerate(leaves) if p is not None]
@@ -215,7 +222,7 @@ def init_sharded(
     flat_params = FlatParams(
         [leaves[i] for i in trained],
         None if labels is None else [labels[i] for i in trained],
-        multiple=world,
+        multiple=world * (precision.block if precision.moments == "int8" else 1),
     )
     sharding = Sharding(group)
     sharding.broadcast(flat_params.param_buffers)
@@ -225,7 +232,14 @@ def init_sharded(
     shard_optimizer = optimizer._replace(
         param_labels=None if labels is None else tuple(b.label for b in buckets)
     )
-    shard = init(slices, shard_optimizer, loss_scale, consensus=Consensus(group, sharded=True))
+    shard = init(
+        slices,
+        shard_optimizer,
+        loss_scale,
+        consensus=Consensus(group, sharded=True),
+        master=precision.master,
+        moments=precision.moments,
+    )
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
 
