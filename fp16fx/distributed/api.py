@@ -49,7 +49,7 @@ def init(
     ``fp16fx.step`` / ``compile_step`` then skip or apply on every process together. Give it
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
-    precision = Precision(master, moments)  # checks the names before anything moves
+    Precision(master, moments)  # checks the names before anything moves
     consensus = default_consensus(process_group)
     if shard:
         if consensus is None:
@@ -58,7 +58,9 @@ def init(
                 "(or a process_group): there is nothing to shard across"
             )
         group = consensus.group
-        return init_sharded(params, optimizer, loss_scale, group=group, precision=precision)
+        return init_sharded(
+            params, optimizer, loss_scale, group=group, master=master, moments=moments
+        )
     if consensus is not None:
         with torch.no_grad():
             for p in optree.tree_leaves(params):

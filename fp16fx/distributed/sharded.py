@@ -39,7 +39,7 @@ from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.state import FP32, MixedPrecisionState, init
+from fp16fx.state import MixedPrecisionState, init
 from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation
 
@@ -200,15 +200,17 @@ def init_sharded(
     loss_scale: LossScalePolicy | None = None,
     *,
     group: Any = None,
-    precision: Precision = FP32,
+    master: str = "fp32",
+    moments: str = "fp32",
 ) -> ShardedState:
     """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
 
     The params move into one padded flat buffer per dtype (and optimizer label), each given
     tensor re-pointed at its view, and are broadcast from the group's first rank (as DDP
-    does), so every rank starts from the same values. ``precision`` is the shard's storage
-    (:mod:`fp16fx.precision`); with int8 moments each buffer is padded to a multiple of d
-    blocks, so that every slice is whole blocks and the ranks' blocks are the bucket's.
+    does), so every rank starts from the same values. ``master`` and ``moments`` are the
+    shard's storage, as for :func:`fp16fx.init`; with int8 moments each buffer is padded to a
+    multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
+    bucket's.
     """
     leaves, treedef = tree.check_params(params)
     trained = [i for i, p in enumerate(leaves) if p is not None]
@@ -218,6 +220,7 @@ def init_sharded(
             f"the optimizer's multi_transform has {len(labels)} labels but the params have "
             f"{len(leaves)} leaves (None leaves included): give one label per leaf"
         )
+    precision = Precision(master, moments)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
         [leaves[i] for i in trained],
@@ -237,8 +240,8 @@ def init_sharded(
         shard_optimizer,
         loss_scale,
         consensus=Consensus(group, sharded=True),
-        master=precision.master,
-        moments=precision.moments,
+        master=master,
+        moments=moments,
     )
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
