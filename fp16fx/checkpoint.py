@@ -75,6 +75,12 @@ def hyperparam_tensors(opt_state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def blocks_of(start: int, end: int, block: int) -> slice:
+    """Returns which int8 blocks a leaf of values ``[start, end)`` overlaps: the ``.scales``
+    a state dict saves for it (its ``.offset`` in the first is ``start % block``)."""
+    return slice(start // block, -(-end // block))
+
+
 def per_leaf(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]:
     """Returns, per flat param leaf, its tensors under their state-dict keys (views of the
     state, as stored): ``param``; ``master`` (an FP16/BF16 param's FP32 master) or
@@ -104,7 +110,7 @@ def per_leaf(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]
                 parts[f"{key}.codes"] = flat.views(bucket, value.codes, seg.lo, seg.hi)
                 starts = [bucket.offsets[j] - seg.start for j in range(seg.lo, seg.hi + 1)]
                 parts[f"{key}.scales"] = [
-                    value.scales[a // block : -(-b // block)] for a, b in itertools.pairwise(starts)
+                    value.scales[blocks_of(a, b, block)] for a, b in itertools.pairwise(starts)
                 ]
                 parts[f"{key}.offset"] = [
                     torch.tensor(a % block, device=value.codes.device) for a in starts[:-1]

@@ -18,6 +18,7 @@ from fp16fx.compile import StepFunction
 from fp16fx.segments import named_segments
 from fp16fx.state import decode_moments
 from tests.test_distributed import results, spawn
+from tests.test_step import same_bits
 
 STEPS, SAVE_AT, INF_AT = 20, 10, 7
 # 21 + 5 + 13 = 39 FP16 values and 9 FP32 ones: uneven slices at d = 2 and d = 4.
@@ -238,10 +239,13 @@ def load_restarted_blocks() -> dict[str, Any]:
 
 
 def same_tensors(a: Any, b: Any) -> bool:
-    """Whether two dicts of the same structure hold bitwise equal tensors."""
+    """Whether two state dicts hold bitwise equal tensors and equal other entries
+    (``bitwise_equal`` of tests/test_step, which compares tensors only)."""
     xs, ys = optree.tree_leaves(a), optree.tree_leaves(b)
-    tensors = [(x, y) for x, y in zip(xs, ys) if isinstance(x, torch.Tensor)]
-    return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in tensors)
+    pairs = zip(xs, ys)
+    return len(xs) == len(ys) and all(
+        same_bits(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in pairs
+    )
 
 
 def worker(rank: int, world: int, out: str) -> None:

@@ -147,7 +147,7 @@ def _leaf_part(key: str, value: torch.Tensor, start: int, shape: tuple, block: i
     the ``.scales`` of the blocks it overlaps and its ``.offset`` in the first."""
     end = start + math.prod(shape)
     if key.endswith(".scales"):
-        return value[start // block : -(-end // block)]
+        return value[checkpoint.blocks_of(start, end, block)]
     if key.endswith(".offset"):
         return torch.tensor(start % block, device=value.device)
     return value if value.ndim == 0 else value[start:end].view(shape)
@@ -179,7 +179,8 @@ def _leaf_shape(
 ) -> tuple[int, ...]:
     """Returns the shape of what a leaf of ``shape`` in ``[start, end)`` saves under ``key``."""
     if key.endswith(".scales"):
-        return (-(-end // block) - start // block,)
+        blocks = checkpoint.blocks_of(start, end, block)
+        return (blocks.stop - blocks.start,)
     return () if value.ndim == 0 else tuple(shape)
 
 
@@ -240,10 +241,9 @@ def load_state_dict(
                     # Blocks of padding alone are in no leaf's entry: a block of zeros' scale.
                     tiny = torch.finfo(dst.dtype).tiny
                     full = dst.new_full((bucket.padded // block,), tiny)
-                    for start, entry in zip(bucket.offsets, saved):
-                        piece = entry[key]
-                        full[start // block : start // block + piece.numel()] = piece
-                    dst.copy_(full[mine_slice.start // block : mine_slice.stop // block])
+                    for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
+                        full[checkpoint.blocks_of(start, end, block)] = entry[key]
+                    dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
                 else:
                     full = torch.zeros(bucket.padded, dtype=dst.dtype, device=dst.device)
                     for view, entry in zip(flat.views(bucket, full), saved):
