@@ -215,6 +215,11 @@ def _refuse_compiling_without_rounding() -> None:
 # -- moments ---------------------------------------------------------------------------------
 
 
+#: The scale of an int8 block of zeros (or of FP32 subnormals): the smallest normal, since
+#: decoding multiplies by the scale stored, and it must be the one divided by.
+ZERO_BLOCK_SCALE = torch.finfo(torch.float32).tiny
+
+
 class Quantized(NamedTuple):
     """An int8 moment: one code per value and an FP32 scale per block of values."""
 
@@ -268,9 +273,7 @@ def round_moment(
         # are sign and magnitude: this rounds the magnitude).
         bits = x.view(torch.int32) + (noise * 65536.0).to(torch.int32)
         return (bits & -65536).view(torch.float32)
-    # A block of zeros (or of FP32 subnormals) keeps the smallest normal scale: decoding
-    # multiplies by the scale stored, and it must be the one divided by.
-    scales = torch.clamp(_block_amax(x, block), min=torch.finfo(x.dtype).tiny)
+    scales = torch.clamp(_block_amax(x, block), min=ZERO_BLOCK_SCALE)
     y = x / _per_value(scales, x.numel(), block)
     if non_negative:
         r = 255.0 * torch.sqrt(torch.sqrt(y))

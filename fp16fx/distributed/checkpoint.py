@@ -25,7 +25,7 @@ import torch
 
 from fp16fx import checkpoint, flat, tree
 from fp16fx.distributed.sharded import ShardedState
-from fp16fx.precision import Precision
+from fp16fx.precision import ZERO_BLOCK_SCALE, Precision
 
 FORMAT = "fp16fx.sharded/2"
 ShardDict = dict[str, Any]
@@ -238,9 +238,8 @@ def load_state_dict(
                 if dst.ndim == 0:
                     dst.copy_(saved[0][key])
                 elif key.endswith(".scales"):
-                    # Blocks of padding alone are in no leaf's entry: a block of zeros' scale.
-                    tiny = torch.finfo(dst.dtype).tiny
-                    full = dst.new_full((bucket.padded // block,), tiny)
+                    # Blocks of padding alone are in no leaf's entry.
+                    full = dst.new_full((bucket.padded // block,), ZERO_BLOCK_SCALE)
                     for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
                         full[checkpoint.blocks_of(start, end, block)] = entry[key]
                     dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
