@@ -48,8 +48,17 @@ def test_cuda_graph_step_matches_eager_and_never_recompiles():
         eager, _ = fp16fx.step(eager, grads)
     torch._dynamo.config.error_on_recompile = False
     assert finite.count(False) == 1 and not finite[5]
+    # FP32 leaves (masters, moments, scale) agree closely: the GPU kernel fuses multiply-adds
+    # eager rounds twice. An FP16 param is its master rounded, so where two masters that agree
+    # to 1e-7 straddle a rounding midpoint the params are one FP16 ulp apart: check instead that
+    # each param is exactly its own master rounded.
     for a, b in zip(optree.tree_leaves(graphed), optree.tree_leaves(eager)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if a.dtype != torch.float16:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for state in (graphed, eager):
+        masters = optree.tree_leaves(state.master)
+        for param, master in zip(optree.tree_leaves(state.params), masters):
+            assert torch.equal(param, master.to(param.dtype))
 
 
 def test_facade_fast_path_trains_on_cuda():
