@@ -239,10 +239,13 @@ def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _per_value(scales: torch.Tensor, numel: int, block: int) -> torch.Tensor:
-    """Returns each value's block scale. (Gathered by ``index >> log2(block)``: Inductor
-    (torch 2.14, CPU) turns ``index // block``, or a broadcast of the scales, into a loop over
-    ``(numel // block, block)`` that never computes the last ``numel % block`` values. The
-    broadcast would be faster: docs/precision.md, "Speed".)"""
+    """Returns each value's block scale: broadcast over whole blocks, gathered by
+    ``index >> log2(block)`` where the last block is short. (A broadcast is one load per block
+    and lets the block maximum and the codes share one pass; but with a short block, Inductor
+    (torch 2.14, CPU) turns it into a loop over ``(numel // block, block)`` that never computes
+    the last ``numel % block`` values: docs/precision.md, "Speed".)"""
+    if numel % block == 0:
+        return scales[:, None].expand(-1, block).reshape(-1)
     return scales[torch.arange(numel, device=scales.device) >> (block.bit_length() - 1)]
 
 

@@ -71,18 +71,18 @@ def sgd_momentum():
     return fp16fx.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2)
 
 
-def tail_params(seed: int = 0) -> dict[str, torch.Tensor]:
-    """FP16 params of one segment of 1,320 values: 5 whole blocks of 256 and a tail of 40
+def tail_params(seed: int = 0, tail: int = 40) -> dict[str, torch.Tensor]:
+    """FP16 params of one segment of 5 whole blocks of 256 and a tail of ``tail`` values
     (Inductor's loop split loses the tail block of a broadcast block scale: see
-    ``precision._per_value``)."""
+    ``precision._per_value``, which gathers the scales where there is a tail)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"w": (30, 20), "b": (20,), "c": (700,)}
+    shapes = {"w": (30, 20), "b": (20,), "c": (660 + tail,)}
     return {k: torch.randn(s, generator=gen).half() for k, s in shapes.items()}
 
 
-def tail_state(master: str, moments: str, seed: int = 0, optimizer=None):
+def tail_state(master: str, moments: str, seed: int = 0, optimizer=None, tail: int = 40):
     return fp16fx.init(
-        tail_params(seed),
+        tail_params(seed, tail),
         optimizer or adam(),
         POLICY,
         buckets=True,
@@ -391,8 +391,8 @@ def test_an_overflowing_step_changes_nothing_but_the_loss_scale(master, moments,
 # -- 4. eager == compiled --------------------------------------------------------------------
 
 
-def _three_adam_steps(master, moments, step):
-    state = tail_state(master, moments)
+def _three_adam_steps(master, moments, step, tail=40):
+    state = tail_state(master, moments, tail=tail)
     for seed in range(3):
         state, _ = step(state, scaled_grads(state, seed))
     return stored(state)
@@ -409,6 +409,20 @@ def test_compiled_steps_give_the_numbers_of_eager_steps(master, moments, inplace
     a unit's boundary. Moments, codes, scales, params, counts: bitwise."""
     eager = _three_adam_steps(master, moments, fp16fx.step)
     compiled = _three_adam_steps(master, moments, fp16fx.compile_step(inplace=inplace))
+    _assert_the_numbers_of_eager(eager, compiled)
+
+
+@pytest.mark.compile
+def test_int8_moments_of_whole_blocks_compile_to_the_numbers_of_eager_steps():
+    """A segment of whole blocks broadcasts its block scales instead of gathering them (one
+    load per block; ``precision._per_value``): compiled, the same numbers as eager steps."""
+    assert sum(p.numel() for p in tail_params(tail=0).values()) == 5 * BLOCK
+    eager = _three_adam_steps("compensated", "int8", fp16fx.step, tail=0)
+    compiled = _three_adam_steps("compensated", "int8", fp16fx.compile_step(inplace=True), 0)
+    _assert_the_numbers_of_eager(eager, compiled)
+
+
+def _assert_the_numbers_of_eager(eager, compiled):
     off = differing(eager, compiled)
     for key in [k for k in off if k.endswith((".master", ".correction"))]:
         off.remove(key)
