@@ -453,12 +453,13 @@ def test_compiled_sgd_steps_are_bitwise_those_of_eager_steps(master, moments):
     strict=True,
     raises=AssertionError,
     reason="torch 2.14's CPU loop split drops the tail; once this passes, precision._per_value "
-    "can broadcast instead of gathering (docs/precision.md, Speed)",
+    "can broadcast after a short last block too (docs/precision.md, Speed)",
 )
 def test_inductor_computes_the_tail_of_a_broadcast_block_scale():
-    """Why the step gathers each value's block scale: Inductor (CPU) cuts a loop that reads a
-    broadcast block scale into rows of a block, and never computes the values past the last
-    whole block. The broadcast is a third faster; this fails loudly when torch fixes it."""
+    """Why the step gathers each value's block scale where a segment ends in a short block:
+    Inductor (CPU) cuts a loop that reads a broadcast block scale into rows of a block, and
+    never computes the values past the last whole block. This fails loudly when torch fixes
+    it, and whole-block segments' broadcast could then serve every segment."""
 
     def scaled(x, scales):
         return x * scales[:, None].expand(-1, BLOCK).reshape(-1)[: x.numel()]
