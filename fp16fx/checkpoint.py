@@ -374,6 +374,7 @@ def _store(state: MixedPrecisionState, entries: list[Any]) -> None:
         mine = [entries[i] for i in bucket.indices[seg.lo : seg.hi]]
         for i, entry in zip(bucket.indices[seg.lo : seg.hi], mine):
             params[i].copy_(entry["param"])
+        leaves = slice(0, seg.end - seg.start)  # the segment's padding keeps its zeros
 
         def joined(key: str, mine: list[Any] = mine) -> torch.Tensor:
             return torch.cat([e[key].reshape(-1) for e in mine])
@@ -382,10 +383,10 @@ def _store(state: MixedPrecisionState, entries: list[Any]) -> None:
             master = joined("master")
             if precision.compensated:
                 p, c = encode_master(master, bucket.dtype, None, param=joined("param"))
-                state.flat_params()[k].copy_(p)
-                state.master_segments[k].copy_(c)
+                state.flat_params()[k][leaves].copy_(p)
+                state.master_segments[k][leaves].copy_(c)
             else:
-                state.master_segments[k].copy_(master)
+                state.master_segments[k][leaves].copy_(master)
         for name, node in opt:
             stored, key = node[k], f"opt{name}"
             if stored is MASKED or stored is None:
@@ -394,12 +395,12 @@ def _store(state: MixedPrecisionState, entries: list[Any]) -> None:
                 values = joined(key)
                 non_negative = stored.codes.dtype == torch.uint8
                 q = encode_moment(values, "int8", non_negative, precision.block, None)
-                stored.codes.copy_(q.codes)
+                stored.codes[leaves].copy_(q.codes)
                 stored.scales.copy_(q.scales)
             elif stored.ndim == 0:
                 stored.copy_(mine[0][key])
             else:
-                stored.copy_(joined(key).to(stored.dtype))
+                stored[leaves].copy_(joined(key).to(stored.dtype))
 
 
 def load_shared(state: MixedPrecisionState, sd: Mapping[str, Any]) -> None:

@@ -57,16 +57,28 @@ class Bucket:
     def __len__(self) -> int:
         return len(self.indices)
 
+    def stop(self, hi: int) -> int:
+        """Returns where the state of a segment ending before leaf ``hi`` ends: that leaf's
+        offset, or after the last leaf the padded length (the padding's state is the last
+        segment's)."""
+        return self.padded if hi == len(self.indices) else self.offsets[hi]
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Leaves ``[lo, hi)`` of bucket ``bucket``, at ``[start, end)`` of its flat buffer."""
+    """Leaves ``[lo, hi)`` of bucket ``bucket``, at ``[start, end)`` of its flat buffer.
+
+    The segment's state spans ``[start, stop)``: the bucket's last segment also owns the
+    buffer's padding (``stop`` is ``bucket.padded``; elsewhere ``stop == end``), so that the
+    state of a bucket padded to whole int8 blocks is whole blocks (fp16fx.precision).
+    """
 
     bucket: int
     lo: int
     hi: int
     start: int
     end: int
+    stop: int
     label: Hashable
 
     @property
@@ -92,7 +104,9 @@ class Layout:
     def segments(self) -> tuple[Segment, ...]:
         """Every segment, bucket by bucket."""
         return tuple(
-            Segment(b, lo, hi, bucket.offsets[lo], bucket.offsets[hi], bucket.label)
+            Segment(
+                b, lo, hi, bucket.offsets[lo], bucket.offsets[hi], bucket.stop(hi), bucket.label
+            )
             for b, (bucket, cut) in enumerate(zip(self.buckets, self.cuts))
             for lo, hi in itertools.pairwise(cut)
         )
@@ -243,6 +257,20 @@ def joined(
     if offset + numel > first.untyped_storage().nbytes() // size:
         return None
     return first.detach().as_strided((numel,), (1,), offset)
+
+
+def over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
+    """Returns ``view`` (1-D: the bucket's values from offset ``start`` to its last leaf's end)
+    extended over the bucket's padding, with that padding zeroed (no leaf covers it), when
+    its storage is exactly one padded buffer of the bucket, as ``fp16fx.grad_buffers`` makes
+    them; else None."""
+    size = view.element_size()
+    if view.storage_offset() != start or view.untyped_storage().nbytes() != bucket.padded * size:
+        return None
+    extended = view.as_strided((bucket.padded - start,), (1,), start)
+    with torch.no_grad():
+        extended[bucket.numel - start :].zero_()
+    return extended
 
 
 @functools.lru_cache(maxsize=256)

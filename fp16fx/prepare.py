@@ -102,7 +102,7 @@ def prepare(
         grad_list = _segment_grads(layout, leaves, active, scratch)
     else:
         active = (True,) * len(layout.segments)
-        grad_list = [flats[s.bucket][s.start : s.end] for s in layout.segments]
+        grad_list = [flats[s.bucket][s.start : s.stop] for s in layout.segments]
     seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
     targets = [
         _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
@@ -142,8 +142,10 @@ def _segment_grads(
     active: tuple[bool, ...],
     scratch: Scratch | None,
 ) -> list[torch.Tensor]:
-    """Returns each active segment's flat gradient: a view where its grads are one flat
-    tensor (a single leaf always is), else a slice of the bucket's packed grads."""
+    """Returns each active segment's flat gradient, over its state's span (padding
+    included): a view where its grads are one flat tensor (a single leaf always is; a padded
+    bucket's last segment needs a buffer of the bucket's own, ``flat.over_padding``), else a
+    slice of the bucket's packed grads."""
     packed: dict[int, torch.Tensor] = {}
     out = []
     for s, on in zip(layout.segments, active):
@@ -151,10 +153,12 @@ def _segment_grads(
             continue
         bucket = layout.buckets[s.bucket]
         own = flat.flat_view(bucket, leaves, s.lo, s.hi) if s.hi - s.lo < len(bucket) else None
+        if own is not None and s.stop != s.end:
+            own = flat.over_padding(bucket, own, s.start)
         if own is None:
             if s.bucket not in packed:
                 packed[s.bucket] = _pack(bucket, leaves, scratch)
-            own = packed[s.bucket][s.start : s.end]
+            own = packed[s.bucket][s.start : s.stop]
         out.append(own)
     return out
 
@@ -169,7 +173,8 @@ def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.
 
 def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:
     """Returns one flat grad per bucket when ``grads`` are views laid out like the buckets
-    (every trained leaf has one, of its param's dtype and device), else None."""
+    (every trained leaf has one, of its param's dtype and device; a padded bucket's in a
+    padded buffer of its own, ``flat.over_padding``), else None."""
     layout = state.layout
     leaves, treedef = tree.flatten(grads)
     if treedef != layout.treedef:
@@ -180,6 +185,10 @@ def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | Non
         found = flat.flat_view(bucket, leaves)
         if found is None or found.dtype != bucket.dtype or found.device != device:
             return None
+        if bucket.padded != bucket.numel:
+            found = flat.over_padding(bucket, found, 0)
+            if found is None:
+                return None
         flats.append(found)
     trained = sum(len(bucket) for bucket in layout.buckets)
     given = sum(map(operator.is_not, leaves, itertools.repeat(None)))
@@ -195,6 +204,8 @@ def _pack(
     one, else a copy (into ``scratch``'s buffer for the bucket, when given)."""
     if all(leaves[i] is not None for i in bucket.indices):
         found = flat.flat_view(bucket, leaves)
+        if found is not None and bucket.padded != bucket.numel:
+            found = flat.over_padding(bucket, found, 0)
         if found is not None:
             return found
     if scratch is None:

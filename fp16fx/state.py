@@ -235,7 +235,8 @@ def init(
         param and a short correction carry it; needs the params in flat buffers, e.g.
         ``buckets=True``). See :mod:`fp16fx.precision` and docs/precision.md.
       moments: how the optimizer's per-element state is stored: ``"fp32"``, ``"bf16"`` or
-        ``"int8"`` (block-wise).
+        ``"int8"`` (block-wise; with ``buckets`` each flat buffer is padded with zeros to
+        whole blocks, whose state is its last segment's).
 
     DTensor params (an FSDP2 model's ``dict(model.named_parameters())``, sharded on a 1-D
     mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
@@ -259,7 +260,11 @@ def init(
     policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
-    layout = flat.plan(leaves, treedef, _labels(optimizer, len(leaves)))
+    # Buckets of whole int8 blocks: each block's scale is then a broadcast (precision).
+    whole_blocks = buckets and precision.moments == "int8"
+    layout = flat.plan(
+        leaves, treedef, _labels(optimizer, len(leaves)), precision.block if whole_blocks else 1
+    )
     if precision.compensated:
         _check_compensable(layout, leaves, buckets)
     if mesh is not None and precision != FP32:
@@ -281,7 +286,7 @@ def init(
         for seg in layout.segments:
             bucket, buffer = layout.buckets[seg.bucket], flats[seg.bucket]
             if buffer is not None:
-                own: torch.Tensor | None = buffer[seg.start : seg.end]
+                own: torch.Tensor | None = buffer[seg.start : seg.stop]
             else:
                 own = flat.flat_view(bucket, leaves, seg.lo, seg.hi)
             if own is None:
@@ -296,7 +301,7 @@ def init(
             else:
                 if seg.bucket not in packed:
                     packed[seg.bucket] = flat.pack(bucket, leaves, torch.float32)
-                masters.append(packed[seg.bucket][seg.start : seg.end])
+                masters.append(packed[seg.bucket][seg.start : seg.stop])
         labels = [s.label for s in layout.segments]
         state = MixedPrecisionState(
             param_segments=Segments(params_of, labels),
@@ -393,7 +398,7 @@ def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
             continue
         bucket = state.layout.buckets[seg.bucket]
         runs = list(itertools.pairwise(inner))
-        sizes = [bucket.offsets[b] - bucket.offsets[a] for a, b in runs]
+        sizes = [bucket.stop(b) - bucket.offsets[a] for a, b in runs]
         entry = params[k]
         if isinstance(entry, tuple):
             parts: list[Any] = [entry[a - seg.lo : b - seg.lo] for a, b in runs]

@@ -251,7 +251,9 @@ def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, S
     loss (``scale_loss``) in the params' dtypes; a ``None`` grad leaves that param and its
     optimizer state untouched. When any grad holds inf or NaN the step is skipped exactly
     (every value bitwise unchanged) and only the loss-scale state moves. ``info`` is a
-    :class:`StepInfo` of 0-d tensors (nothing is synced to the host).
+    :class:`StepInfo` of 0-d tensors (nothing is synced to the host). (Grads in
+    ``grad_buffers`` of a state padded to whole int8 blocks are read with their buffer's
+    padding, which no grad covers; the step zeroes it.)
     """
     prepared = prepare(state, grads)
     with torch.no_grad():

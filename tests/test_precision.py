@@ -71,21 +71,21 @@ def sgd_momentum():
     return fp16fx.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2)
 
 
-def tail_params(seed: int = 0, tail: int = 40) -> dict[str, torch.Tensor]:
-    """FP16 params of one segment of 5 whole blocks of 256 and a tail of ``tail`` values
-    (Inductor's loop split loses the tail block of a broadcast block scale: see
-    ``precision._per_value``, which gathers the scales where there is a tail)."""
+def tail_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    """FP16 params of 1,320 values: 5 whole int8 blocks of 256 and a tail of 40. In buckets
+    the state pads them to 6 whole blocks; as given, they end in a short block, whose scale
+    ``precision._per_value`` gathers (Inductor's loop split loses a broadcast one)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"w": (30, 20), "b": (20,), "c": (660 + tail,)}
+    shapes = {"w": (30, 20), "b": (20,), "c": (700,)}
     return {k: torch.randn(s, generator=gen).half() for k, s in shapes.items()}
 
 
-def tail_state(master: str, moments: str, seed: int = 0, optimizer=None, tail: int = 40):
+def tail_state(master: str, moments: str, seed: int = 0, optimizer=None, buckets=True):
     return fp16fx.init(
-        tail_params(seed, tail),
+        tail_params(seed),
         optimizer or adam(),
         POLICY,
-        buckets=True,
+        buckets=buckets,
         master=master,
         moments=moments,
     )
@@ -391,8 +391,8 @@ def test_an_overflowing_step_changes_nothing_but_the_loss_scale(master, moments,
 # -- 4. eager == compiled --------------------------------------------------------------------
 
 
-def _three_adam_steps(master, moments, step, tail=40):
-    state = tail_state(master, moments, tail=tail)
+def _three_adam_steps(master, moments, step, buckets=True):
+    state = tail_state(master, moments, buckets=buckets)
     for seed in range(3):
         state, _ = step(state, scaled_grads(state, seed))
     return stored(state)
@@ -413,13 +413,33 @@ def test_compiled_steps_give_the_numbers_of_eager_steps(master, moments, inplace
 
 
 @pytest.mark.compile
-def test_int8_moments_of_whole_blocks_compile_to_the_numbers_of_eager_steps():
-    """A segment of whole blocks broadcasts its block scales instead of gathering them (one
-    load per block; ``precision._per_value``): compiled, the same numbers as eager steps."""
-    assert sum(p.numel() for p in tail_params(tail=0).values()) == 5 * BLOCK
-    eager = _three_adam_steps("compensated", "int8", fp16fx.step, tail=0)
-    compiled = _three_adam_steps("compensated", "int8", fp16fx.compile_step(inplace=True), 0)
+def test_int8_moments_ending_in_a_short_block_compile_to_the_numbers_of_eager_steps():
+    """In buckets the int8 state is padded to whole blocks, whose scales are broadcast (one
+    load per block); params as given end in a short block, whose scales are gathered instead
+    (``precision._per_value``): compiled, the same numbers as eager steps either way (the
+    padded form: the test above)."""
+    assert tail_state("fp32", "int8").opt_state[1].mu[0].codes.numel() == 6 * BLOCK
+    assert tail_state("fp32", "int8", buckets=False).opt_state[1].mu[0].codes.numel() == 1320
+    eager = _three_adam_steps("fp32", "int8", fp16fx.step, buckets=False)
+    compiled = _three_adam_steps("fp32", "int8", fp16fx.compile_step(inplace=True), False)
     _assert_the_numbers_of_eager(eager, compiled)
+
+
+def test_grad_buffers_of_a_padded_state_are_read_with_their_padding_zeroed():
+    """A state padded to whole int8 blocks reads ``grad_buffers`` in place, padding included
+    (no copy); whatever the padding held, the step zeroes it, and the step is the one that
+    separate grads (packed into a zero-padded buffer) give, bitwise."""
+    in_place, packed = (tail_state("compensated", "int8") for _ in range(2))
+    grads = fp16fx.grad_buffers(in_place)
+    for g, value in zip(grads.values(), scaled_grads(in_place, 0).values()):
+        g.copy_(value)
+    buffer = torch.empty(0, dtype=torch.float16).set_(grads["w"].untyped_storage())
+    assert buffer.numel() == 6 * BLOCK
+    buffer[1320:] = float("nan")
+    in_place, info = fp16fx.step(in_place, grads)
+    assert info["finite"].item() and not buffer[1320:].any()
+    packed, _ = fp16fx.step(packed, {k: g.clone() for k, g in grads.items()})
+    assert differing(stored(in_place), stored(packed)) == []
 
 
 def _assert_the_numbers_of_eager(eager, compiled):
@@ -805,7 +825,8 @@ def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
     assert full.keys() == compact.keys() == {"[1].mu", "[1].nu"}
     for name, x in full.items():
         q = encode_moment(x, "int8", name.endswith("nu"), BLOCK, None)
-        assert same_bits(compact[name].codes, q.codes), name
+        codes, padding = compact[name].codes.split([x.numel(), -x.numel() % BLOCK])
+        assert same_bits(codes, q.codes) and not padding.any(), name
         assert same_bits(compact[name].scales, q.scales), name
     assert target.count.item() == source.count.item() == 3
 
@@ -820,7 +841,8 @@ def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
         assert same_bits(target.master[path], source.master[path]), path  # decoded
     compact, full = only_moments(source), only_moments(target)
     for name, q in compact.items():
-        assert same_bits(full[name], decode_moment(q, name.endswith("nu"), BLOCK)), name
+        decoded = decode_moment(q, name.endswith("nu"), BLOCK)  # and the bucket's padding
+        assert same_bits(full[name], decoded[: full[name].numel()]), name
 
 
 # -- 9. memory -------------------------------------------------------------------------------
