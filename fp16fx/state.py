@@ -235,8 +235,8 @@ def init(
         param and a short correction carry it; needs the params in flat buffers, e.g.
         ``buckets=True``). See :mod:`fp16fx.precision` and docs/precision.md.
       moments: how the optimizer's per-element state is stored: ``"fp32"``, ``"bf16"`` or
-        ``"int8"`` (block-wise; with ``buckets`` each flat buffer is padded with zeros to
-        whole blocks, whose state is its last segment's).
+        ``"int8"`` (block-wise; with ``buckets``, or params already so laid out, each flat
+        buffer is padded with zeros to whole blocks, whose state is its last segment's).
 
     DTensor params (an FSDP2 model's ``dict(model.named_parameters())``, sharded on a 1-D
     mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
@@ -260,11 +260,14 @@ def init(
     policy = default_policy(leaves) if loss_scale is None else loss_scale
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
-    # Buckets of whole int8 blocks: each block's scale is then a broadcast (precision).
-    whole_blocks = buckets and precision.moments == "int8"
-    layout = flat.plan(
-        leaves, treedef, _labels(optimizer, len(leaves)), precision.block if whole_blocks else 1
-    )
+    labels = _labels(optimizer, len(leaves))
+    layout = flat.plan(leaves, treedef, labels)
+    given: list[torch.Tensor] | None = None  # padded buffers the params are already views of
+    if precision.moments == "int8":  # buckets of whole blocks: each scale is a broadcast
+        whole = flat.plan(leaves, treedef, labels, precision.block)
+        given = None if buckets else _padded_buffers(whole, leaves)
+        if buckets or given is not None:
+            layout = whole
     if precision.compensated:
         _check_compensable(layout, leaves, buckets)
     if mesh is not None and precision != FP32:
@@ -279,6 +282,8 @@ def init(
     with torch.no_grad():
         if buckets:
             flats: list[Any] = flat.adopt(layout, leaves)
+        elif given is not None:
+            flats = given
         else:  # the leaves as given, as one flat tensor where they are one
             flats = [flat.flat_view(bucket, leaves) for bucket in layout.buckets]
         params_of, masters = [], []
@@ -319,6 +324,20 @@ def init(
     if not buckets:
         state._views["params"] = params  # the caller's own tensors, not views of them
     return state
+
+
+def _padded_buffers(layout: Layout, leaves: list[Any]) -> list[torch.Tensor] | None:
+    """Returns per bucket of ``layout`` (padded) the padded buffer its params are views of,
+    when every bucket's are (``FlatParams(..., multiple=block)`` lays them out so), else
+    None."""
+    found = []
+    for bucket in layout.buckets:
+        view = flat.flat_view(bucket, leaves)
+        whole = None if view is None else flat.over_padding(bucket, view, 0)
+        if whole is None:
+            return None
+        found.append(whole)
+    return found
 
 
 def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:

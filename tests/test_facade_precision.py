@@ -151,6 +151,22 @@ def test_compensated_param_groups_hold_the_model_params_and_state_shows_fp32():
     assert state["exp_avg"].dtype == torch.float32 and (state["exp_avg_sq"] >= 0).all()
 
 
+def test_int8_moments_pad_the_flat_buffers_to_whole_blocks():
+    """With int8 moments the facade pads its flat buffers to whole blocks (785 params: 1,024
+    values), so the core state over them is whole blocks, each block's scale a broadcast
+    (``fp16fx.precision``), and it steps the model's grads where autograd wrote them."""
+    model = make_model()
+    opt = wrap(model, "compensated", "int8")
+    first = train(model, opt, 1)
+    last = train(model, opt, 5)
+    state = opt._engine.state
+    (bucket,) = state.layout.buckets
+    assert (bucket.numel, bucket.padded) == (785, 1024)
+    assert state.master_segments[0].numel() == 1024  # the corrections cover the padding
+    assert model[0].weight.grad.untyped_storage().nbytes() == 1024 * 2
+    assert last < first
+
+
 def test_compiled_compact_facade_trains_like_the_eager_one():
     losses = {}
     for compiled in (False, True):

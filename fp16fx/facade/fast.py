@@ -93,7 +93,11 @@ class FastEngine:
         self.sharded: fdist.ShardedState | None = None
         self.fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
         if shard is NOT_SHARDED:
-            self.flat = FSDPParams(params) if self.fsdp else FlatParams(params, self.labels)
+            self.flat = (
+                FSDPParams(params)
+                if self.fsdp
+                else FlatParams(params, self.labels, _multiple(precision))
+            )
             self._state = self._init(transform, consensus, precision)
         else:
             self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
@@ -333,7 +337,7 @@ class FastEngine:
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
-        self.flat = FlatParams([*old, *params], labels)
+        self.flat = FlatParams([*old, *params], labels, _multiple(self.state.precision))
         self.labels, self.specs = labels, specs
         self._written = [group_values(s, g) for s, g in zip(specs, groups)]
         state = self._init(transform, self.state.consensus, self.state.precision)
@@ -491,3 +495,9 @@ class FastEngine:
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]
+
+
+def _multiple(precision: Precision) -> int:
+    """Returns the multiple the flat buffers are padded to: whole blocks with int8 moments,
+    so that the core state over them is whole blocks (:func:`fp16fx.init`)."""
+    return precision.block if precision.moments == "int8" else 1
