@@ -439,9 +439,10 @@ def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
 def grad_buffers(state: MixedPrecisionState) -> Any:
     """Returns zeroed gradients structured like ``state.params``, as views into flat buffers.
 
-    The buffers are laid out like the state's buckets, so a step reads them without copying.
-    Make them the ``.grad`` of the model's params (autograd then accumulates into them in
-    place)::
+    The buffers are laid out like the state's buckets, padding included (int8 moments pad
+    them to whole blocks; the step keeps the padding zero), so a step reads them without
+    copying. Make them the ``.grad`` of the model's params (autograd then accumulates into
+    them in place)::
 
         grads = fp16fx.grad_buffers(state)
         for p, g in zip(model.parameters(), optree.tree_leaves(grads)):
