@@ -217,13 +217,22 @@ def flat_view(
     bucket: Bucket, leaves: Sequence[Any], lo: int = 0, hi: int | None = None
 ) -> torch.Tensor | None:
     """Returns the flat tensor that leaves ``[lo, hi)`` of ``bucket`` (picked from the tree's
-    flat ``leaves``) are views of, or None (see :func:`joined`)."""
+    flat ``leaves``) are views of, or None (see :func:`joined`).
+
+    It spans the state of their segment (``bucket.stop(hi)``): after a padded bucket's last
+    leaf, the padding too, zeroed (no leaf covers it); then it is None unless the storage is
+    exactly one padded buffer of the bucket, as ``fp16fx.grad_buffers`` and
+    :class:`FlatParams` make them.
+    """
     hi = len(bucket) if hi is None else hi
-    return joined(
+    found = joined(
         [leaves[i] for i in bucket.indices[lo:hi]],
         bucket.shapes[lo:hi],
         bucket.offsets[lo : hi + 1],
     )
+    if found is None or bucket.stop(hi) == bucket.offsets[hi]:
+        return found
+    return _over_padding(bucket, found, bucket.offsets[lo])
 
 
 def joined(
@@ -259,7 +268,7 @@ def joined(
     return first.detach().as_strided((numel,), (1,), offset)
 
 
-def over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
+def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
     """Returns ``view`` (1-D: the bucket's values from offset ``start`` to its last leaf's end)
     extended over the bucket's padding, with that padding zeroed (no leaf covers it), when
     its storage is exactly one padded buffer of the bucket, as ``fp16fx.grad_buffers`` makes

@@ -77,6 +77,12 @@ class Precision:
     def compensated(self) -> bool:
         return self.master == "compensated"
 
+    @property
+    def multiple(self) -> int:
+        """The multiple of values that flat buffers are padded to: whole blocks of int8
+        moments (so that the state over them is whole blocks), else 1."""
+        return self.block if self.moments == "int8" else 1
+
 
 # -- the dither ------------------------------------------------------------------------------
 

@@ -144,7 +144,7 @@ def _segment_grads(
 ) -> list[torch.Tensor]:
     """Returns each active segment's flat gradient, over its state's span (padding
     included): a view where its grads are one flat tensor (a single leaf always is; a padded
-    bucket's last segment needs a buffer of the bucket's own, ``flat.over_padding``), else a
+    bucket's last segment needs a buffer of the bucket's own, ``flat.flat_view``), else a
     slice of the bucket's packed grads."""
     packed: dict[int, torch.Tensor] = {}
     out = []
@@ -153,8 +153,6 @@ def _segment_grads(
             continue
         bucket = layout.buckets[s.bucket]
         own = flat.flat_view(bucket, leaves, s.lo, s.hi) if s.hi - s.lo < len(bucket) else None
-        if own is not None and s.stop != s.end:
-            own = flat.over_padding(bucket, own, s.start)
         if own is None:
             if s.bucket not in packed:
                 packed[s.bucket] = _pack(bucket, leaves, scratch)
@@ -174,7 +172,7 @@ def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.
 def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:
     """Returns one flat grad per bucket when ``grads`` are views laid out like the buckets
     (every trained leaf has one, of its param's dtype and device; a padded bucket's in a
-    padded buffer of its own, ``flat.over_padding``), else None."""
+    padded buffer of its own, ``flat.flat_view``), else None."""
     layout = state.layout
     leaves, treedef = tree.flatten(grads)
     if treedef != layout.treedef:
@@ -185,10 +183,6 @@ def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | Non
         found = flat.flat_view(bucket, leaves)
         if found is None or found.dtype != bucket.dtype or found.device != device:
             return None
-        if bucket.padded != bucket.numel:
-            found = flat.over_padding(bucket, found, 0)
-            if found is None:
-                return None
         flats.append(found)
     trained = sum(len(bucket) for bucket in layout.buckets)
     given = sum(map(operator.is_not, leaves, itertools.repeat(None)))
@@ -204,8 +198,6 @@ def _pack(
     one, else a copy (into ``scratch``'s buffer for the bucket, when given)."""
     if all(leaves[i] is not None for i in bucket.indices):
         found = flat.flat_view(bucket, leaves)
-        if found is not None and bucket.padded != bucket.numel:
-            found = flat.over_padding(bucket, found, 0)
         if found is not None:
             return found
     if scratch is None:

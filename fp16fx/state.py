@@ -261,13 +261,11 @@ def init(
     if not callable(getattr(policy, "adjust", None)):
         raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
     labels = _labels(optimizer, len(leaves))
-    layout = flat.plan(leaves, treedef, labels)
-    given: list[torch.Tensor] | None = None  # padded buffers the params are already views of
-    if precision.moments == "int8":  # buckets of whole blocks: each scale is a broadcast
-        whole = flat.plan(leaves, treedef, labels, precision.block)
-        given = None if buckets else _padded_buffers(whole, leaves)
-        if buckets or given is not None:
-            layout = whole
+    # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
+    # already in them (FlatParams(..., multiple)); else the params as given.
+    layout = flat.plan(leaves, treedef, labels, precision.multiple)
+    if not buckets and any(flat.flat_view(b, leaves) is None for b in _padded(layout)):
+        layout = flat.plan(leaves, treedef, labels)
     if precision.compensated:
         _check_compensable(layout, leaves, buckets)
     if mesh is not None and precision != FP32:
@@ -282,8 +280,6 @@ def init(
     with torch.no_grad():
         if buckets:
             flats: list[Any] = flat.adopt(layout, leaves)
-        elif given is not None:
-            flats = given
         else:  # the leaves as given, as one flat tensor where they are one
             flats = [flat.flat_view(bucket, leaves) for bucket in layout.buckets]
         params_of, masters = [], []
@@ -326,18 +322,8 @@ def init(
     return state
 
 
-def _padded_buffers(layout: Layout, leaves: list[Any]) -> list[torch.Tensor] | None:
-    """Returns per bucket of ``layout`` (padded) the padded buffer its params are views of,
-    when every bucket's are (``FlatParams(..., multiple=block)`` lays them out so), else
-    None."""
-    found = []
-    for bucket in layout.buckets:
-        view = flat.flat_view(bucket, leaves)
-        whole = None if view is None else flat.over_padding(bucket, view, 0)
-        if whole is None:
-            return None
-        found.append(whole)
-    return found
+def _padded(layout: Layout) -> list[flat.Bucket]:
+    return [b for b in layout.buckets if b.padded != b.numel]
 
 
 def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:

@@ -225,7 +225,7 @@ def init_sharded(
     flat_params = FlatParams(
         [leaves[i] for i in trained],
         None if labels is None else [labels[i] for i in trained],
-        multiple=world * (precision.block if precision.moments == "int8" else 1),
+        multiple=world * precision.multiple,
     )
     sharding = Sharding(group)
     sharding.broadcast(flat_params.param_buffers)

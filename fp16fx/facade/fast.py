@@ -96,7 +96,7 @@ class FastEngine:
             self.flat = (
                 FSDPParams(params)
                 if self.fsdp
-                else FlatParams(params, self.labels, _multiple(precision))
+                else FlatParams(params, self.labels, precision.multiple)
             )
             self._state = self._init(transform, consensus, precision)
         else:
@@ -337,7 +337,7 @@ class FastEngine:
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
-        self.flat = FlatParams([*old, *params], labels, _multiple(self.state.precision))
+        self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
         self.labels, self.specs = labels, specs
         self._written = [group_values(s, g) for s, g in zip(specs, groups)]
         state = self._init(transform, self.state.consensus, self.state.precision)
@@ -495,9 +495,3 @@ class FastEngine:
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]
-
-
-def _multiple(precision: Precision) -> int:
-    """Returns the multiple the flat buffers are padded to: whole blocks with int8 moments,
-    so that the core state over them is whole blocks (:func:`fp16fx.init`)."""
-    return precision.block if precision.moments == "int8" else 1
