@@ -217,7 +217,10 @@ def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
     )
 
 
-def _check_precision(saved: Any) -> Precision:
+def saved_precision(sd: Mapping[str, Any]) -> Precision:
+    """Returns the precision state dict ``sd`` was saved in (FP32 masters and moments for a
+    dict saved before compact precision); raises StateDictError naming a malformed one."""
+    saved = sd.get("precision", precision_dict(Precision()))
     try:
         return Precision(**saved)
     except (TypeError, ValueError) as err:
@@ -254,8 +257,9 @@ def _decode_leaf(
     return decode_moment(stored, codes.dtype == torch.uint8, block)[start:].view(codes.shape)
 
 
-def _canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
-    """Returns :func:`canonical` of every leaf entry; raises naming a malformed one."""
+def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
+    """Returns :func:`canonical` of every leaf entry of a state dict's ``params`` saved with
+    int8 blocks of ``block`` values; raises StateDictError naming a malformed one."""
     out = {}
     for path, entry in params.items():
         where = f"['params'][{path!r}]"
@@ -305,15 +309,15 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
-    saved = _check_precision(sd.get("precision", precision_dict(Precision())))
+    saved = saved_precision(sd)
     if not isinstance(sd.get("params"), Mapping):
         raise _fail("it has no ['params'] dict")
     template = state_dict(state)
-    mine = {**template, "params": _canonical_params(template["params"], state.precision.block)}
+    mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
     theirs = {
         **sd,
         "precision": template["precision"],
-        "params": _canonical_params(sd["params"], saved.block),
+        "params": canonical_params(sd["params"], saved.block),
     }
     check_fits(mine, theirs)
     paths = leaf_paths(state)
@@ -333,7 +337,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
                         if not key.endswith(".offset"):
                             dst.copy_(sd["params"][path][key])
         else:
-            _store(state, canon)
+            store(state, canon)
         # An FP32 param kept as a leaf of its own has an FP32 master copy: it is the param.
         if not state.precision.compensated:
             for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
@@ -363,9 +367,10 @@ def _block_restarts(
     return marks
 
 
-def _store(state: MixedPrecisionState, entries: list[Any]) -> None:
-    """Writes FP32-terms leaf entries (:func:`canonical`) into ``state``, segment by segment,
-    encoding them in the state's precision (to nearest)."""
+def store(state: MixedPrecisionState, entries: list[Any]) -> None:
+    """Writes FP32-terms entries (:func:`canonical`), one per flat param leaf of ``state``,
+    into its tensors segment by segment, encoding them in the state's precision (to nearest;
+    a compensated master from the entry's param wherever its correction reaches)."""
     layout, precision = state.layout, state.precision
     opt = named_segments(state.opt_state)
     params = tree.flatten(state.params)[0]

@@ -1,5 +1,6 @@
 """``FP16_Optimizer(shard=True)`` on CPU/gloo: 2 and 4 processes, uneven last slices, an inf on
-one rank, an LR scheduler, checkpoints saved at d=2 and loaded at d=4 and unsharded, memory."""
+one rank, an LR scheduler, checkpoints saved at d=2 and loaded at d=4 and unsharded, memory;
+compact precision sharded (d=2)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.test_distributed import results, spawn
 
 STEPS, SAVE_AT, INF_AT, BATCH = 20, 10, 7, 4
 LR = {"adam": 1e-2, "sgd": 0.02}
+COMPACT = {"master": "compensated", "moments": "int8"}
 
 
 class Net(nn.Module):
@@ -101,6 +103,29 @@ def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
     return train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"]
 
 
+def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Compensated masters and int8 moments, sharded: trains to SAVE_AT and saves every
+    rank's dict; a second optimizer, on a second model, resumes from them; both run on."""
+    model = Net()
+    opt = make_optimizer(model, "adam", shard=True, **COMPACT)
+    train(model, opt, range(SAVE_AT), "same", 1)
+    torch.save(opt.state_dict(), out / f"compact_rank{rank}.pt")
+    if rank == 0:
+        torch.save(model.state_dict(), out / "compact_model.pt")
+    dist.barrier()  # every file is written
+    resumed_model = Net()
+    resumed_model.load_state_dict(torch.load(out / "compact_model.pt", weights_only=True))
+    resumed = make_optimizer(resumed_model, "adam", shard=True, **COMPACT)
+    resumed.load_state_dict(
+        [torch.load(out / f"compact_rank{r}.pt", weights_only=True) for r in range(world)]
+    )
+    return {
+        "run": train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"],
+        "resumed": train(resumed_model, resumed, range(SAVE_AT, STEPS), "same", 1)["params"],
+        "memory": memory(shard=True, **COMPACT),
+    }
+
+
 def kept_bytes(opt: FP16_Optimizer) -> int:
     """Returns the bytes of every tensor the facade keeps between steps."""
     engine = opt._engine
@@ -108,9 +133,10 @@ def kept_bytes(opt: FP16_Optimizer) -> int:
     return fdist.persistent_bytes(engine.state, buffers)
 
 
-def memory(shard: bool) -> float:
+def memory(shard: bool, **precision: str) -> float:
     model = nn.Linear(1024, 1024).half()
-    opt = FP16_Optimizer(torch.optim.Adam(model.parameters()), compiled=False, shard=shard)
+    inner = torch.optim.Adam(model.parameters())
+    opt = FP16_Optimizer(inner, compiled=False, shard=shard, **precision)
     opt.backward(model(torch.randn(2, 1024).half()).float().sum())
     opt.step()
     return kept_bytes(opt) / sum(p.numel() for p in model.parameters())
@@ -147,6 +173,7 @@ def worker(rank: int, world: int, out: str) -> None:
     if world == 2:
         found["compiled"] = versus_unsharded(rank, world, "adam", compiled=True)
         found["refusals"] = refusals(rank, world)
+        found["compact"] = compact_run(rank, world, Path(out))
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -254,3 +281,47 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert found["untouched"]
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
+
+
+def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(runs):
+    """Compensated masters and int8 moments, sharded at d=2: the ranks stay equal, a run
+    resumed from the ranks' dicts steps bitwise like the run that saved them, and both track
+    an unsharded compact run (the global norm that clips is summed in another order)."""
+    model = Net()
+    opt = make_optimizer(model, "adam", process_group=None, **COMPACT)
+    unsharded = train(model, opt, range(STEPS), "same", 1)["params"]
+    first = runs[2][0]["compact"]
+    for r in runs[2]:
+        for ours, resumed, rank0 in zip(r["compact"]["run"], r["compact"]["resumed"], first["run"]):
+            assert torch.equal(ours, rank0)
+            assert torch.equal(ours, resumed)
+    for ours, theirs in zip(first["run"], unsharded):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
+
+
+def test_a_compact_sharded_checkpoint_consolidates_into_an_unsharded_compact_optimizer(runs):
+    """The consolidated dict is apex's format, decoded to FP32; an unsharded compact optimizer
+    loads it and gives back the same masters and moments, bitwise (its int8 blocks are the
+    bucket's, as the ranks' were), and the count its rounding reads."""
+    shards = [torch.load(runs["dir"] / f"compact_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    whole = consolidate_state_dict(shards)
+    assert int(whole["applied_steps"]) == SAVE_AT
+    model = Net()
+    model.load_state_dict(torch.load(runs["dir"] / "compact_model.pt", weights_only=True))
+    opt = make_optimizer(model, "adam", process_group=None, **COMPACT)
+    opt.load_state_dict(whole)
+    again = opt.state_dict()
+    assert int(again["applied_steps"]) == SAVE_AT
+    for ours, theirs in zip(again["fp32_from_fp16"][0], whole["fp32_from_fp16"][0]):
+        assert torch.equal(ours, theirs)
+    saved = whole["optimizer_state_dict"]["state"]
+    for key, entry in again["optimizer_state_dict"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(entry[name]), torch.as_tensor(saved[key][name]))
+
+
+def test_compact_sharded_memory_is_4_plus_3_over_d_bytes_per_param(runs):
+    """FP16 param and grad whole (4 B), a 1-byte correction and two 1-byte moments and their
+    scales (8 B per 256 values) for this rank's half."""
+    for r in runs[2]:
+        assert r["compact"]["memory"] == pytest.approx(4 + (3 + 8 / 256) / 2, abs=1e-3)

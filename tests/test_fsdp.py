@@ -298,6 +298,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     catch("mixed", lambda: fp16fx.init({**params, "extra": torch.ones(3)}, fp16fx.adamw(LR)))
     catch("buckets", lambda: fp16fx.init(params, fp16fx.adamw(LR), buckets=True))
     catch("shard", lambda: facade(model, shard=True))
+    catch("compact", lambda: facade(model, master="compensated", moments="int8"))
     plain = fp16fx.init({k: dtensors.local(p).clone() for k, p in params.items()}, fp16fx.sgd(1))
     model.zero_grad()
     loss_of(model, 0, rank, world).backward()
@@ -466,6 +467,7 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
         assert "extra" in r["mixed"] and "plain" in r["mixed"]
         assert "buckets=False" in r["buckets"]
         assert "FSDP2 shards" in r["shard"]
+        assert "does not run on FSDP2 params" in r["compact"] and "compensated" in r["compact"]
         assert "not made from DTensor params" in r["dtensor_grads_to_plain_state"]
         assert "2.bias" in r["partial_grad"] and "Partial" in r["partial_grad"]
         assert r["unchanged"] == "True"

@@ -153,14 +153,18 @@ def _leaf_part(key: str, value: torch.Tensor, start: int, shape: tuple, block: i
     return value if value.ndim == 0 else value[start:end].view(shape)
 
 
-def template(state: ShardedState) -> dict[str, Any]:
-    """Returns the unsharded state dict ``state`` would have, with meta tensors as values."""
+def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
+    """Returns the unsharded state dict ``state`` would have, with meta tensors as values;
+    ``canonical``: its entries in FP32 terms (``fp16fx.checkpoint.canonical``), the form a
+    checkpoint saved in another precision is checked and loaded in."""
     mine = checkpoint.state_dict(state.shard)
     block = state.shard.precision.block
     paths = _leaf_paths(state)
     params = {}
     for b, bucket in enumerate(state.buckets):
         slice_entry = mine["params"][str(b)]
+        if canonical:
+            slice_entry = checkpoint.canonical(slice_entry, block)
         for k, i in enumerate(bucket.indices):
             start, end = bucket.offsets[k], bucket.offsets[k + 1]
             params[paths[state.trained[i]]] = {
@@ -191,6 +195,12 @@ def load_state_dict(
     :func:`consolidate` of a sharded run at any world size), or the list of every rank's
     dicts. Each rank writes the whole params and cuts its own slices of the rest.
 
+    A dict saved in the state's precision whose int8 blocks start where the state's do (any
+    sharded run's, or an unsharded one's whose blocks did not restart inside a bucket) loads
+    bitwise. Any other -- saved in another precision, or with blocks restarting where params
+    missed gradients -- is decoded to FP32 and encoded into the state's precision, rounded to
+    nearest, as ``fp16fx.load_state_dict`` does.
+
     Raises:
       ValueError (StateDictError): the checkpoint does not fit -- another optimizer, policy or
         params, a rank missing, or params of one bucket saved with different step counts (a
@@ -198,57 +208,100 @@ def load_state_dict(
     """
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
-    mine = checkpoint.precision_dict(state.shard.precision)
-    saved = sd.get("precision", mine)  # dicts saved before compact precision hold FP32
-    if saved != mine:
-        raise checkpoint.StateDictError(
-            f"the state dict does not fit this state: it was saved in precision {saved}, a "
-            f"sharded state loads {mine} only; load it into an unsharded state "
-            "(fp16fx.load_state_dict), which converts between precisions"
-        )
-    sd = {**sd, "precision": mine}
-    checkpoint.check_fits(template(state), sd)
-    block = state.shard.precision.block
+    saved, precision = checkpoint.saved_precision(sd), state.shard.precision
+    if saved == precision:
+        checkpoint.check_fits(template(state), sd)
+        entries = sd["params"]
+    else:
+        if not isinstance(sd.get("params"), Mapping):
+            raise checkpoint.StateDictError("the state dict has no ['params'] dict")
+        entries = checkpoint.canonical_params(sd["params"], saved.block)
+        converted = {**sd, "precision": checkpoint.precision_dict(precision), "params": entries}
+        checkpoint.check_fits(template(state, canonical=True), converted)
     paths = _leaf_paths(state)
-    per_bucket = []
-    for bucket in state.buckets:
-        saved = [sd["params"][paths[state.trained[i]]] for i in bucket.indices]
-        counts = {checkpoint.leaf_scalars(entry) for entry in saved}
+    per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
+    for bucket, saved_entries in zip(state.buckets, per_bucket):
+        counts = {checkpoint.leaf_scalars(entry) for entry in saved_entries}
         if len(counts) > 1:
             raise checkpoint.StateDictError(
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
-        for start, entry in zip(bucket.offsets, saved):
-            offsets = [int(v) for key, v in entry.items() if key.endswith(".offset")]
-            if any(offset != start % block for offset in offsets):
-                raise checkpoint.StateDictError(
-                    "its int8 moments' blocks restart inside a flat bucket (the state was cut "
-                    "where params missed gradients); a sharded state keeps one run of blocks "
-                    "per bucket: load it into an unsharded state (fp16fx.load_state_dict)"
-                )
-        per_bucket.append(saved)
-    mine = checkpoint.per_leaf(state.shard)
     with torch.no_grad():
-        for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
-            mine_slice = state.sharding.slice(bucket)
-            for key, dst in mine[b].items():
-                if key.endswith(".offset"):  # 0: every slice starts a block
-                    continue
-                if dst.ndim == 0:
-                    dst.copy_(saved[0][key])
-                elif key.endswith(".scales"):
-                    # Blocks of padding alone are in no leaf's entry.
-                    full = dst.new_full((bucket.padded // block,), ZERO_BLOCK_SCALE)
-                    for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
-                        full[checkpoint.blocks_of(start, end, block)] = entry[key]
-                    dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
-                else:
-                    full = torch.zeros(bucket.padded, dtype=dst.dtype, device=dst.device)
-                    for view, entry in zip(flat.views(bucket, full), saved):
-                        view.copy_(entry[key])
-                    if key == "param":
-                        state.flat.param_buffers[b].copy_(full)
-                    else:
-                        dst.copy_(full[mine_slice])
+        if saved == precision and _blocks_start_alike(state, per_bucket):
+            _copy_as_stored(state, per_bucket)
+        else:
+            block = saved.block
+            canonical = [[checkpoint.canonical(e, block) for e in es] for es in per_bucket]
+            _store_converted(state, canonical)
         checkpoint.load_shared(state.shard, sd)
+
+
+def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> bool:
+    """Whether every saved int8 moment's ``.offset`` is where the state's blocks put its
+    param: each bucket one run of blocks from its start."""
+    block = state.shard.precision.block
+    return all(
+        int(value) == start % block
+        for bucket, saved in zip(state.buckets, per_bucket)
+        for start, entry in zip(bucket.offsets, saved)
+        for key, value in entry.items()
+        if key.endswith(".offset")
+    )
+
+
+def _joined(
+    bucket: flat.Bucket, saved: list[Mapping[str, Any]], key: str, like: torch.Tensor
+) -> torch.Tensor:
+    """Returns the saved leaves' ``key`` joined into one padded bucket of ``like``'s dtype and
+    device (the padding zero)."""
+    full = torch.zeros(bucket.padded, dtype=like.dtype, device=like.device)
+    for view, entry in zip(flat.views(bucket, full), saved):
+        view.copy_(entry[key])
+    return full
+
+
+def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
+    """Copies saved entries in the state's own format into this rank's slices (bitwise)."""
+    block = state.shard.precision.block
+    mine = checkpoint.per_leaf(state.shard)
+    for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
+        mine_slice = state.sharding.slice(bucket)
+        for key, dst in mine[b].items():
+            if key.endswith(".offset"):  # 0: every slice starts a block
+                continue
+            if dst.ndim == 0:
+                dst.copy_(saved[0][key])
+            elif key.endswith(".scales"):
+                # Blocks of padding alone are in no leaf's entry.
+                full = dst.new_full((bucket.padded // block,), ZERO_BLOCK_SCALE)
+                for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
+                    full[checkpoint.blocks_of(start, end, block)] = entry[key]
+                dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
+            else:
+                full = _joined(bucket, saved, key, dst)
+                if key == "param":
+                    state.flat.param_buffers[b].copy_(full)
+                else:
+                    dst.copy_(full[mine_slice])
+
+
+def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
+    """Writes saved entries in FP32 terms into the whole params and this rank's slices,
+    encoded in the state's precision by ``fp16fx.checkpoint.store`` (the bucket's padding
+    zero)."""
+    slices = []
+    for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
+        mine_slice = state.sharding.slice(bucket)
+        entry = {}
+        for key, value in saved[0].items():
+            if value.ndim == 0:  # a step count: one per bucket (checked)
+                entry[key] = value
+                continue
+            like = state.flat.param_buffers[b].new_empty(0, dtype=value.dtype)
+            full = _joined(bucket, saved, key, like)
+            if key == "param":
+                state.flat.param_buffers[b].copy_(full)
+            entry[key] = full[mine_slice]
+        slices.append(entry)
+    checkpoint.store(state.shard, slices)

@@ -36,12 +36,14 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
+from fp16fx import checkpoint
 from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import Scaler, scaler_to_dict
+from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale
 
 KEYS = (
@@ -152,7 +154,11 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
     full = fdist.consolidate([d["shard"] for d in shards])
     first = shards[0]
     groups, trainable = first["param_groups"], first["trainable"]
-    leaves = [full["params"][str(k)] for k in range(len(full["params"]))]
+    precision = checkpoint.saved_precision(full)
+    leaves = [
+        checkpoint.canonical(full["params"][str(k)], precision.block)
+        for k in range(len(full["params"]))
+    ]
     keys = [pid for pids in trainable for pid in pids]
     state = torch_state.export(leaves, keys, [None] * len(leaves))
     rest = iter(leaves)
@@ -160,8 +166,12 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
         [leaf["master"] for leaf in itertools.islice(rest, len(pids)) if "master" in leaf]
         for pids in trainable
     ]
+    # A compact run's rounding reads the count; its blocks are one run per bucket, as the
+    # step counts imply, so it needs no param_segments.
+    steps = {"applied_steps": full["count"]} if precision != Precision() else {}
     return {
         **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
         "optimizer_state_dict": {"state": state, "param_groups": groups},
         "fp32_from_fp16": masters,
+        **steps,
     }

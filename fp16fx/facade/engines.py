@@ -75,14 +75,13 @@ def build_engine(
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
-    ``precision`` other than FP32 masters and moments needs the fast engine, unsharded.
+    ``precision`` other than FP32 masters and moments needs the fast engine (sharded or not),
+    and no FSDP2 params.
     """
     engine: Engine | None = None
     compact = f"master={precision.master!r}, moments={precision.moments!r}"
     if precision != FP32 and path == "generic":
         raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
-    if precision != FP32 and shard is not NOT_SHARDED:
-        raise ValueError(f"{compact} does not shard: use shard=False, or FP32 masters and moments")
     _, mesh, group = dtensors.local_shards([p for params in trainable for p in params])
     if mesh is not None and precision != FP32:
         raise ValueError(f"{compact} does not run on FSDP2 params: use FP32 masters and moments")
@@ -101,7 +100,13 @@ def build_engine(
     if shard is not NOT_SHARDED:
         try:
             engine = FastEngine(
-                optimizer, trainable, scaler, compiled=compiled, names=names, shard=shard
+                optimizer,
+                trainable,
+                scaler,
+                compiled=compiled,
+                names=names,
+                shard=shard,
+                precision=precision,
             )
         except Unsupported as err:  # raised before anything changed
             raise ValueError(f"shard=... needs the fast path, which cannot run: {err}") from None

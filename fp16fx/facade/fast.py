@@ -100,7 +100,14 @@ class FastEngine:
             )
             self._state = self._init(transform, consensus, precision)
         else:
-            self.sharded = fdist.init_sharded(params, transform, scaler.policy, group=shard)
+            self.sharded = fdist.init_sharded(
+                params,
+                transform,
+                scaler.policy,
+                group=shard,
+                master=precision.master,
+                moments=precision.moments,
+            )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
         self._written = [group_values(s, g) for s, g in zip(specs, groups)]
@@ -242,7 +249,7 @@ class FastEngine:
         if self.sharded is None:
             template = checkpoint.state_dict(self.state)
         else:
-            template = fdist.checkpoint.template(self.sharded)
+            template = fdist.checkpoint.template(self.sharded, canonical=True)
         paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
         params = {}
         block = self.state.precision.block
