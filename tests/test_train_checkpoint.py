@@ -155,6 +155,36 @@ def test_interrupted_run_resumes_exactly_with_the_cosine_schedule(
     assert_same_state(whole, crashed)
 
 
+COMPACT = ("--master", "compensated", "--moments", "int8")
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("direction", ["fp32 to compact", "compact to fp32"])
+def test_a_checkpoint_resumes_in_another_precision(capsys, tmp_path, api, direction) -> None:
+    """An epoch saved with FP32 masters and moments resumes with compensated masters and int8
+    moments, or the reverse: the optimizer state is converted, the second epoch trains with
+    no skipped step, and the new checkpoint holds and records the new precision."""
+    first, then = ((), COMPACT) if direction == "fp32 to compact" else (COMPACT, ())
+    path = str(tmp_path / "ck.pt")
+    common = ("--api", api, "--lr-schedule", "constant", *SMALL)
+    assert train_cli(capsys, *common, *first, "--epochs", "1", "--save", path)[0] == 0
+    code, out, err = train_cli(
+        capsys, *common, *then, "--epochs", "2", "--resume", path, "--save", path
+    )
+    assert code == 0, err
+    assert "0 / 10" in out  # both epochs summarized, no step skipped
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["epoch"] == 2
+    master, moments = ("compensated", "int8") if then else ("fp32", "fp32")
+    assert (ckpt["run"]["master"], ckpt["run"]["moments"]) == (master, moments)
+    keys = leaves(ckpt["stepper"]["optimizer"])
+    if api == "functional":
+        assert ckpt["stepper"]["optimizer"]["precision"]["master"] == master
+        assert any(key.endswith("/correction") for key in keys) == bool(then)
+    else:  # apex's format, in FP32 terms; a compact state adds the count its rounding reads
+        assert ("/applied_steps" in keys) == bool(then)
+
+
 def test_functional_checkpoint_weights_load_into_a_plain_module(capsys, tmp_path) -> None:
     path = str(tmp_path / "ck.pt")
     assert train_cli(capsys, "--api", "functional", "--epochs", "1", "--save", path, *SMALL)[0] == 0

@@ -33,13 +33,20 @@ __all__ = [
     "check_writable",
     "load_checkpoint",
     "save_atomic",
+    "saved_precision",
 ]
 
 FORMAT = "fp16fx.train/2"
 _REQUIRED = ("format", "run", "epoch", "stepper", "rng", "history")
 
-#: The value of a ``run`` entry that checkpoints written before it existed hold implicitly.
-_RUN_DEFAULTS = {"master": "fp32", "moments": "fp32"}
+#: The precision of checkpoints written before their ``run`` recorded one.
+_PRECISION_DEFAULTS = {"master": "fp32", "moments": "fp32"}
+
+
+def saved_precision(ckpt: dict[str, Any]) -> dict[str, str]:
+    """Returns the ``master`` and ``moments`` a checked checkpoint was written with (FP32 for
+    one written before its ``run`` recorded them)."""
+    return {key: ckpt["run"].get(key, value) for key, value in _PRECISION_DEFAULTS.items()}
 
 
 class CheckpointError(ValueError):
@@ -110,9 +117,8 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     """Returns the checkpoint at ``path`` after checking that it was written for ``run``.
 
     Loads with ``torch.load(weights_only=True)`` onto the CPU. ``run`` holds the settings that
-    decide the shape of the state (model, dataset, API, loss-scale kind); each must equal the
-    checkpoint's; a checkpoint without ``master`` or ``moments`` (written before they existed)
-    holds FP32 ones.
+    decide the shape of the state (model, dataset, API, seed); each must equal the
+    checkpoint's.
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
@@ -136,7 +142,7 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     saved_run = ckpt["run"]
     for key, value in run.items():
-        saved = saved_run.get(key, _RUN_DEFAULTS.get(key))
+        saved = saved_run.get(key)
         if saved != value:
             raise CheckpointError(
                 f"checkpoint {path} was written with --{key.replace('_', '-')} "

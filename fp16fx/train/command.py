@@ -179,7 +179,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write a checkpoint after every epoch")
-    out.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
+    out.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from this checkpoint (of the same --model, --dataset, --api and --seed; "
+        "one written with another --master or --moments has its optimizer state converted)",
+    )
     out.add_argument(
         "--plot", metavar="FILE.png", help="save loss/accuracy/loss-scale curves (matplotlib)"
     )

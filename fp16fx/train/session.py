@@ -85,17 +85,15 @@ class TrainConfig:
         """Returns the settings a checkpoint must share with this session to be resumed.
 
         The seed is one: a resumed run continues the checkpoint's random streams (batch
-        order, augmentation), so a different ``--seed`` would be printed but not used. So is
-        the precision (``master``, ``moments``): it decides what the optimizer state holds.
+        order, augmentation), so a different ``--seed`` would be printed but not used. The
+        precision (``master``, ``moments``) is not: a checkpoint resumes in another one,
+        its optimizer state converted (docs/precision.md, "Checkpoints").
         """
-        return {
-            "model": self.model,
-            "dataset": self.dataset,
-            "api": self.api,
-            "seed": self.seed,
-            "master": self.master,
-            "moments": self.moments,
-        }
+        return {"model": self.model, "dataset": self.dataset, "api": self.api, "seed": self.seed}
+
+    def precision(self) -> dict[str, str]:
+        """Returns the precision flags, recorded in a checkpoint beside :meth:`identity`."""
+        return {"master": self.master, "moments": self.moments}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +280,13 @@ def _run(
         logger.info("%s", line)
     if resume_from is not None:
         logger.info("resumed from %s after epoch %d", config.resume, len(history.epochs))
+        saved = checkpoint.saved_precision(resume_from)
+        if saved != config.precision():
+            logger.info(
+                "converted its optimizer state from --master %s --moments %s to --master %s "
+                "--moments %s (masters and moments rounded to nearest: docs/precision.md)",
+                saved["master"], saved["moments"], config.master, config.moments,
+            )  # fmt: skip
 
     def save(epochs_done: int, history: History) -> None:
         if save_to is None:
@@ -289,7 +294,7 @@ def _run(
         checkpoint.save_atomic(
             {
                 "format": checkpoint.FORMAT,
-                "run": config.identity(),
+                "run": {**config.identity(), **config.precision()},
                 "epoch": epochs_done,
                 "stepper": stepper.state_dict(),
                 "rng": _rng_state(generator, device),

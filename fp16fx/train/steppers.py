@@ -399,12 +399,12 @@ class FunctionalStepper(Stepper):
             if name not in model_state:
                 raise StateMismatchError(f"the model weights lack buffer {name!r}")
             _check_like(name, model_state[name], dst)
+        # Checked whole before anything is written, then copied into the existing tensors
+        # (the compiled step keeps them); another precision's state is converted.
         try:
-            fp16fx.checkpoint.check_fits(fp16fx.state_dict(self.state), opt_state)
+            self.state = fp16fx.load_state_dict(self.state, opt_state)
         except (ValueError, TypeError) as exc:
             raise StateMismatchError(str(exc)) from None
-        # Everything fits: copy into the existing tensors (the compiled step keeps them).
-        self.state = fp16fx.load_state_dict(self.state, opt_state)
         with torch.no_grad():
             for name, dst in self.buffers.items():
                 dst.copy_(model_state[name])
