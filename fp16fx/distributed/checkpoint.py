@@ -253,9 +253,9 @@ def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> boo
 def _joined(
     bucket: flat.Bucket, saved: list[Mapping[str, Any]], key: str, like: torch.Tensor
 ) -> torch.Tensor:
-    """Returns the saved leaves' ``key`` joined into one padded bucket of ``like``'s dtype and
-    device (the padding zero)."""
-    full = torch.zeros(bucket.padded, dtype=like.dtype, device=like.device)
+    """Returns the saved leaves' ``key`` joined into one padded bucket (the padding zero),
+    with the dtype of ``saved``'s and the device of ``like``."""
+    full = torch.zeros(bucket.padded, dtype=saved[0][key].dtype, device=like.device)
     for view, entry in zip(flat.views(bucket, full), saved):
         view.copy_(entry[key])
     return full
@@ -298,8 +298,7 @@ def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
             if value.ndim == 0:  # a step count: one per bucket (checked)
                 entry[key] = value
                 continue
-            like = state.flat.param_buffers[b].new_empty(0, dtype=value.dtype)
-            full = _joined(bucket, saved, key, like)
+            full = _joined(bucket, saved, key, state.flat.param_buffers[b])
             if key == "param":
                 state.flat.param_buffers[b].copy_(full)
             entry[key] = full[mine_slice]

@@ -140,15 +140,16 @@ class FP16_Optimizer(torch.optim.Optimizer):
       shard: ``True`` (the world group) or a process group: ZeRO-1 sharding with
         ``fp16fx.distributed``'s sharded state (docs/distributed.md). Each of d ranks keeps the
         whole FP16 params and grads but only its 1/d of the FP32 masters and moments (Adam:
-        4 + 12/d bytes per param instead of 16). Do not wrap the model in DDP: ``step()``
-        averages the ranks' grads itself (reduce-scatter), steps its slice (skip and global
-        norm agreed by all ranks) and all-gathers the params, so every rank ends with the same
-        params; they are broadcast from the first rank when it is built. Fast path only
-        (SGD/Adam/AdamW). ``clip_master_grads`` is then a collective (every rank calls it);
-        every trained param needs a gradient in every step; ``state`` and
-        ``inspect_master_grad_data()`` raise (no rank holds them whole); ``param_groups``
-        keep the model's params; ``state_dict()`` is this rank's shard, and
-        ``load_state_dict`` takes every rank's dicts (any world size) or an apex-format dict
+        4 + 12/d bytes per param instead of 16; 4 + 3/d with ``master="compensated",
+        moments="int8"``). Do not wrap the model in DDP: ``step()`` averages the ranks' grads
+        itself (reduce-scatter), steps its slice (skip and global norm agreed by all ranks)
+        and all-gathers the params, so every rank ends with the same params; they are
+        broadcast from the first rank when it is built. Fast path only (SGD/Adam/AdamW).
+        ``clip_master_grads`` is then a collective (every rank calls it); every trained param
+        needs a gradient in every step; ``state`` and ``inspect_master_grad_data()`` raise
+        (no rank holds them whole); ``param_groups`` keep the model's params;
+        ``state_dict()`` is this rank's shard, and ``load_state_dict`` takes every rank's
+        dicts (any world size) or an apex-format dict
         (:func:`fp16fx.facade.consolidate_state_dict` makes one).
       master, moments: how the state is stored between steps (docs/precision.md).
         ``master="compensated"`` keeps no FP32 copy: each FP16/BF16 param plus a short
