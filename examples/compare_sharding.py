@@ -11,6 +11,9 @@ Modes (every one trains the same MLP with ``FP16_Optimizer(torch.optim.AdamW(...
   of the masters and moments (at d = 1: the unsharded facade).
 * ``fsdp2``: FP32 params sharded by ``fully_shard`` (their own masters), FP16 compute.
 
+``--masters compensated --moments int8`` (``ddp`` and ``sharded``) stores the optimizer state
+compactly (docs/precision.md): no FP32 copy of the params, 1-byte moments.
+
 Bytes: every distinct tensor storage a rank holds between steps -- the model's params and
 grads (local shards under FSDP2) and the optimizer's fp16fx state -- divided by the model's
 param count. DDP's own gradient buckets (2 more bytes per FP16 param) and FSDP2's transient
@@ -41,7 +44,9 @@ import fp16fx
 import fp16fx.distributed
 
 
-def build(mode: str, width: int, depth: int) -> tuple[nn.Module, fp16fx.FP16_Optimizer]:
+def build(
+    mode: str, width: int, depth: int, master: str, moments: str
+) -> tuple[nn.Module, fp16fx.FP16_Optimizer]:
     torch.manual_seed(0)
     layers = [nn.Linear(width, width) for _ in range(depth)]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
@@ -56,7 +61,10 @@ def build(mode: str, width: int, depth: int) -> tuple[nn.Module, fp16fx.FP16_Opt
         wrapped = DDP(model) if mode == "ddp" else model
     shard = mode == "sharded" and dist.get_world_size() > 1
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return wrapped, fp16fx.FP16_Optimizer(inner, dynamic_loss_scale=True, shard=shard)
+    opt = fp16fx.FP16_Optimizer(
+        inner, dynamic_loss_scale=True, shard=shard, master=master, moments=moments
+    )
+    return wrapped, opt
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +119,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="samples per rank")
     parser.add_argument("--steps", type=int, default=10)
+    # --masters, not --master: torchrun reads --master as its --master-addr.
+    parser.add_argument("--masters", choices=["fp32", "compensated"], default="fp32")
+    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
     parser.add_argument(
         "--check-pass",
         action="store_true",
@@ -119,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    model, opt = build(args.mode, args.width, args.depth)
+    model, opt = build(args.mode, args.width, args.depth, args.masters, args.moments)
     n = args.width * (args.width + 1) * args.depth
     dtype = torch.float32 if args.mode == "fsdp2" else torch.float16
     x = torch.randn(args.batch, args.width).to(dtype)
@@ -146,7 +157,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         bytes_per_param = max(r[0] for r in per_rank)
         ms, step_ms = max(r[1] for r in per_rank), max(r[2] for r in per_rank)
-        print(f"{args.mode} d={world} params={n:,}: {bytes_per_param:.2f} bytes/param/rank, "
+        precision = f" (masters {args.masters}, moments {args.moments})"
+        print(f"{args.mode}{precision} d={world} params={n:,}: "
+              f"{bytes_per_param:.2f} bytes/param/rank, "
               f"{ms:.1f} ms/step of which {step_ms:.1f} ms in optimizer.step() "
               f"(path {opt.path}, skipped {opt.skipped_steps})")  # fmt: skip
     if args.mode == "fsdp2" and args.check_pass:

@@ -243,7 +243,7 @@ def test_fp16fx_train_runs_in_compact_precision():
     for api in ("facade", "functional"):
         code = command.main(
             [
-                "--api", api, "--master", "compensated", "--moments", "int8",
+                "--api", api, "--masters", "compensated", "--moments", "int8",
                 "--epochs", "1", "--limit", "64", "--no-compile", "--batch-size", "32",
             ]
         )  # fmt: skip

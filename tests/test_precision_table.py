@@ -93,10 +93,11 @@ def test_train_precision_flags_reach_the_config_and_default_to_fp32() -> None:
     command.add_arguments(parser)
     config = command.config_from_args(parser.parse_args([]))
     assert (config.master, config.moments) == ("fp32", "fp32")
-    assert config.identity()["master"] == "fp32"
-    args = parser.parse_args(["--master", "compensated", "--moments", "int8"])
-    config = command.config_from_args(args)
-    assert (config.master, config.moments) == ("compensated", "int8")
+    assert config.precision() == {"master": "fp32", "moments": "fp32"}
+    for spelling in ("--masters", "--master"):  # --masters passes through torchrun
+        args = parser.parse_args([spelling, "compensated", "--moments", "int8"])
+        config = command.config_from_args(args)
+        assert (config.master, config.moments) == ("compensated", "int8")
     with pytest.raises(SystemExit):
         parser.parse_args(["--moments", "fp8"])
 

@@ -155,7 +155,7 @@ def test_interrupted_run_resumes_exactly_with_the_cosine_schedule(
     assert_same_state(whole, crashed)
 
 
-COMPACT = ("--master", "compensated", "--moments", "int8")
+COMPACT = ("--masters", "compensated", "--moments", "int8")
 
 
 @pytest.mark.parametrize("api", APIS)

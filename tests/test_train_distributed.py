@@ -153,9 +153,12 @@ def test_nproc_per_node_trains_and_only_rank_0_reports(tmp_path) -> None:
 
 
 def test_torchrun_runs_the_functional_api(tmp_path) -> None:
+    """In compact precision: ``--masters`` passes through torchrun's parser (which reads
+    ``--master`` as its own ``--master-addr``)."""
     done = run_command(
         *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         *("-m", "fp16fx.train", "--api", "functional", *SMALL),
+        *("--masters", "compensated", "--moments", "int8"),
         cwd=tmp_path,
     )
     rows = summary_rows(done.stdout)
@@ -163,6 +166,7 @@ def test_torchrun_runs_the_functional_api(tmp_path) -> None:
     assert rows["processes"] == "2, in sync"
     assert float(rows["test accuracy"].rstrip("%")) > 20  # it learned (10 classes)
     assert "; fp16fx.distributed.average_grads" in done.stdout
+    assert "compensated master, int8 moments" in done.stdout
 
 
 def test_fsdp_trains_the_default_task_sharded(tmp_path) -> None:

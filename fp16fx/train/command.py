@@ -131,12 +131,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dynamic loss scaling (default) or a static scale such as 128",
     )
     how.add_argument(
-        "--master",
+        "--masters",
+        "--master",  # the API's name; torchrun's parser takes it for --master-addr
+        dest="master",
         choices=MASTERS,
         default=MASTERS[0],
         help="fp32: an FP32 master copy of every FP16 param (default); compensated: no FP32 "
         "copy, the FP16 param plus an int8 correction carry the master (with --api "
-        "functional the params then move into flat buckets)",
+        "functional the params then move into flat buckets). Under torchrun spell it "
+        "--masters: torchrun reads --master as an abbreviation of its --master-addr",
     )
     how.add_argument(
         "--moments",
@@ -183,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume",
         metavar="PATH",
         help="continue from this checkpoint (of the same --model, --dataset, --api and --seed; "
-        "one written with another --master or --moments has its optimizer state converted)",
+        "one written with other --masters or --moments has its optimizer state converted)",
     )
     out.add_argument(
         "--plot", metavar="FILE.png", help="save loss/accuracy/loss-scale curves (matplotlib)"

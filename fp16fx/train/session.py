@@ -228,7 +228,7 @@ def _check(config: TrainConfig) -> None:
     if config.lr is not None and not config.lr > 0:
         raise SetupError(f"--lr must be > 0, got {config.lr}")
     if config.fsdp and (config.master, config.moments) != ("fp32", "fp32"):
-        raise SetupError("--fsdp trains FP32 masters and moments: drop --master/--moments")
+        raise SetupError("--fsdp trains FP32 masters and moments: drop --masters/--moments")
     if config.fsdp and (config.api != "facade" or config.save or config.resume):
         raise SetupError(
             "--fsdp trains with FP16_Optimizer (--api facade) and without --save/--resume "
@@ -283,7 +283,7 @@ def _run(
         saved = checkpoint.saved_precision(resume_from)
         if saved != config.precision():
             logger.info(
-                "converted its optimizer state from --master %s --moments %s to --master %s "
+                "converted its optimizer state from --masters %s --moments %s to --masters %s "
                 "--moments %s (masters and moments rounded to nearest: docs/precision.md)",
                 saved["master"], saved["moments"], config.master, config.moments,
             )  # fmt: skip

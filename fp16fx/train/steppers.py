@@ -12,7 +12,7 @@ rate, and a checkpointable state dict. Three implementations:
   ``fp16fx.compile_step(inplace=True)`` (fused, in place).
 * :class:`TorchStepper`: plain FP32 ``torch.optim.Adam``, the baseline of ``--compare-fp32``.
 
-The two fp16fx steppers take the state's precision (``--master``, ``--moments``): FP32 masters
+The two fp16fx steppers take the state's precision (``--masters``, ``--moments``): FP32 masters
 and moments by default, or a compensated master (no FP32 copy: the FP16 param plus an int8
 correction) and BF16 or int8 moments. They pass it to ``fp16fx.init`` / ``FP16_Optimizer``
 only when it differs from the default.
