@@ -126,6 +126,19 @@ def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
     }
 
 
+def prestepped_run(rank: int, world: int, shard: bool) -> list[torch.Tensor]:
+    """Wraps an Adam that took one step of its own (its state moves into the facade's core),
+    then trains 5 steps on the whole batch."""
+    model = Net()
+    inner = torch.optim.Adam(model.parameters(), lr=LR["adam"])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    inner.step()
+    options = {"shard": True} if shard else {"process_group": None}
+    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, compiled=False, **options)
+    return train(model, opt, range(5), "same", 1)["params"]
+
+
 def kept_bytes(opt: FP16_Optimizer) -> int:
     """Returns the bytes of every tensor the facade keeps between steps."""
     engine = opt._engine
@@ -174,6 +187,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["compiled"] = versus_unsharded(rank, world, "adam", compiled=True)
         found["refusals"] = refusals(rank, world)
         found["compact"] = compact_run(rank, world, Path(out))
+        found["prestepped"] = prestepped_run(rank, world, shard=True)
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -325,3 +339,12 @@ def test_compact_sharded_memory_is_4_plus_3_over_d_bytes_per_param(runs):
     scales (8 B per 256 values) for this rank's half."""
     for r in runs[2]:
         assert r["compact"]["memory"] == pytest.approx(4 + (3 + 8 / 256) / 2, abs=1e-3)
+
+
+def test_a_sharded_facade_takes_the_state_its_optimizer_already_holds(runs):
+    """An Adam that stepped before it was wrapped: its moments and step counts move into the
+    ranks' slices, and the run equals the unsharded facade's built the same way, bitwise."""
+    expected = prestepped_run(0, 1, shard=False)
+    for r in runs[2]:
+        for a, b in zip(r["prestepped"], expected):
+            assert torch.equal(a, b)
