@@ -65,12 +65,37 @@ def test_bytes_per_param_per_rank_are_the_measured_tensors_at_d2() -> None:
     assert doc["presets"][0]["ranks"][1]["persistent_bytes"] == expected
 
 
+def test_compact_sharded_bytes_per_param_at_d2_through_the_cli(capsys) -> None:
+    """``--masters compensated --moments int8``: each rank keeps the whole FP16 params and
+    grads and its slice of 1-byte corrections, int8 codes and their FP32 block scales; the
+    flat buffers are padded to d whole blocks per slice (1,001 values: 1,024)."""
+    code = command.main(
+        [
+            *("--params", "1001", "--leaves", "3", "--world-sizes", "2", "--steps", "2"),
+            *("--warmup", "1", "--masters", "compensated", "--moments", "int8", "--json"),
+        ]
+    )
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["master"], doc["moments"]) == ("compensated", "int8")
+    assert doc["divided_bytes_per_param"] == 1 + 2 * (1 + 4 / 256)
+    padded, s = 1024, 512
+    kept = 2 * padded + 2 * padded + (1 + 1 + 1) * s + 2 * (s // 256) * 4 + _scalar_bytes()
+    ranks = [r for r in doc["presets"][0]["ranks"] if r["world_size"] == 2]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["persistent_bytes"] == kept
+        assert r["formula_bytes_per_param"] == 4 + doc["divided_bytes_per_param"] / 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--world-sizes", "0,2"], None),
         (["--world-sizes", "2", "--only", "torch-fused"], "--only"),
         (["--world-sizes", "2", "--device", "cuda"], "CPU"),
+        (["--moments", "int8"], "--world-sizes"),
+        (["--world-sizes", "2", "--masters", "half"], None),
     ],
 )
 def test_cli_rejects_bad_world_size_requests_before_spawning(argv, message) -> None:

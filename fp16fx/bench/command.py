@@ -23,6 +23,7 @@ from fp16fx.bench.sharded import (
     run_sharded,
     sharded_to_json,
 )
+from fp16fx.precision import MASTERS, MOMENTS, Precision
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
 
@@ -112,6 +113,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bytes/param vs 4 + 12/d); d=1, the unsharded state, is always included. E.g. 2,4",
     )
     parser.add_argument(
+        "--masters",
+        "--master",
+        dest="master",
+        choices=MASTERS,
+        default=None,
+        help="with --world-sizes: how the sharded state keeps its masters (default fp32; "
+        "compensated: a correction, no FP32 copy; docs/precision.md)",
+    )
+    parser.add_argument(
+        "--moments",
+        choices=MOMENTS,
+        default=None,
+        help="with --world-sizes: how the sharded state keeps Adam's moments (default fp32)",
+    )
+    parser.add_argument(
         "--no-compile-times",
         dest="compile_times",
         action="store_false",
@@ -196,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.world_sizes is not None:
         return _run_sharded(args)
+    if args.master is not None or args.moments is not None:
+        raise SystemExit(
+            "fp16fx bench: --masters and --moments choose the precision of --world-sizes' "
+            "sharded step; the contenders name theirs (e.g. fp16fx-compensated-int8: --list)"
+        )
     opts = BenchOptions(
         presets=_presets(args),
         only=args.only,
@@ -250,6 +271,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
         seed=args.seed,
         cores=args.threads,
         config=_config(args),
+        precision=Precision(args.master or "fp32", args.moments or "fp32"),
     )
     return _measure_and_print(
         args, lambda say: run_sharded(opts, say), sharded_to_json, format_sharded_report

@@ -12,8 +12,10 @@ its steps (:mod:`fp16fx.bench.sharded_worker`):
   stepped by ``fdist.sharded_step(state, grads, step=fp16fx.compile_step(inplace=True))``:
   reduce-scatter, the shard's compiled step, all-gather.
 
-Reported per rank: median and fastest ms/step, and the persistent bytes per param measured
-from the actual tensors (``fdist.persistent_bytes``) next to the formula 4 + 12/d.
+Both in the precision of :attr:`ShardedOptions.precision` (``master=``, ``moments=``; FP32
+masters and moments by default). Reported per rank: median and fastest ms/step, and the
+persistent bytes per param measured from the actual tensors (``fdist.persistent_bytes``) next
+to the formula 4 + s/d (s = 12 for FP32 masters and moments, 3.03 for compensated + int8).
 
 A worker that raises or dies ends the run with an error naming it (the other workers are
 stopped); a worker that hangs in a collective fails after the process group's timeout.
@@ -38,7 +40,8 @@ from fp16fx.bench import measure
 from fp16fx.bench.presets import Preset
 from fp16fx.bench.report import align, format_number, load_note, preset_line
 from fp16fx.bench.runner import BenchConfig
-from fp16fx.bench.sharded_worker import Job, RankResult, worker
+from fp16fx.bench.sharded_worker import Job, RankResult, divided_bytes_per_param, worker
+from fp16fx.precision import Precision
 
 __all__ = [
     "SHARDED_JSON_SCHEMA_VERSION",
@@ -63,7 +66,8 @@ class ShardedOptions:
 
     ``cores`` is split among the d processes of a world size: each gets
     ``max(1, cores // d)`` torch threads (None: the CPUs this process may run on).
-    ``timeout_s`` is the process group's collective timeout.
+    ``timeout_s`` is the process group's collective timeout. ``precision``: how the state
+    stores masters and moments (``fp16fx.init``'s ``master=``, ``moments=``).
     """
 
     presets: Sequence[Preset]
@@ -75,6 +79,7 @@ class ShardedOptions:
     cores: int | None = None
     timeout_s: float = 300.0
     config: BenchConfig = field(default_factory=BenchConfig)
+    precision: Precision = field(default_factory=Precision)
 
 
 @dataclass
@@ -101,6 +106,9 @@ class ShardedResult:
     warmup: int
     loss_scale: float
     dtype: str
+    master: str
+    moments: str
+    divided_bytes_per_param: float
     load_avg_start: float | None
     load_avg_end: float | None
     cpu_count: int | None
@@ -191,6 +199,7 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
                     config=opts.config,
                     timeout_s=opts.timeout_s,
                     init_method=(Path(tmp) / "store").as_uri(),  # a FileStore: no port to pick
+                    precision=opts.precision,
                 )
                 found = _run_world(job, say)
             for r in found:
@@ -213,6 +222,9 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
         warmup=opts.warmup,
         loss_scale=opts.config.loss_scale,
         dtype=opts.config.dtype_name,
+        master=opts.precision.master,
+        moments=opts.precision.moments,
+        divided_bytes_per_param=divided_bytes_per_param(opts.precision, opts.config.dtype),
         load_avg_start=load_start,
         load_avg_end=measure.load_average(),
         cpu_count=os.cpu_count(),
@@ -232,7 +244,7 @@ COLUMNS: Sequence[tuple[str, Callable[[RankResult], str]]] = (
     ("timed", lambda r: str(r.steps)),
     ("MB/rank", lambda r: format_number(r.persistent_bytes / 1e6, ".1f")),
     ("B/param", lambda r: format_number(r.bytes_per_param, ".2f")),
-    ("4+12/d", lambda r: format_number(r.formula_bytes_per_param, ".2f")),
+    ("4+s/d", lambda r: format_number(r.formula_bytes_per_param, ".2f")),
 )
 
 
@@ -260,9 +272,11 @@ def format_sharded_report(bench: ShardedResult) -> str:
             "comm ms: that reduce-scatter and all-gather alone, on buffers of the same sizes",
             "step: compiled = fp16fx.compile_step(inplace=True) (for d > 1: the core of "
             "fdist.sharded_step)",
+            f"state: master={bench.master!r}, moments={bench.moments!r}",
             "B/param: this rank's persistent bytes per param, measured by fdist.persistent_bytes",
-            "(FP16 params and grads in full, its FP32 masters and moments, 0-d scalars); "
-            "4+12/d: Adam's formula",
+            "(FP16 params and grads in full, its masters and moments, 0-d scalars); 4+s/d: "
+            f"Adam's formula, s = {bench.divided_bytes_per_param:g} B/param of masters and "
+            "moments divided among the d ranks",
             *load_note(bench.load_avg_start, bench.load_avg_end, bench.cpu_count),
         ]
     )

@@ -28,8 +28,9 @@ from fp16fx.bench import measure
 from fp16fx.bench.harness import MIN_TIMED_STEPS
 from fp16fx.bench.presets import Shape, make_param_set
 from fp16fx.bench.runner import BenchConfig
+from fp16fx.precision import Precision, correction_dtype
 
-__all__ = ["STEP", "Job", "RankResult", "worker"]
+__all__ = ["STEP", "Job", "RankResult", "divided_bytes_per_param", "worker"]
 
 #: How every rank steps its state (the shard's, for d > 1): ``fp16fx.compile_step(inplace=True)``.
 STEP = "compiled"
@@ -50,6 +51,7 @@ class Job:
     config: BenchConfig
     timeout_s: float
     init_method: str
+    precision: Precision = field(default_factory=Precision)
 
 
 @dataclass
@@ -60,8 +62,9 @@ class RankResult:
     reduce-scatter of the grads, the shard's compiled step (with the consensus all-reduce)
     and the all-gather of the params. ``persistent_bytes`` is
     ``fdist.persistent_bytes(state, grads)``: every distinct storage the state and its grad
-    buffers hold (FP16 params and grads in full, this rank's FP32 masters and moments, the
-    0-d scalars); ``formula_bytes_per_param`` is 4 + 12/d. ``comm_ms`` (d > 1) is the median
+    buffers hold (FP16 params and grads in full, this rank's masters and moments, the 0-d
+    scalars); ``formula_bytes_per_param`` is 4 + s/d, s :func:`divided_bytes_per_param`
+    (12 for FP32 masters and moments). ``comm_ms`` (d > 1) is the median
     time of the step's collectives alone: a reduce-scatter and an all-gather of FP16 buffers
     of the state's sizes, so ``ms_per_step - comm_ms`` is roughly the shard's own work.
     """
@@ -82,6 +85,15 @@ class RankResult:
     notes: list[str] = field(default_factory=list)
 
 
+def divided_bytes_per_param(precision: Precision, dtype: torch.dtype) -> float:
+    """Returns the bytes per param of an Adam state that sharding divides among the ranks:
+    the master (an FP32 copy, or a compensated param's correction) and two moments (FP32,
+    BF16, or int8 codes with an FP32 scale per block)."""
+    master = correction_dtype(dtype).itemsize if precision.compensated else 4
+    moment = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / precision.block}[precision.moments]
+    return master + 2 * moment
+
+
 def _build(job: Job, params: list[torch.Tensor]) -> tuple[Any, Any, Callable[[], object]]:
     """Return ``(state, grads, step)``: the state of ``params``, its grad buffers, one step."""
     cfg = job.config
@@ -90,11 +102,12 @@ def _build(job: Job, params: list[torch.Tensor]) -> tuple[Any, Any, Callable[[],
     optimizer = fp16fx.adam(lr=cfg.lr)
     policy = fp16fx.StaticLossScale(cfg.loss_scale)
     compiled = fp16fx.compile_step(inplace=True)
+    how = {"master": job.precision.master, "moments": job.precision.moments}
     if job.world_size == 1:
-        state = fp16fx.init(params, optimizer, policy, buckets=True)
+        state = fp16fx.init(params, optimizer, policy, buckets=True, **how)
         grads = fp16fx.grad_buffers(state)
         return state, grads, lambda: compiled(state, grads)
-    state = fdist.init(params, optimizer, policy, shard=True)
+    state = fdist.init(params, optimizer, policy, shard=True, **how)
     grads = fdist.grad_buffers(state)
     return state, grads, lambda: fdist.sharded_step(state, grads, step=compiled)
 
@@ -196,7 +209,7 @@ def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
         steps=len(times),
         persistent_bytes=persistent,
         bytes_per_param=persistent / num_params,
-        formula_bytes_per_param=4 + 12 / d,
+        formula_bytes_per_param=4 + divided_bytes_per_param(job.precision, job.config.dtype) / d,
         notes=notes,
     )
 
