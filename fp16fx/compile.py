@@ -136,6 +136,7 @@ class StepFunction:
             state.policy,
             state.consensus,
             state.precision,
+            state.bucket_starts,
         )
         return _run_region(key, fn, self.compile_options, args)
 

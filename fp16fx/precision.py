@@ -13,9 +13,11 @@ Masters (``Precision.master``):
   significand needs 16 more bits to match FP32's 24. ``p`` is the master rounded to nearest, as
   with an FP32 master; ``c`` is the rest, rounded *stochastically*: an update far below half an
   ulp (1e-5 on a weight of 1.0) would otherwise round the same way every step, and a
-  short correction would bias every step alike. The dither is a hash of the element's index
-  and the step count: deterministic, the same eager and compiled. Small weights lose nothing:
-  ``q`` follows the param's exponent, down into FP16's subnormals.
+  short correction would bias every step alike. The dither is a hash of the element's place
+  (its flat bucket and index there) and the step count: deterministic, the same eager and
+  compiled, and the same for a value however the state is cut into segments or sharded.
+  Small weights lose nothing: ``q`` follows the param's exponent, down into FP16's
+  subnormals.
 
 Moments (``Precision.moments``), every per-element FP32 tensor of the optimizer's state:
 
@@ -87,12 +89,13 @@ class Precision:
 # -- the dither ------------------------------------------------------------------------------
 
 
-def hash_bits(numel: int, salt: int, count: torch.Tensor) -> torch.Tensor:
+def hash_bits(numel: int, salt: int, count: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Returns ``numel`` pseudo-random 32-bit values (int64) hashed from (index, ``salt``,
-    ``count``): a multiply-xorshift finaliser, every product below 2**63. The same values
-    eager and compiled, different for every element, segment and step. Each stochastic
-    rounding of a step takes its own 8 of the 32 bits (:func:`uniform`)."""
-    x = torch.arange(numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
+    ``count``), the indices ``start, start + 1, ...``: a multiply-xorshift finaliser, every
+    product below 2**63. The same values eager and compiled, different for every element,
+    salt (the step's: a value's bucket) and step. Each stochastic rounding of a step takes
+    its own 8 of the 32 bits (:func:`uniform`)."""
+    x = torch.arange(start, start + numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
     x = (x * 0x9E3779B1 + (salt * 0x27D4EB2F + count * 0x165667B1)) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
     return x ^ (x >> 13)

@@ -63,11 +63,17 @@ class Prepared(NamedTuple):
     def core_args(self) -> tuple[Any, ...]:
         """Returns the arguments of the core (``apply_updates`` and ``apply_updates_``)."""
         state = self.state
+        places = tuple(
+            (seg.bucket, state.bucket_starts[seg.bucket] + seg.start)
+            for seg, active in zip(state.layout.segments, self.active)
+            if active
+        )
         return (
             state.optimizer,
             state.policy,
             state.consensus,
             state.precision,
+            places,
             self.grads,
             self.trained,
         )

@@ -41,7 +41,7 @@ from fp16fx.transforms import GradientTransformation
 SegmentParams = torch.Tensor | tuple[torch.Tensor, ...]
 
 _CHILDREN = ("param_segments", "master_segments", "opt_state", "loss_scale", "count")
-_META = ("optimizer", "policy", "layout", "consensus", "precision")
+_META = ("optimizer", "policy", "layout", "consensus", "precision", "bucket_starts")
 FP32 = Precision()  # FP32 masters and moments: the default
 
 
@@ -64,6 +64,10 @@ class MixedPrecisionState:
         the gradient norm with other processes before any state changes (pytree metadata).
       precision: the :class:`~fp16fx.precision.Precision` the masters and moments are stored
         in (pytree metadata).
+      bucket_starts: per bucket of ``layout``, where its first value sits in the flat buffer
+        it is a slice of: ``rank * s`` for a ZeRO shard's slice (:mod:`fp16fx.distributed`),
+        else 0 (pytree metadata). Compact precision's dither hashes each value's place in
+        that whole buffer, so a value rounds alike however the state is cut or sharded.
 
     ``params`` and ``master`` present the params and masters structured as given to ``init``.
     """
@@ -83,6 +87,7 @@ class MixedPrecisionState:
         layout: Layout,
         consensus: Consensus | None = None,
         precision: Precision = FP32,
+        bucket_starts: tuple[int, ...] | None = None,
     ) -> None:
         self.param_segments = param_segments
         self.master_segments = master_segments
@@ -94,6 +99,7 @@ class MixedPrecisionState:
         self.layout = layout
         self.consensus = consensus
         self.precision = precision
+        self.bucket_starts = bucket_starts or (0,) * len(layout.buckets)
         self._views: dict[str, Any] = {}
 
     @property

@@ -88,6 +88,7 @@ def apply_updates(
     policy: LossScalePolicy,
     consensus: Consensus | None,
     precision: Precision,
+    places: tuple[tuple[int, int], ...],
     grads: Segments,
     trained: Trained,
 ) -> tuple[Trained, StepInfo]:
@@ -96,7 +97,10 @@ def apply_updates(
     ``grads`` are the scaled gradients of the segments in ``trained``. ``consensus``, when
     given, replaces this process's ``(finite, norm)`` by the one all processes agree on,
     before anything moves. ``precision`` says how masters and moments are stored: they are
-    decoded to FP32 before the update and encoded after it, in the same fused pass. The new
+    decoded to FP32 before the update and encoded after it, in the same fused pass; its
+    stochastic rounding draws each value's dither from its place, ``places[k]`` being segment
+    ``k``'s bucket and where its first value sits in that bucket's whole buffer
+    (:attr:`~fp16fx.state.MixedPrecisionState.bucket_starts` included). The new
     params are the new masters rounded (None where the param is its own FP32 master).
     """
     if any(p is not None for p in trained.params):
@@ -131,7 +135,7 @@ def apply_updates(
         Segments(masters, labels),
     )
     bits = (
-        [hash_bits(g.numel(), k, trained.count) for k, g in enumerate(grads)]
+        [hash_bits(g.numel(), b, trained.count, start) for (b, start), g in zip(places, grads)]
         if precision.compensated or precision.moments != "fp32"
         else [None] * len(grads)
     )
@@ -215,12 +219,13 @@ def apply_updates_(
     policy: LossScalePolicy,
     consensus: Consensus | None,
     precision: Precision,
+    places: tuple[tuple[int, int], ...],
     grads: Segments,
     trained: Trained,
 ) -> StepInfo:
     """Returns the info of :func:`apply_updates` after writing its results into ``trained``'s
     own tensors (params only where given)."""
-    new, info = apply_updates(optimizer, policy, consensus, precision, grads, trained)
+    new, info = apply_updates(optimizer, policy, consensus, precision, places, grads, trained)
     for old, value in zip(trained.params, new.params):
         if old is not None:
             old.copy_(value)

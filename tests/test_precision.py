@@ -329,6 +329,36 @@ def test_stochastic_rounding_is_unbiased_over_the_dither(data, dtype):
     _check_unbiased(*data.draw(masters_and_updates(dtype)))
 
 
+def test_a_value_draws_its_dither_from_its_place_however_the_state_is_cut():
+    """Compensated masters, BF16 moments: "b" shares a bucket with "a". When "a" has no
+    gradient the step cuts "b" into a segment of its own, and "b" still rounds exactly as
+    when "a" took a zero gradient (Adam is elementwise: "b" sees nothing of "a"): its dither
+    hashes its place in the bucket, not its segment."""
+    g = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(300, generator=g).half() for k in "ab"}
+    grads = {k: (torch.randn(300, generator=g) * 64).half() for k in "ab"}
+    found = {}
+    for case, grad_of_a in (("cut", None), ("whole", torch.zeros(300).half())):
+        state = fp16fx.init(
+            {k: v.clone() for k, v in params.items()},
+            fp16fx.adam(1e-5),
+            buckets=True,
+            master="compensated",
+            moments="bf16",
+        )
+        state, _ = fp16fx.step(state, {**grads, "a": grad_of_a})
+        found[case] = state
+    assert len(found["cut"].layout.segments) == 2 and len(found["whole"].layout.segments) == 1
+    cut, whole = found["cut"], found["whole"]
+    assert torch.equal(cut.params["b"], whole.params["b"])
+    assert torch.equal(cut.master_segments[1], whole.master_segments[0][300:])
+    whole_moments = dict(named_segments(whole.opt_state))
+    moments = [(n, seg) for n, seg in named_segments(cut.opt_state) if seg[1].ndim == 1]
+    assert len(moments) == 2  # Adam's mu and nu
+    for name, segments in moments:
+        assert torch.equal(segments[1], whole_moments[name][0][300:]), name
+
+
 #: Masters whose rest is close to half an ulp, where the correction reaches its limit: the
 #: ulp is exactly 256 units above a power of two and everywhere among the subnormals.
 EDGES = {

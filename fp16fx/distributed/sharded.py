@@ -243,6 +243,9 @@ def init_sharded(
         master=master,
         moments=moments,
     )
+    # The slices' values are dithered by their places in the whole buckets, as a replicated
+    # state's are: a sharded run rounds as an unsharded one does.
+    shard = shard.replace(bucket_starts=tuple(sharding.slice(b).start for b in buckets))
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
 
