@@ -91,10 +91,11 @@ class Precision:
 
 def hash_bits(numel: int, salt: int, count: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Returns ``numel`` pseudo-random 32-bit values (int64) hashed from (index, ``salt``,
-    ``count``), the indices ``start, start + 1, ...``: a multiply-xorshift finaliser, every
-    product below 2**63. The same values eager and compiled, different for every element,
-    salt (the step's: a value's bucket) and step. Each stochastic rounding of a step takes
-    its own 8 of the 32 bits (:func:`uniform`)."""
+    ``count``) for the indices ``start, start + 1, ...``: a multiply-xorshift finaliser,
+    every product below 2**63 (for indices below 2**31). The same values eager and compiled,
+    different for every index, salt and count; the step hashes a value's place (its bucket
+    as the salt, its index in the bucket's whole buffer) and its applied-step count. Each
+    stochastic rounding of a step takes its own 8 of the 32 bits (:func:`uniform`)."""
     x = torch.arange(start, start + numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
     x = (x * 0x9E3779B1 + (salt * 0x27D4EB2F + count * 0x165667B1)) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
