@@ -250,15 +250,13 @@ def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> boo
     )
 
 
-def _joined(
-    bucket: flat.Bucket, saved: list[Mapping[str, Any]], key: str, like: torch.Tensor
-) -> torch.Tensor:
-    """Returns the saved leaves' ``key`` joined into one padded bucket (the padding zero),
-    with the dtype of ``saved``'s and the device of ``like``."""
-    full = torch.zeros(bucket.padded, dtype=saved[0][key].dtype, device=like.device)
-    for view, entry in zip(flat.views(bucket, full), saved):
-        view.copy_(entry[key])
-    return full
+def _joined(bucket: flat.Bucket, saved: list[Mapping[str, Any]], key: str) -> torch.Tensor:
+    """Returns the saved leaves' ``key`` packed into one padded buffer of the bucket
+    (``flat.pack``: the padding zero), in the saved dtype."""
+    picked: list[torch.Tensor | None] = [None] * (max(bucket.indices) + 1)
+    for i, entry in zip(bucket.indices, saved):
+        picked[i] = entry[key]
+    return flat.pack(bucket, picked, saved[0][key].dtype)
 
 
 def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
@@ -279,7 +277,7 @@ def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
                     full[checkpoint.blocks_of(start, end, block)] = entry[key]
                 dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
             else:
-                full = _joined(bucket, saved, key, dst)
+                full = _joined(bucket, saved, key)
                 if key == "param":
                     state.flat.param_buffers[b].copy_(full)
                 else:
@@ -298,7 +296,8 @@ def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
             if value.ndim == 0:  # a step count: one per bucket (checked)
                 entry[key] = value
                 continue
-            full = _joined(bucket, saved, key, state.flat.param_buffers[b])
+            # Encoded where the state lives (the checkpoint may have been loaded elsewhere).
+            full = _joined(bucket, saved, key).to(state.flat.param_buffers[b].device)
             if key == "param":
                 state.flat.param_buffers[b].copy_(full)
             entry[key] = full[mine_slice]
