@@ -9,10 +9,11 @@ Modes (every one trains the same MLP with ``FP16_Optimizer(torch.optim.AdamW(...
   moments (fp16fx's flat buffers).
 * ``sharded``: FP16 params, no DDP, ``FP16_Optimizer(..., shard=True)``: each rank keeps 1/d
   of the masters and moments (at d = 1: the unsharded facade).
-* ``fsdp2``: FP32 params sharded by ``fully_shard`` (their own masters), FP16 compute.
+* ``fsdp2``: FP32 params sharded by ``fully_shard`` (their own masters), FP16 compute; with
+  ``--masters compensated``, FP16 params (``model.half()`` before ``fully_shard``).
 
-``--masters compensated --moments int8`` (``ddp`` and ``sharded``) stores the optimizer state
-compactly (docs/precision.md): no FP32 copy of the params, 1-byte moments.
+``--masters compensated --moments int8`` stores the optimizer state compactly
+(docs/precision.md): no FP32 copy of the params, 1-byte moments.
 
 Bytes: every distinct tensor storage a rank holds between steps -- the model's params and
 grads (local shards under FSDP2) and the optimizer's fp16fx state -- divided by the model's
@@ -52,6 +53,9 @@ def build(
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
     if mode == "fsdp2":
         policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        if master == "compensated":  # FP16 shards, whose masters the corrections carry
+            model = model.half()
+            policy = MixedPrecisionPolicy(param_dtype=torch.float16)
         for layer in layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
@@ -132,7 +136,7 @@ def main() -> None:
     world = dist.get_world_size()
     model, opt = build(args.mode, args.width, args.depth, args.masters, args.moments)
     n = args.width * (args.width + 1) * args.depth
-    dtype = torch.float32 if args.mode == "fsdp2" else torch.float16
+    dtype = torch.float32 if args.mode == "fsdp2" else torch.float16  # FSDP2 casts it
     x = torch.randn(args.batch, args.width).to(dtype)
     times: list[float] = []
     step_times: list[float] = []

@@ -247,7 +247,8 @@ def init(
     DTensor params (an FSDP2 model's ``dict(model.named_parameters())``, sharded on a 1-D
     mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
     views of FSDP's storage that are never moved or packed; each leaf is a segment of its own,
-    so an FP32 shard is its own master. The consensus is the sharded one over the mesh's
+    so an FP32 shard is its own master and an FP16/BF16 one, compensated, its own flat tensor.
+    The consensus is the sharded one over the mesh's
     process group (or a given ``Consensus(group, sharded=True)`` over as many processes).
     ``buckets`` must be False.
 
@@ -272,16 +273,11 @@ def init(
     layout = flat.plan(leaves, treedef, labels, precision.multiple)
     if not buckets and any(flat.flat_view(b, leaves) is None for b in _padded(layout)):
         layout = flat.plan(leaves, treedef, labels)
-    if precision.compensated:
-        _check_compensable(layout, leaves, buckets)
-    if mesh is not None and precision != FP32:
-        raise ValueError(
-            f"master={master!r}, moments={moments!r} do not run on DTensor params (FSDP2): "
-            "use FP32 masters and moments"
-        )
     if mesh is not None:
         consensus = _mesh_consensus(consensus, mesh, group, buckets)
         layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
+    if precision.compensated:
+        _check_compensable(layout, leaves, buckets)
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -334,14 +330,16 @@ def _padded(layout: Layout) -> list[flat.Bucket]:
 
 def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
     """Raises ValueError unless a compensated state can hold ``leaves``: FP16/BF16 params (an
-    FP32 param is its own master), one flat buffer per bucket (the fused pass writes them)."""
-    low = [b for b in layout.buckets if b.dtype != torch.float32]
+    FP32 param is its own master), one flat tensor per segment (the fused pass writes it)."""
+    low = [s for s in layout.segments if layout.buckets[s.bucket].dtype != torch.float32]
     if not low:
         raise ValueError(
             "master='compensated' carries FP16/BF16 params' masters in a short correction; "
             "these params are all FP32, their own masters: use master='fp32'"
         )
-    if not buckets and any(flat.flat_view(b, leaves) is None for b in low):
+    if not buckets and any(
+        flat.flat_view(layout.buckets[s.bucket], leaves, s.lo, s.hi) is None for s in low
+    ):
         raise ValueError(
             "master='compensated' keeps no FP32 copy, so the step must write the params in "
             "its fused pass: pass buckets=True (or params that are views of one flat buffer)"

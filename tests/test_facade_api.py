@@ -420,6 +420,8 @@ def test_repr_says_what_runs():
         "84 FP16/BF16 values with FP32 masters, 0 FP32 values" in text
         and "dynamic loss scale 65536" in text
     )
+    text = repr(wrap(TwoHeads(), "fast", master="compensated", moments="int8"))
+    assert "84 FP16/BF16 values with compensated masters and INT8 moments" in text
     text = repr(wrap(TwoHeads(), "generic", static_loss_scale=128.0))
     assert "generic path" in text and "static loss scale 128" in text
 

@@ -605,6 +605,19 @@ def test_second_moments_decode_within_the_fourth_root_bound_and_never_zero(x, st
     assert ((y <= high + slack) & (y >= low - slack)).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(signed=st.booleans(), data=st.data(), stochastic=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_moments_encode_back_to_their_own_codes_and_scales(signed, data, stochastic, seed):
+    """Decoding then encoding to nearest is the identity: what lets an int8 state leave as
+    FP32 values (an FSDP2 DCP checkpoint) and come back bitwise. A block's largest code is
+    the extreme one, so its value decodes to the scale itself, exactly."""
+    x = data.draw(blocks(signed=signed))
+    noise = torch.rand(x.numel(), generator=torch.Generator().manual_seed(seed))
+    q = encode_moment(x, "int8", not signed, BLOCK, noise if stochastic else None)
+    again = encode_moment(decode_moment(q, not signed, BLOCK), "int8", not signed, BLOCK, None)
+    assert torch.equal(again.codes, q.codes) and same_bits(again.scales, q.scales)
+
+
 def test_second_moments_of_a_subnormal_block_decode_within_the_bound_and_non_zero():
     """Second moments decay by 0.999 a step; an unused row's reach FP32's subnormals after
     ~50,000 steps. The block's scale is then the smallest normal value, divided by and

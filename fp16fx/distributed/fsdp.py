@@ -23,6 +23,7 @@ gradient norm over the mesh in one all-reduce. This module adds what a stateful 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import checkpoint, dtensors, tree
+from fp16fx.precision import Precision
 from fp16fx.state import MixedPrecisionState
 
 
@@ -124,9 +126,15 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
 
     ``params``: the DTensor params given to ``init`` (e.g. ``dict(model.named_parameters())``).
     The DTensors share the state's storage: ``dcp.load`` into this dict writes into the live
-    state, whose :func:`load_state_dict` then checks and completes the load.
+    state, whose :func:`load_state_dict` then checks and completes the load. Int8 moments are
+    the exception: their block scales follow the local shard, so they are saved decoded (FP32
+    DTensors, ``precision`` saying FP32 moments), and loading encodes them back; decoding and
+    encoding to nearest gives back the same codes and scales, so a resume at the saving world
+    size is bitwise all the same.
     """
     sd = checkpoint.state_dict(state)
+    if state.precision.moments == "int8":
+        sd = _decoded_moments(sd, state.precision)
     by_path = _by_path(state, params)
     wrapped = {}
     for path, entries in sd["params"].items():
@@ -138,6 +146,23 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
             for key, value in entries.items()
         }
     return {**sd, "params": wrapped}
+
+
+def _decoded_moments(sd: dict[str, Any], precision: Precision) -> dict[str, Any]:
+    """Returns ``sd`` with its int8 moments decoded to FP32, saved as FP32 moments.
+
+    An int8 moment's block scales are cut where the local shard is, and so differ with the
+    world size: DCP could not reshard them. Its FP32 values reshard like the param; loading
+    rounds them back to int8 (to nearest, blocks where the loading state's are)."""
+    params = {}
+    for path, entry in sd["params"].items():
+        decoded = checkpoint.canonical(entry, precision.block)
+        params[path] = {
+            **{k: v for k, v in entry.items() if not k.startswith("opt")},
+            **{k: v for k, v in decoded.items() if k.startswith("opt")},
+        }
+    saved = dataclasses.replace(precision, moments="fp32")
+    return {**sd, "precision": checkpoint.precision_dict(saved), "params": params}
 
 
 def load_state_dict(

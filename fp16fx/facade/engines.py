@@ -75,16 +75,14 @@ def build_engine(
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
     moves into the engine (the fast one's buffers, or cast to the masters' dtype).
-    ``precision`` other than FP32 masters and moments needs the fast engine (sharded or not),
-    and no FSDP2 params.
+    ``precision`` other than FP32 masters and moments needs the fast engine (sharded, on FSDP2
+    params, or neither).
     """
     engine: Engine | None = None
     compact = f"master={precision.master!r}, moments={precision.moments!r}"
     if precision != FP32 and path == "generic":
         raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
     _, mesh, group = dtensors.local_shards([p for params in trainable for p in params])
-    if mesh is not None and precision != FP32:
-        raise ValueError(f"{compact} does not run on FSDP2 params: use FP32 masters and moments")
     if mesh is not None:  # FSDP2: every rank holds other elements, agreed over the mesh
         if shard is not NOT_SHARDED:
             raise ValueError("shard=... with an FSDP2 model: FSDP2 shards the state already")

@@ -101,7 +101,13 @@ def describe(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sca
             f"after {policy.growth_interval} clean steps, x{policy.backoff_factor:g} after "
             f"{policy.hysteresis} overflow(s), in [{policy.min_scale:g}, {policy.max_scale:g}])"
         )
+    masters = "FP32 masters"
     if isinstance(engine, FastEngine):
+        precision = engine.state.precision
+        if precision.compensated:
+            masters = "compensated masters"
+        if precision.moments != "fp32":
+            masters += f" and {precision.moments.upper()} moments"
         how = "compiled" if engine.step_fn.compile_options is not None else "eager"
         where = f"fast path ({how})"
         if engine.sharded is not None:
@@ -112,5 +118,5 @@ def describe(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sca
         where = "generic path"
     return (
         f"FP16_Optimizer({type(inner).__name__}, {where}, {len(inner.param_groups)} param "
-        f"group(s), {low:,} FP16/BF16 values with FP32 masters, {full:,} FP32 values, {scaling})"
+        f"group(s), {low:,} FP16/BF16 values with {masters}, {full:,} FP32 values, {scaling})"
     )
