@@ -100,9 +100,10 @@ class Layout:
     buckets: tuple[Bucket, ...]
     cuts: tuple[tuple[int, ...], ...]
 
-    @property
+    @functools.cached_property
     def segments(self) -> tuple[Segment, ...]:
-        """Every segment, bucket by bucket."""
+        """Every segment, bucket by bucket (made once: the step's bookkeeping reads them
+        several times a step)."""
         return tuple(
             Segment(
                 b, lo, hi, bucket.offsets[lo], bucket.offsets[hi], bucket.stop(hi), bucket.label

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -169,16 +170,27 @@ def test_torchrun_runs_the_functional_api(tmp_path) -> None:
     assert "compensated master, int8 moments" in done.stdout
 
 
-def test_fsdp_trains_the_default_task_sharded(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("precision", "label"),
+    [
+        ((), "dynamic loss scale; FP32 model, FSDP2"),
+        (
+            ("--masters", "compensated", "--moments", "int8"),
+            "dynamic loss scale; compensated master, int8 moments; FP16 model, FSDP2",
+        ),
+    ],
+    ids=["fp32", "compact"],
+)
+def test_fsdp_trains_the_default_task_sharded(tmp_path, precision, label) -> None:
     done = run_command(
-        *("-m", "fp16fx.cli", "train", "--fsdp", "--nproc-per-node", "2", *SMALL),
+        *("-m", "fp16fx.cli", "train", "--fsdp", "--nproc-per-node", "2", *SMALL, *precision),
         cwd=tmp_path,
     )
     rows = summary_rows(done.stdout)
     assert done.stdout.count("test accuracy") == 1
     assert rows["processes"] == "2, in sync"  # the gathered params: bitwise equal
     assert float(rows["test accuracy"].rstrip("%")) > 20  # it learned (10 classes)
-    assert "FP16_Optimizer(Adam), eager, dynamic loss scale; FP32 model, FSDP2" in done.stdout
+    assert f"FP16_Optimizer(Adam), eager, {label}" in done.stdout
 
 
 def test_fsdp_refuses_what_it_cannot_do_in_one_line(capsys) -> None:

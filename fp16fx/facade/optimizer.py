@@ -155,7 +155,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         ``master="compensated"`` keeps no FP32 copy: each FP16/BF16 param plus a short
         correction carries its master, and the param groups hold the model's params.
         ``moments="bf16"`` or ``"int8"`` stores Adam's moments or SGD's momentum compactly.
-        Fast path only (SGD/Adam/AdamW), unsharded or with ``shard``; unsharded, ``state`` and
+        Fast path only (SGD/Adam/AdamW): unsharded, with ``shard``, or on an FSDP2 model's
+        FP16 shards (each with its own correction); unsharded, ``state`` and
         ``state_dict()`` show the masters and moments decoded to FP32 (copies), so the
         checkpoint is apex's format (sharded, ``consolidate_state_dict`` decodes them).
     """

@@ -176,8 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fsdp",
         action="store_true",
         help="with --nproc-per-node N (or torchrun): shard the FP32 model with FSDP2 "
-        "(fully_shard, FP16 compute) instead of DDP on an FP16 model; FP16_Optimizer steps "
-        "each process's shards, every process agreeing on skips and the gradient norm",
+        "(fully_shard, FP16 compute; with --masters compensated the FP16 model) instead of "
+        "DDP on an FP16 model; FP16_Optimizer steps each process's shards, every process "
+        "agreeing on skips and the gradient norm",
     )
 
     out = parser.add_argument_group("output")

@@ -184,7 +184,7 @@ def _fp16_stepper(
     config: TrainConfig, data: TrainTestData, device: torch.device, distributed: bool
 ) -> Stepper:
     model = build_model(config.model, data.in_channels, data.num_classes).to(device)
-    if not config.fsdp:  # FSDP2 keeps FP32 params and computes in FP16
+    if not config.fsdp:  # FSDP2 shards FP32 params, or FP16 ones it makes (FSDPStepper)
         model = to_half(model)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
     return make_stepper(
@@ -227,8 +227,6 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not config.lr > 0:
         raise SetupError(f"--lr must be > 0, got {config.lr}")
-    if config.fsdp and (config.master, config.moments) != ("fp32", "fp32"):
-        raise SetupError("--fsdp trains FP32 masters and moments: drop --masters/--moments")
     if config.fsdp and (config.api != "facade" or config.save or config.resume):
         raise SetupError(
             "--fsdp trains with FP16_Optimizer (--api facade) and without --save/--resume "

@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fp16fx
 import fp16fx.checkpoint
 import fp16fx.distributed as fdist
+from fp16fx.train.models import to_half
 
 __all__ = [
     "APIS",
@@ -254,19 +255,28 @@ class FacadeStepper(OptimizerStepper):
 
 
 class FSDPStepper(FacadeStepper):
-    """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on an FP32 model sharded by FSDP2
+    """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on a model sharded by FSDP2
     (``fully_shard``, FP16 compute, FP32 gradient reduction): each process keeps its shard of
-    every param (its own master) and of the moments.
+    every param and of the moments.
 
-    Each layer is an FSDP group of its own, BatchNorm computing in FP32 (as apex's
-    ``network_to_half`` keeps it). Evaluation runs an unsharded FP32 replica loaded with the
-    gathered params, so processes with different numbers of test batches never wait on each
-    other's all-gathers.
+    The model is FP32 (each shard its own master), or with compensated masters FP16 (apex's
+    ``network_to_half``: the corrections carry the shards' masters). Each layer is an FSDP
+    group of its own, BatchNorm computing in FP32 (as ``network_to_half`` keeps it).
+    Evaluation runs an unsharded replica loaded with the gathered params, so processes with
+    different numbers of test batches never wait on each other's all-gathers.
     """
 
     def __init__(
-        self, model: nn.Module, lr: float, loss_scale: LossScale, compile: bool = True
+        self,
+        model: nn.Module,
+        lr: float,
+        loss_scale: LossScale,
+        compile: bool = True,
+        master: str = "fp32",
+        moments: str = "fp32",
     ) -> None:
+        if master == "compensated":
+            model = to_half(model)
         self._replica = copy.deepcopy(model)
         half = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -275,8 +285,9 @@ class FSDPStepper(FacadeStepper):
                 bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
                 fully_shard(module, mp_policy=full if bn else half)
         fully_shard(model, mp_policy=half)
-        super().__init__(model, lr, loss_scale, compile=compile)
-        self.label = self.label.replace(_FP16_MODEL, "FP32 model, FSDP2 (FP16 compute)")
+        super().__init__(model, lr, loss_scale, compile=compile, master=master, moments=moments)
+        shards = "FP16 model, FSDP2" if master == "compensated" else "FP32 model, FSDP2"
+        self.label = self.label.replace(_FP16_MODEL, f"{shards} (FP16 compute)")
         self._replica_fresh = False
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
@@ -453,7 +464,8 @@ def make_stepper(
     fsdp: bool = False,
 ) -> Stepper:
     """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``; with
-    ``fsdp``, the facade on an FP32 ``model`` that it shards with FSDP2 (:class:`FSDPStepper`).
+    ``fsdp``, the facade on an FP32 ``model`` that it shards with FSDP2 (:class:`FSDPStepper`;
+    in FP16 with compensated masters).
 
     ``distributed``: one of several processes (``torch.distributed`` initialized), each
     stepping on its part of every batch with the gradients averaged over all of them.
@@ -462,7 +474,7 @@ def make_stepper(
     if fsdp:
         if api != "facade":
             raise ValueError(f"FSDP2 training runs FP16_Optimizer (api 'facade'), not {api!r}")
-        return FSDPStepper(model, lr, loss_scale, compile=compile)
+        return FSDPStepper(model, lr, loss_scale, compile, master, moments)
     options = {"compile": compile, "distributed": distributed, "master": master, "moments": moments}
     if api == "facade":
         return FacadeStepper(model, lr, loss_scale, **options)
