@@ -23,7 +23,6 @@ gradient norm over the mesh in one all-reduce. This module adds what a stateful 
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,8 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import checkpoint, dtensors, tree
-from fp16fx.precision import Precision
-from fp16fx.state import MixedPrecisionState
+from fp16fx.state import FP32, MixedPrecisionState
 
 
 class FSDPParams:
@@ -125,16 +123,24 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     as they are: they are equal on every rank, and DCP keeps one copy.
 
     ``params``: the DTensor params given to ``init`` (e.g. ``dict(model.named_parameters())``).
-    The DTensors share the state's storage: ``dcp.load`` into this dict writes into the live
-    state, whose :func:`load_state_dict` then checks and completes the load. Int8 moments are
-    the exception: their block scales follow the local shard, so they are saved decoded (FP32
-    DTensors, ``precision`` saying FP32 moments), and loading encodes them back; decoding and
-    encoding to nearest gives back the same codes and scales, so a resume at the saving world
-    size is bitwise all the same.
+    A state with FP32 masters and moments gives DTensors that share its storage: ``dcp.load``
+    into this dict writes into the live state, whose :func:`load_state_dict` then checks and
+    completes the load.
+
+    A compact state (docs/precision.md) gives its entries in FP32 terms, as copies
+    (:func:`fp16fx.checkpoint.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
+    which :func:`load_state_dict` encodes back. So a DCP checkpoint is the same whatever
+    precision saved it, and any state loads it (rounded to nearest into its own precision);
+    the state that saved it loads it bitwise, since decoding and encoding to nearest give
+    back the same param, correction, codes and scales. (Int8 moments could not be saved as
+    stored anyway: their block scales are cut where each rank's shard starts, which moves
+    with the world size.)
     """
     sd = checkpoint.state_dict(state)
-    if state.precision.moments == "int8":
-        sd = _decoded_moments(sd, state.precision)
+    if state.precision != FP32:  # in FP32 terms (see above)
+        block = state.precision.block
+        decoded = {path: checkpoint.canonical(e, block) for path, e in sd["params"].items()}
+        sd = {**sd, "precision": checkpoint.precision_dict(FP32), "params": decoded}
     by_path = _by_path(state, params)
     wrapped = {}
     for path, entries in sd["params"].items():
@@ -146,23 +152,6 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
             for key, value in entries.items()
         }
     return {**sd, "params": wrapped}
-
-
-def _decoded_moments(sd: dict[str, Any], precision: Precision) -> dict[str, Any]:
-    """Returns ``sd`` with its int8 moments decoded to FP32, saved as FP32 moments.
-
-    An int8 moment's block scales are cut where the local shard is, and so differ with the
-    world size: DCP could not reshard them. Its FP32 values reshard like the param; loading
-    rounds them back to int8 (to nearest, blocks where the loading state's are)."""
-    params = {}
-    for path, entry in sd["params"].items():
-        decoded = checkpoint.canonical(entry, precision.block)
-        params[path] = {
-            **{k: v for k, v in entry.items() if not k.startswith("opt")},
-            **{k: v for k, v in decoded.items() if k.startswith("opt")},
-        }
-    saved = dataclasses.replace(precision, moments="fp32")
-    return {**sd, "precision": checkpoint.precision_dict(saved), "params": params}
 
 
 def load_state_dict(
