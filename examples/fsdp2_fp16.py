@@ -2,12 +2,17 @@
 checkpoint resumed mid-run. Runs on CPU (gloo) or GPUs (nccl)::
 
     torchrun --nproc-per-node 2 examples/fsdp2_fp16.py --steps 40
+    torchrun --nproc-per-node 2 examples/fsdp2_fp16.py --masters compensated --moments int8
 
 FSDP2 keeps each parameter as an FP32 DTensor shard (its own master) and computes in FP16
 (``MixedPrecisionPolicy(param_dtype=torch.float16)``); its gradients arrive reduce-scattered
 in FP32. ``FP16_Optimizer`` scales the loss, and its compiled step unscales the local grad
 shards, agrees "all finite" and the global grad norm with every rank in one all-reduce, clips,
 and applies AdamW -- or skips the step on every rank -- with no host sync.
+
+With ``--masters compensated`` the shards are FP16 (``model.half()`` before ``fully_shard``)
+and carry their masters in a 1-byte correction each: no FP32 copy (docs/precision.md;
+``--moments bf16`` or ``int8`` store AdamW's moments compactly too).
 """
 
 from __future__ import annotations
@@ -29,18 +34,23 @@ import fp16fx
 BATCH, WIDTH = 64, 64
 
 
-def build() -> tuple[nn.Module, fp16fx.FP16_Optimizer]:
+def build(master: str, moments: str) -> tuple[nn.Module, fp16fx.FP16_Optimizer]:
     """Returns the sharded model and its optimizer (the same on every rank: seeded)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(16, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 1)
     )
+    if master == "compensated":
+        model = model.half()  # FP16 shards: their corrections carry the masters
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    return model, fp16fx.FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False)
+    opt = fp16fx.FP16_Optimizer(
+        inner, dynamic_loss_scale=True, verbose=False, master=master, moments=moments
+    )
+    return model, opt
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +85,15 @@ def checkpoint(model: nn.Module, opt: fp16fx.FP16_Optimizer) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
+    # --masters, not --master: torchrun reads --master as its --master-addr.
+    parser.add_argument("--masters", choices=["fp32", "compensated"], default="fp32")
+    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     half = args.steps // 2
-    model, opt = build()
+    model, opt = build(args.masters, args.moments)
     train(model, opt, range(half))
     where = tempfile.mkdtemp() if dist.get_rank() == 0 else None
     shared = [where]
@@ -88,7 +101,7 @@ def main() -> None:
     dcp.save(checkpoint(model, opt), checkpoint_id=shared[0])
     final = train(model, opt, range(half, args.steps))
 
-    model, opt = build()  # a fresh run, resumed from the checkpoint
+    model, opt = build(args.masters, args.moments)  # a fresh run, resumed from the checkpoint
     sd = checkpoint(model, opt)
     dcp.load(sd, checkpoint_id=shared[0])
     set_model_state_dict(model, sd["model"])

@@ -89,10 +89,14 @@ def test_functional_docs_example_runs_and_learns() -> None:
 
 
 @pytest.mark.compile
-def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise() -> None:
+@pytest.mark.parametrize(
+    "precision", [(), ("--masters", "compensated", "--moments", "int8")], ids=["fp32", "compact"]
+)
+def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise(precision) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    example = [str(EXAMPLES / "fsdp2_fp16.py"), "--steps", "20", *precision]
     result = subprocess.run(
-        [*torchrun, "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_fp16.py"), "--steps", "20"],
+        [*torchrun, "--nproc-per-node", "2", *example],
         capture_output=True,
         text=True,
         timeout=300,
