@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp16fx
 import fp16fx.distributed
+from fp16fx.precision import MASTERS, MOMENTS
 
 
 def build(
@@ -124,8 +125,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="samples per rank")
     parser.add_argument("--steps", type=int, default=10)
     # --masters, not --master: torchrun reads --master as its --master-addr.
-    parser.add_argument("--masters", choices=["fp32", "compensated"], default="fp32")
-    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
+    parser.add_argument("--masters", choices=MASTERS, default="fp32")
+    parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     parser.add_argument(
         "--check-pass",
         action="store_true",

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp16fx
+from fp16fx.precision import MASTERS, MOMENTS
 
 BATCH, WIDTH = 64, 64
 
@@ -86,8 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     # --masters, not --master: torchrun reads --master as its --master-addr.
-    parser.add_argument("--masters", choices=["fp32", "compensated"], default="fp32")
-    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
+    parser.add_argument("--masters", choices=MASTERS, default="fp32")
+    parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
