@@ -27,6 +27,8 @@ import torch
 from fp16fx.consensus import Consensus
 from fp16fx.precision import (
     Precision,
+    Quantized,
+    as_rows,
     decode_master,
     hash_bits,
     map_moments,
@@ -183,6 +185,10 @@ def apply_updates(
     return new, info
 
 
+def _is_quantized(node: Any) -> bool:
+    return isinstance(node, Quantized)
+
+
 def _keep_moments(new: Any, old: Any, keep: Callable[[Any, Any], Any]) -> Any:
     """Returns the optimizer state ``new``, with ``old``'s values where the step is skipped
     (hyperparameters, never changed by a step, are passed through)."""
@@ -226,15 +232,18 @@ def apply_updates_(
     """Returns the info of :func:`apply_updates` after writing its results into ``trained``'s
     own tensors (params only where given)."""
     new, info = apply_updates(optimizer, policy, consensus, precision, places, grads, trained)
+
+    def write(dst: Any, src: Any) -> None:
+        if isinstance(dst, Quantized):  # the codes per value, the scales per block
+            write(dst.codes, src.codes)
+            dst.scales.copy_(src.scales)
+        elif dst is not src:
+            as_rows(dst, precision).copy_(as_rows(src, precision))
+
     for old, value in zip(trained.params, new.params):
         if old is not None:
-            old.copy_(value)
-
-    def write(dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst is not src:
-            dst.copy_(src)
-
-    optree.tree_map(write, tuple(trained)[1:], tuple(new)[1:])
+            write(old, value)
+    optree.tree_map(write, tuple(trained)[1:], tuple(new)[1:], is_leaf=_is_quantized)
     return info
 
 

@@ -108,6 +108,18 @@ def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise(precision) -> Non
 
 
 @pytest.mark.compile
+def test_the_int8_step_is_one_update_pass_in_the_triton_a_gpu_gets() -> None:
+    """Inductor's Triton code for the compensated + int8 step, written on this CPU: the grads'
+    check, then one pass over (blocks, 256) that takes each block's maximum and writes every
+    new value (5 loads, 4 stores per value). Coded flat, the maxima took a pass of their own
+    that read the 5 inputs too (fp16fx.precision._in_rows)."""
+    out = run_example("triton_passes.py", "--values", "4096", "--mode", "compensated+int8")
+    assert "compensated+int8: 2 passes over the values" in out, out
+    assert re.search(r"^  (red|per) \d+ x \d+: 1 loads, 0 stores per value$", out, re.M), out
+    assert re.search(r"^  per 16 x 256: 5 loads, 4 stores per value$", out, re.M), out
+
+
+@pytest.mark.compile
 def test_compact_arithmetic_example_times_each_format_under_fp16fxs_settings() -> None:
     path = EXAMPLES / "compact_arithmetic.py"
     spec = importlib.util.spec_from_file_location("compact_arithmetic", path)

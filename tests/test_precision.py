@@ -455,6 +455,22 @@ def test_int8_moments_ending_in_a_short_block_compile_to_the_numbers_of_eager_st
     _assert_the_numbers_of_eager(eager, compiled)
 
 
+@pytest.mark.compile
+def test_int8_blocks_coded_as_rows_as_a_gpu_codes_them_store_the_same_bits():
+    """Where Inductor writes Triton (GPUs) the step codes and writes whole int8 blocks as rows
+    (``precision._in_rows``: one pass with the block maxima; tests/test_examples.py shows the
+    kernels). Forced on this CPU (``cpu_backend="triton"``, run eagerly: the pure step, and
+    the in-place one through Dynamo's eager backend), the rows store the flat form's bits."""
+    flat = _three_adam_steps("compensated", "int8", fp16fx.step)
+    assert not precision._in_rows(torch.zeros(BLOCK), BLOCK)
+    with torch._inductor.config.patch(cpu_backend="triton"):
+        assert precision._in_rows(torch.zeros(BLOCK), BLOCK)
+        rows = _three_adam_steps("compensated", "int8", fp16fx.step)
+        step = fp16fx.compile_step(inplace=True, backend="eager")
+        in_place = _three_adam_steps("compensated", "int8", step)
+    assert differing(flat, rows) == [] and differing(flat, in_place) == []
+
+
 def test_grad_buffers_of_a_padded_state_are_read_with_their_padding_zeroed():
     """A state padded to whole int8 blocks reads ``grad_buffers`` in place, padding included
     (no copy); whatever the padding held, the step zeroes it, and the step is the one that
