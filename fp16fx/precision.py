@@ -251,9 +251,9 @@ def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 def _per_value(scales: torch.Tensor, numel: int, block: int) -> torch.Tensor:
     """Returns each value's block scale: broadcast over whole blocks, gathered by
     ``index >> log2(block)`` where the last block is short. (A broadcast is one load per
-    block; but with a short block, Inductor
-    (torch 2.14, CPU) turns it into a loop over ``(numel // block, block)`` that never computes
-    the last ``numel % block`` values: docs/precision.md, "Speed".)"""
+    block; but with a short block, Inductor (torch 2.14, CPU) turns it into a loop over
+    ``(numel // block, block)`` that never computes the last ``numel % block`` values:
+    docs/precision.md, "Speed".)"""
     if numel % block == 0:
         return scales[:, None].expand(-1, block).reshape(-1)
     return scales[torch.arange(numel, device=scales.device) >> (block.bit_length() - 1)]

@@ -248,9 +248,8 @@ def init(
     mesh; :mod:`fp16fx.dtensors`): the state is over their local shards (``state.params``),
     views of FSDP's storage that are never moved or packed; each leaf is a segment of its own,
     so an FP32 shard is its own master and an FP16/BF16 one, compensated, its own flat tensor.
-    The consensus is the sharded one over the mesh's
-    process group (or a given ``Consensus(group, sharded=True)`` over as many processes).
-    ``buckets`` must be False.
+    The consensus is the sharded one over the mesh's process group (or a given
+    ``Consensus(group, sharded=True)`` over as many processes). ``buckets`` must be False.
 
     Raises:
       TypeError, ValueError: the params cannot be trained (or hold one tensor twice), the
