@@ -304,6 +304,10 @@ def round_moment(
     return Quantized(torch.clamp(r, -127, 127).reshape(n), scales)
 
 
+#: The devices Inductor writes Triton for (NVIDIA and AMD GPUs, Intel's).
+_TRITON_DEVICES = ("cuda", "xpu")
+
+
 def as_rows(t: torch.Tensor, precision: Precision) -> torch.Tensor:
     """Returns a segment's per-value tensor ``t`` as rows of ``precision.block`` values where
     the step computes int8 blocks as rows (see :func:`_in_rows`), else ``t``: the step writes
@@ -325,7 +329,9 @@ def _in_rows(t: torch.Tensor, block: int) -> bool:
     every input again. Inductor's C++ code (CPUs) goes the other way on rows: it stores FP32
     temporaries, and the resnet18 int8 step took 3x as long (docs/precision.md, "Speed");
     there the values stay flat. The numbers are the same either way."""
-    triton = t.device.type != "cpu" or torch._inductor.config.cpu_backend == "triton"
+    triton = t.device.type in _TRITON_DEVICES or (
+        t.device.type == "cpu" and torch._inductor.config.cpu_backend == "triton"
+    )
     return triton and t.ndim == 1 and t.numel() % block == 0
 
 
