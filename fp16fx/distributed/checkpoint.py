@@ -163,8 +163,9 @@ def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
     params = {}
     for b, bucket in enumerate(state.buckets):
         slice_entry = mine["params"][str(b)]
-        if canonical:
-            slice_entry = checkpoint.canonical(slice_entry, block)
+        if canonical:  # decoded on the meta device: shapes and dtypes, no copies
+            on_meta = {k: v if v.ndim == 0 else v.to("meta") for k, v in slice_entry.items()}
+            slice_entry = checkpoint.canonical(on_meta, block)
         for k, i in enumerate(bucket.indices):
             start, end = bucket.offsets[k], bucket.offsets[k + 1]
             params[paths[state.trained[i]]] = {
