@@ -83,10 +83,12 @@ def step_code(values: int, leaves: int, precision: dict[str, str]) -> str:
     return max(written, key=len)  # the update's region (the other one checks the grads)
 
 
-def kernels(code: str) -> list[tuple[str, int, int, int, int]]:
-    """Returns each kernel launch in ``code`` as ``(kind, values, reduced, loads, stores)``:
-    ``values`` x ``reduced`` its iteration, ``loads``/``stores`` how many of its memory
-    accesses are indexed per value (not per block or scalar)."""
+def kernels(code: str) -> list[tuple[str, int, int, int, int, int]]:
+    """Returns each kernel launch in ``code`` as ``(kind, values, reduced, loads, stores,
+    operations)``: ``values`` x ``reduced`` its iteration, ``loads``/``stores`` how many of its
+    memory accesses are indexed per value (not per block or scalar), ``operations`` how many
+    values it computes per iteration (Triton ``tmp`` assignments other than loads, constants
+    and broadcasts: a rough count of its arithmetic, casts and selections included)."""
     found = []
     for line in code.splitlines():
         launch = LAUNCH.search(line)
@@ -101,7 +103,10 @@ def kernels(code: str) -> list[tuple[str, int, int, int, int]]:
         per_value = r"\([^()]*r0_[^()]*\)" if kind != "poi" else r"\(x0\)"
         loads = len(re.findall(rf"tl\.load\(in_ptr\d+ \+ {per_value}", source))
         stores = len(re.findall(rf"tl\.store\((?:in_)?out_ptr\d+ \+ {per_value}", source))
-        found.append((kind, numel, reduced, loads, stores))
+        assigned = re.findall(r"^\s+tmp\d+ = (.*)$", source, re.M)
+        free = ("tl.load(", "tl.full(", "tl.broadcast_to(", "in_ptr")
+        operations = sum(not value.startswith(free) for value in assigned)
+        found.append((kind, numel, reduced, loads, stores, operations))
     return found
 
 
@@ -113,11 +118,13 @@ def main() -> None:
     args = parser.parse_args()
     for mode in args.mode or MODES:
         found = kernels(step_code(args.values, args.leaves, MODES[mode]))
-        over_values = sum(numel * reduced >= args.values for _, numel, reduced, _, _ in found)
-        print(f"{mode}: {over_values} passes over the values")
-        for kind, numel, reduced, loads, stores in found:
-            if numel * reduced >= args.values:
-                print(f"  {kind} {numel} x {reduced}: {loads} loads, {stores} stores per value")
+        over_values = [k for k in found if k[1] * k[2] >= args.values]
+        print(f"{mode}: {len(over_values)} passes over the values")
+        for kind, numel, reduced, loads, stores, operations in over_values:
+            print(
+                f"  {kind} {numel} x {reduced}: {loads} loads, {stores} stores, "
+                f"{operations} operations per value"
+            )
 
 
 if __name__ == "__main__":

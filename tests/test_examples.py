@@ -115,8 +115,8 @@ def test_the_int8_step_is_one_update_pass_in_the_triton_a_gpu_gets() -> None:
     that read the 5 inputs too (fp16fx.precision._in_rows)."""
     out = run_example("triton_passes.py", "--values", "4096", "--mode", "compensated+int8")
     assert "compensated+int8: 2 passes over the values" in out, out
-    assert re.search(r"^  (red|per) \d+ x \d+: 1 loads, 0 stores per value$", out, re.M), out
-    assert re.search(r"^  per 16 x 256: 5 loads, 4 stores per value$", out, re.M), out
+    assert re.search(r"^  (red|per) \d+ x \d+: 1 loads, 0 stores, \d+ operations", out, re.M), out
+    assert re.search(r"^  per 16 x 256: 5 loads, 4 stores, \d+ operations", out, re.M), out
 
 
 @pytest.mark.compile
