@@ -299,7 +299,7 @@ def round_moment(
         # A positive value keeps code 1 at least: it never decodes to zero.
         low = (y > 0).float()
         return Quantized(torch.clamp(torch.maximum(r, low), 0, 255).reshape(n), scales)
-    r = 127.0 * torch.sign(y) * torch.sqrt(torch.abs(y))
+    r = torch.copysign(127.0 * torch.sqrt(torch.abs(y)), y)
     r = torch.floor(r + noise) if noise is not None else torch.round(r)
     return Quantized(torch.clamp(r, -127, 127).reshape(n), scales)
 
@@ -343,7 +343,7 @@ def decode_moment(stored: Any, non_negative: bool, block: int) -> torch.Tensor:
         if non_negative:
             return scale * torch.square(torch.square(stored.codes.float() / 255.0))
         c = stored.codes.float() / 127.0
-        return scale * torch.sign(c) * c * c
+        return scale * c * torch.abs(c)
     return stored.float()
 
 
