@@ -131,10 +131,10 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     (:func:`fp16fx.checkpoint.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
     which :func:`load_state_dict` encodes back. So a DCP checkpoint is the same whatever
     precision saved it, and any state loads it (rounded to nearest into its own precision);
-    the state that saved it loads it bitwise, since decoding and encoding to nearest give
-    back the same param, correction, codes and scales. (Int8 moments could not be saved as
-    stored anyway: their block scales are cut where each rank's shard starts, which moves
-    with the world size.)
+    a state like the one that saved it, at the same world size, loads it bitwise, since
+    decoding and encoding to nearest give back the same param, correction, codes and scales.
+    (Int8 moments could not be saved as stored anyway: their block scales are cut where each
+    rank's shard starts, which moves with the world size.)
     """
     sd = checkpoint.state_dict(state)
     if state.precision != FP32:  # in FP32 terms (see above)
