@@ -135,9 +135,8 @@ def build_engine(
     if engine is not None:
         existing = {m: optimizer.state.pop(m, None) for ms in masters for m in ms}
         existing = {m: s for m, s in existing.items() if s}
-        if existing:  # the masters are the params still (sharded, no rank holds them whole)
-            built = {id(p): p.detach().float() for params in trainable for p in params}
-            engine.load(existing, built, scaler.policy)
+        if existing:
+            engine.load(existing, {}, scaler.policy)
         return engine, masters
     if optimizer.state:  # cast existing state to the masters' dtype, as apex did
         optimizer.load_state_dict(optimizer.state_dict())

@@ -236,10 +236,10 @@ class FastEngine:
         segments: torch.Tensor | None = None,
     ) -> None:
         """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
-        ``masters`` given (``{id(model param): value}``; the others keep theirs) under loss-scale
-        ``policy``. The FP16/BF16 params are set to their masters rounded. ``segments``
-        (:meth:`segment_marks`' form) cuts the core's state where they change, beside the
-        cuts the step counts make.
+        ``masters`` given (``{id(model param): value}``; the others keep theirs, or sharded,
+        take their param's value) under loss-scale ``policy``. The FP16/BF16 params are set to
+        their masters rounded. ``segments`` (:meth:`segment_marks`' form) cuts the core's
+        state where they change, beside the cuts the step counts make.
 
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
@@ -258,7 +258,12 @@ class FastEngine:
             spec = self.specs[self.labels[k]]
             opt = {key: value for key, value in mine.items() if key.startswith("opt")}
             entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
-            master = masters[id(p)] if id(p) in masters else mine.get("master", p)
+            if id(p) in masters:
+                master = masters[id(p)]
+            elif self.sharded is None:
+                master = mine.get("master", p)
+            else:  # the template is shapes only: no rank holds a sharded master whole
+                master = p
             # A compensated param stays where its correction reaches the master (load the
             # model's weights first, and saving and loading is exact); else it is rounded.
             keep = self.state.precision.compensated and p.dtype != torch.float32
