@@ -193,10 +193,73 @@ def test_fsdp_trains_the_default_task_sharded(tmp_path, precision, label) -> Non
     assert f"FP16_Optimizer(Adam), eager, {label}" in done.stdout
 
 
+def stepper_leaves(tree: object, path: str = "") -> dict[str, object]:
+    """Returns every leaf of a checkpoint's nested dicts and lists, keyed by its path."""
+    if isinstance(tree, dict):
+        return {
+            k: v for key, c in tree.items() for k, v in stepper_leaves(c, f"{path}/{key}").items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return {
+            k: v for i, c in enumerate(tree) for k, v in stepper_leaves(c, f"{path}/{i}").items()
+        }
+    return {path: tree}
+
+
+def same_leaves(a: dict[str, object], b: dict[str, object]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x, b[k]) if isinstance(x, torch.Tensor) else x == b[k] for k, x in a.items()
+    )
+
+
+def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, tmp_path) -> None:
+    """An --fsdp run saved after epoch 1 of 2 and resumed ends bitwise like the uninterrupted
+    run (compact precision: the checkpoint's FP32 terms encode back to the same param,
+    correction, codes and scales); the checkpoint also resumes on 4 processes with FP32
+    moments. Resuming it without --fsdp, or with FP32 masters (an FP32 model), is refused in
+    one line, as is an unsharded checkpoint under --fsdp."""
+    common = ("-m", "fp16fx.cli", "train", "--fsdp", "--limit", "320", "--lr-schedule", "constant")
+    compact = ("--masters", "compensated", "--moments", "int8")
+    two = ("--nproc-per-node", "2", *compact)
+    run_command(*common, *two, "--epochs", "2", "--save", "whole.pt", cwd=tmp_path)
+    run_command(*common, *two, "--epochs", "1", "--save", "split.pt", cwd=tmp_path)
+    resumed = ("--epochs", "2", "--resume", "split.pt", "--save", "split.pt")
+    run_command(*common, *two, *resumed, cwd=tmp_path)
+    whole, split = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "split.pt"))
+    assert split["epoch"] == 2 and split["run"]["fsdp"]
+    assert same_leaves(stepper_leaves(whole["stepper"]), stepper_leaves(split["stepper"]))
+    untimed = [
+        {k: v for k, v in e.items() if "seconds" not in k} for e in whole["history"]["epochs"]
+    ]
+    assert untimed == [
+        {k: v for k, v in e.items() if "seconds" not in k} for e in split["history"]["epochs"]
+    ]
+
+    four = ("--nproc-per-node", "4", "--masters", "compensated", "--epochs", "3")
+    done = run_command(*common, *four, "--resume", "split.pt", "--save", "four.pt", cwd=tmp_path)
+    assert "resumed from split.pt after epoch 2" in done.stderr
+    assert "to --masters compensated --moments fp32" in done.stderr
+    assert summary_rows(done.stdout)["processes"] == "4, in sync"
+    four_epochs = torch.load(tmp_path / "four.pt", weights_only=True)["history"]["epochs"]
+    assert four_epochs[:2] == split["history"]["epochs"] and len(four_epochs) == 3
+
+    path = str(tmp_path / "split.pt")
+    error = one_line_error(capsys, "--resume", path)
+    assert f"checkpoint {path} was written with --fsdp: resume it with --fsdp" in error
+    error = one_line_error(capsys, "--fsdp", "--nproc-per-node", "2", "--resume", path)
+    assert "was written with --master compensated, this run has fp32" in error
+    unsharded = {k: v for k, v in split["run"].items() if k not in ("fsdp", "master")}
+    torch.save({**split, "run": unsharded}, tmp_path / "unsharded.pt")  # no --fsdp recorded
+    error = one_line_error(
+        capsys, "--fsdp", "--nproc-per-node", "2", "--resume", str(tmp_path / "unsharded.pt")
+    )
+    assert "was written without --fsdp: resume it without --fsdp" in error
+
+
 def test_fsdp_refuses_what_it_cannot_do_in_one_line(capsys) -> None:
     assert "add --nproc-per-node N" in one_line_error(capsys, "--fsdp")
     error = one_line_error(capsys, "--fsdp", "--api", "functional", "--nproc-per-node", "2")
-    assert "--fsdp trains with FP16_Optimizer (--api facade)" in error
+    assert "--fsdp trains with FP16_Optimizer: use --api facade" in error
 
 
 # --- bad process counts: one line, nothing started -----------------------------------------

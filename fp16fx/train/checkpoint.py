@@ -6,7 +6,7 @@ read with ``torch.load(weights_only=True)`` (no pickled code runs)::
     {
         "format": "fp16fx.train/2",
         "run": {"model": ..., "dataset": ..., "api": ..., "seed": ...,  # must match
-                "master": ..., "moments": ...},
+                "fsdp": ..., "master": ..., "moments": ...},
         "epoch": 3,                                  # epochs completed
         "stepper": {"model": ..., "optimizer": ...}, # Stepper.state_dict()
         "rng": {"torch": ByteTensor, "data": ByteTensor[, "cuda": ByteTensor]},
@@ -38,6 +38,9 @@ __all__ = [
 
 FORMAT = "fp16fx.train/2"
 _REQUIRED = ("format", "run", "epoch", "stepper", "rng", "history")
+
+#: The settings of checkpoints written before their ``run`` recorded them.
+_IDENTITY_DEFAULTS = {"fsdp": False}
 
 #: The precision of checkpoints written before their ``run`` recorded one.
 _PRECISION_DEFAULTS = {"master": "fp32", "moments": "fp32"}
@@ -142,10 +145,15 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     saved_run = ckpt["run"]
     for key, value in run.items():
-        saved = saved_run.get(key)
+        saved = saved_run.get(key, _IDENTITY_DEFAULTS.get(key))
         if saved != value:
+            flag = f"--{key.replace('_', '-')}"
+            if isinstance(value, bool):  # a switch: say how to resume it
+                how = "with" if saved else "without"
+                raise CheckpointError(
+                    f"checkpoint {path} was written {how} {flag}: resume it {how} {flag}"
+                )
             raise CheckpointError(
-                f"checkpoint {path} was written with --{key.replace('_', '-')} "
-                f"{saved}, this run has {value}"
+                f"checkpoint {path} was written with {flag} {saved}, this run has {value}"
             )
     return ckpt

@@ -186,8 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--resume",
         metavar="PATH",
-        help="continue from this checkpoint (of the same --model, --dataset, --api and --seed; "
-        "one written with other --masters or --moments has its optimizer state converted)",
+        help="continue from this checkpoint (of the same --model, --dataset, --api, --seed and "
+        "--fsdp; one written with other --masters or --moments has its optimizer state "
+        "converted, except --masters under --fsdp)",
     )
     out.add_argument(
         "--plot", metavar="FILE.png", help="save loss/accuracy/loss-scale curves (matplotlib)"

@@ -8,7 +8,8 @@ same model from the same initial weights and batches in FP32 for comparison. The
 Called in each of several processes with ``torch.distributed`` initialized, it trains one model
 data-parallel: ``batch_size`` is per process (a step's global batch is ``batch_size`` times the
 number of processes), every process resumes from the checkpoint, and only rank 0 saves it and
-shows progress bars.
+shows progress bars. (With ``fsdp`` every process takes part in saving: it gathers its shards
+for rank 0 to write, :mod:`fp16fx.train.fsdp`.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.train import checkpoint
 from fp16fx.train.data import DATASETS, DataError, ImageBatches, TrainTestData, load_dataset
+from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.loop import History, fit
 from fp16fx.train.models import MODELS, ModelError, build_model, to_half
 from fp16fx.train.parallel import Processes
@@ -85,11 +87,18 @@ class TrainConfig:
         """Returns the settings a checkpoint must share with this session to be resumed.
 
         The seed is one: a resumed run continues the checkpoint's random streams (batch
-        order, augmentation), so a different ``--seed`` would be printed but not used. The
+        order, augmentation), so a different ``--seed`` would be printed but not used;
+        ``fsdp`` is one, since the optimizer's state dict has another form under FSDP2. The
         precision (``master``, ``moments``) is not: a checkpoint resumes in another one,
-        its optimizer state converted (docs/precision.md, "Checkpoints").
+        its optimizer state converted (docs/precision.md, "Checkpoints") -- except the
+        masters under FSDP2, where they decide the model's dtype (FP32 shards are their own
+        masters; compensated ones are FP16). Nor is the number of processes.
         """
-        return {"model": self.model, "dataset": self.dataset, "api": self.api, "seed": self.seed}
+        identity = {"model": self.model, "dataset": self.dataset, "api": self.api}
+        identity.update(seed=self.seed, fsdp=self.fsdp)
+        if self.fsdp:
+            identity["master"] = self.master
+        return identity
 
     def precision(self) -> dict[str, str]:
         """Returns the precision flags, recorded in a checkpoint beside :meth:`identity`."""
@@ -187,6 +196,9 @@ def _fp16_stepper(
     if not config.fsdp:  # FSDP2 shards FP32 params, or FP16 ones it makes (FSDPStepper)
         model = to_half(model)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
+    precision = {"master": config.master, "moments": config.moments}
+    if config.fsdp:
+        return FSDPStepper(model, _lr(config), config.loss_scale, compile_step, **precision)
     return make_stepper(
         config.api,
         model,
@@ -194,9 +206,7 @@ def _fp16_stepper(
         loss_scale=config.loss_scale,
         compile=compile_step,
         distributed=distributed,
-        master=config.master,
-        moments=config.moments,
-        fsdp=config.fsdp,
+        **precision,
     )
 
 
@@ -227,11 +237,8 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not config.lr > 0:
         raise SetupError(f"--lr must be > 0, got {config.lr}")
-    if config.fsdp and (config.api != "facade" or config.save or config.resume):
-        raise SetupError(
-            "--fsdp trains with FP16_Optimizer (--api facade) and without --save/--resume "
-            "(an FSDP2 run checkpoints through torch.distributed.checkpoint: docs/distributed.md)"
-        )
+    if config.fsdp and config.api != "facade":
+        raise SetupError("--fsdp trains with FP16_Optimizer: use --api facade")
     if config.save is not None:
         checkpoint.check_writable(config.save)
     if config.plot is not None:
@@ -287,14 +294,17 @@ def _run(
             )  # fmt: skip
 
     def save(epochs_done: int, history: History) -> None:
-        if save_to is None:
+        if save_to is None or not (processes.is_main or stepper.collective_state_dict):
+            return
+        state = stepper.state_dict()
+        if not processes.is_main:
             return
         checkpoint.save_atomic(
             {
                 "format": checkpoint.FORMAT,
                 "run": {**config.identity(), **config.precision()},
                 "epoch": epochs_done,
-                "stepper": stepper.state_dict(),
+                "stepper": state,
                 "rng": _rng_state(generator, device),
                 "history": history.to_dict(),
             },
@@ -362,7 +372,7 @@ def train(config: TrainConfig) -> TrainResult:
         device,
         processes,
         resume_from=ckpt,
-        save_to=config.save if processes.is_main else None,
+        save_to=config.save,
         announce=(title, f"FP16: {stepper.label}"),
         name="FP16" if config.compare_fp32 else "",
     )

@@ -12,6 +12,9 @@ rate, and a checkpointable state dict. Three implementations:
   ``fp16fx.compile_step(inplace=True)`` (fused, in place).
 * :class:`TorchStepper`: plain FP32 ``torch.optim.Adam``, the baseline of ``--compare-fp32``.
 
+(``--fsdp`` trains with a fourth, :class:`fp16fx.train.fsdp.FSDPStepper`: the facade on a model
+sharded by FSDP2.)
+
 The two fp16fx steppers take the state's precision (``--masters``, ``--moments``): FP32 masters
 and moments by default, or a compensated master (no FP32 copy: the FP16 param plus an int8
 correction) and BF16 or int8 moments. They pass it to ``fp16fx.init`` / ``FP16_Optimizer``
@@ -33,7 +36,6 @@ The functional stepper never syncs with the device; the facade stepper reads the
 from __future__ import annotations
 
 import abc
-import copy
 import dataclasses
 import math
 from typing import Any
@@ -41,15 +43,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call, grad
 from torch.nn.parallel import DistributedDataParallel
 
 import fp16fx
 import fp16fx.checkpoint
 import fp16fx.distributed as fdist
-from fp16fx.train.models import to_half
 
 __all__ = [
     "APIS",
@@ -92,7 +91,8 @@ class StepOutput:
     loss_scale: torch.Tensor
 
 
-_FP16_MODEL = "FP16 model, BatchNorm FP32"
+#: How a stepper's label names the FP16 model it trains.
+FP16_MODEL = "FP16 model, BatchNorm FP32"
 
 
 def _describe_scale(loss_scale: LossScale) -> str:
@@ -137,10 +137,13 @@ class Stepper(abc.ABC):
         ``functional_call`` with the state's params).
       label: a short description for reports, e.g.
         ``"fp16fx.FP16_Optimizer(Adam), eager, dynamic loss scale; FP16 model, BatchNorm FP32"``.
+      collective_state_dict: whether :meth:`state_dict` is a collective that every process
+        calls (it gathers shards), not just the one that saves.
     """
 
     model: nn.Module
     label: str
+    collective_state_dict: bool = False
 
     @abc.abstractmethod
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
@@ -162,25 +165,22 @@ class Stepper(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict`; raises :class:`StateMismatchError` if it does not fit."""
 
-    def _load_model(self, model_state: Any) -> None:
-        try:
-            self.model.load_state_dict(model_state)
-        except (RuntimeError, TypeError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()
-            raise StateMismatchError(
-                f"the model weights do not fit this model: {' '.join(first[:2])}"
-            ) from None
-
 
 class OptimizerStepper(Stepper):
     """A stepper around a stateful optimizer object (``torch.optim`` or ``FP16_Optimizer``):
     the model is called directly, the lr lives in ``param_groups``, both have state dicts.
 
-    Training calls ``forward``: the model itself, or the model under DDP.
+    Training calls ``forward``: the model itself, or the model under DDP. A checkpoint holds
+    the state dict of :attr:`weights`.
     """
 
     optimizer: torch.optim.Optimizer
     forward: nn.Module
+
+    @property
+    def weights(self) -> nn.Module:
+        """The module whose state dict a checkpoint holds: the model itself."""
+        return self.model
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -191,10 +191,16 @@ class OptimizerStepper(Stepper):
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.weights.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_model(state["model"])
+        try:
+            self.weights.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()
+            raise StateMismatchError(
+                f"the model weights do not fit this model: {' '.join(first[:2])}"
+            ) from None
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
@@ -237,7 +243,7 @@ class FacadeStepper(OptimizerStepper):
         how = "compiled" if compile else "eager"
         self.label = (
             f"fp16fx.FP16_Optimizer(Adam), {how}, {_describe_scale(loss_scale)}"
-            f"{_describe_precision(precision)}; {_FP16_MODEL}" + ("; DDP" if distributed else "")
+            f"{_describe_precision(precision)}; {FP16_MODEL}" + ("; DDP" if distributed else "")
         )
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
@@ -252,63 +258,6 @@ class FacadeStepper(OptimizerStepper):
                 self.optimizer.loss_scale, dtype=torch.float32, device=loss.device
             ).clone(),
         )
-
-
-class FSDPStepper(FacadeStepper):
-    """``fp16fx.FP16_Optimizer`` over ``torch.optim.Adam`` on a model sharded by FSDP2
-    (``fully_shard``, FP16 compute, FP32 gradient reduction): each process keeps its shard of
-    every param and of the moments.
-
-    The model is FP32 (each shard its own master), or with compensated masters FP16 (apex's
-    ``network_to_half``: the corrections carry the shards' masters). Each layer is an FSDP
-    group of its own, BatchNorm computing in FP32 (as ``network_to_half`` keeps it).
-    Evaluation runs an unsharded replica loaded with the gathered params, so processes with
-    different numbers of test batches never wait on each other's all-gathers.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float,
-        loss_scale: LossScale,
-        compile: bool = True,
-        master: str = "fp32",
-        moments: str = "fp32",
-    ) -> None:
-        if master == "compensated":
-            model = to_half(model)
-        self._replica = copy.deepcopy(model)
-        half = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for module in model.modules():  # one FSDP group per layer; BatchNorm computes in FP32
-            if module is not model and any(True for _ in module.parameters(recurse=False)):
-                bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
-                fully_shard(module, mp_policy=full if bn else half)
-        fully_shard(model, mp_policy=half)
-        super().__init__(model, lr, loss_scale, compile=compile, master=master, moments=moments)
-        shards = "FP16 model, FSDP2" if master == "compensated" else "FP32 model, FSDP2"
-        self.label = self.label.replace(_FP16_MODEL, f"{shards} (FP16 compute)")
-        self._replica_fresh = False
-
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
-        self._replica_fresh = False
-        return super().train_step(images, labels)
-
-    def logits(self, images: torch.Tensor) -> torch.Tensor:
-        if not self._replica_fresh:  # every process's first test batch: gather once
-            self._replica.load_state_dict(self.state_dict()["model"])
-            self._replica_fresh = True
-        self._replica.train(self.model.training)
-        return self._replica(images.float())
-
-    def state_dict(self) -> dict[str, Any]:
-        """Returns the whole model (gathered: every process calls it) and the optimizer's
-        DCP dict (its shards as DTensors)."""
-        weights = {
-            k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in self.model.state_dict().items()
-        }
-        return {"model": weights, "optimizer": self.optimizer.state_dict()}
 
 
 class FunctionalStepper(Stepper):
@@ -362,7 +311,7 @@ class FunctionalStepper(Stepper):
         how = "compile_step(inplace=True)" if compile else "step"
         self.label = (
             f"fp16fx.{how} over fp16fx.adam, torch.func.grad of functional_call, "
-            f"{_describe_scale(loss_scale)}{_describe_precision(precision)}; {_FP16_MODEL}"
+            f"{_describe_scale(loss_scale)}{_describe_precision(precision)}; {FP16_MODEL}"
             + ("; fp16fx.distributed.average_grads" if distributed else "")
         )
 
@@ -461,20 +410,14 @@ def make_stepper(
     distributed: bool = False,
     master: str = "fp32",
     moments: str = "fp32",
-    fsdp: bool = False,
 ) -> Stepper:
-    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model``; with
-    ``fsdp``, the facade on an FP32 ``model`` that it shards with FSDP2 (:class:`FSDPStepper`;
-    in FP16 with compensated masters).
+    """Returns the stepper of ``api`` (one of :data:`APIS`) for an FP16 ``model`` (FSDP2:
+    :class:`fp16fx.train.fsdp.FSDPStepper`).
 
     ``distributed``: one of several processes (``torch.distributed`` initialized), each
     stepping on its part of every batch with the gradients averaged over all of them.
     ``master``, ``moments``: the state's precision (docs/precision.md).
     """
-    if fsdp:
-        if api != "facade":
-            raise ValueError(f"FSDP2 training runs FP16_Optimizer (api 'facade'), not {api!r}")
-        return FSDPStepper(model, lr, loss_scale, compile, master, moments)
     options = {"compile": compile, "distributed": distributed, "master": master, "moments": moments}
     if api == "facade":
         return FacadeStepper(model, lr, loss_scale, **options)
