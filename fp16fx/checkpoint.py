@@ -23,6 +23,7 @@ Layer: ``step`` (docs/design.md). The dict holds only tensors and Python primiti
 Tensors are views of the live state (as ``torch.optim``'s ``state_dict``): save the dict, or
 copy it, before stepping again. Loading checks everything first -- format, policy, optimizer
 (its keys), every shape and dtype -- and raises naming the first misfit, having changed nothing.
+It converts what it can: another precision (``Precision``), or params of another float dtype.
 """
 
 from __future__ import annotations
@@ -274,6 +275,20 @@ def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
     return out
 
 
+def _in_dtype_of(entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Returns a saved leaf's FP32-terms ``entry`` for a param of ``like``'s dtype, where the
+    model's dtype has changed since (FP16, BF16, FP32): its master -- the saved one, or an
+    FP32 param, its own -- stays, and the param is that master rounded to nearest."""
+    if like is None or entry["param"].dtype == like["param"].dtype:
+        return entry
+    master = entry.get("master", entry["param"]).float()
+    out = {key: value for key, value in entry.items() if key not in ("param", "master")}
+    out["param"] = master.to(like["param"].dtype)
+    if "master" in like:
+        out["master"] = master
+    return out
+
+
 def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
     an int8 moment's blocks where the state's sit -- so a raw copy is exact."""
@@ -301,7 +316,9 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     FP32-master checkpoint into a compensated state, int8 moments into FP32 ones...) is
     decoded to FP32 and stored in the state's: the masters and moments are rounded to nearest
     (a compensated master: to ``1/256`` of an FP16 ulp, from the saved param wherever its
-    correction reaches the saved master).
+    correction reaches the saved master). So is one saved over params of another float dtype
+    (FP16, BF16 or FP32: the model's dtype changed): each param's FP32 master (an FP32
+    param is its own) is kept, and the param becomes that master rounded to nearest.
 
     Raises:
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
@@ -314,10 +331,14 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         raise _fail("it has no ['params'] dict")
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
+    their_params = canonical_params(sd["params"], saved.block)
     theirs = {
         **sd,
         "precision": template["precision"],
-        "params": canonical_params(sd["params"], saved.block),
+        "params": {
+            path: _in_dtype_of(entry, mine["params"].get(path))
+            for path, entry in their_params.items()
+        },
     }
     check_fits(mine, theirs)
     paths = leaf_paths(state)

@@ -904,6 +904,49 @@ def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
         assert same_bits(full[name], decoded[: full[name].numel()]), name
 
 
+def _state_over(dtype: torch.dtype, master: str, moments: str):
+    params = {k: v.to(dtype) for k, v in tail_params(9).items()}
+    return fp16fx.init(params, adam(), POLICY, buckets=True, master=master, moments=moments)
+
+
+@pytest.mark.parametrize(
+    ("saved_in", "loaded_in"),
+    [
+        (torch.float16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float16),
+    ],
+    ids=["fp16-bf16", "fp16-fp32", "fp32-fp16", "bf16-fp16"],
+)
+def test_a_checkpoint_loads_over_params_of_another_dtype_keeping_every_master(saved_in, loaded_in):
+    """The model's dtype changed since the save: each param's FP32 master (an FP32 param is
+    its own) loads as it was into an FP32 master, and the param is it rounded to nearest; a
+    compensated master is within half a unit of it. The moments load as saved."""
+    source = _state_over(saved_in, "fp32", "fp32")
+    for i in range(3):
+        source, _ = fp16fx.step(source, scaled_grads(source, 10 + i))
+    sd = save_and_load(fp16fx.state_dict(source))
+    masters = source.params if saved_in == torch.float32 else source.master
+    full = fp16fx.load_state_dict(_state_over(loaded_in, "fp32", "fp32"), sd)
+    for path, master in masters.items():
+        assert same_bits(full.params[path], master.to(loaded_in)), path
+        if loaded_in != torch.float32:
+            assert same_bits(full.master[path], master), path
+    assert only_moments(full).keys() == only_moments(source).keys()
+    for name, moment in only_moments(source).items():
+        assert same_bits(only_moments(full)[name], moment), name
+    if loaded_in != torch.float32:
+        compact = fp16fx.load_state_dict(_state_over(loaded_in, "compensated", "fp32"), sd)
+        for path, master in masters.items():
+            p = compact.params[path]
+            err = (compact.master[path].double() - master.double()).abs()
+            assert (err <= 0.5 * unit(p) + ulp32(master)).all(), path
+    # The bytes as saved: the same dict loads into a state over the saved dtype bitwise.
+    again = fp16fx.load_state_dict(_state_over(saved_in, "fp32", "fp32"), sd)
+    assert differing(stored(source), stored(again)) == []
+
+
 # -- 9. memory -------------------------------------------------------------------------------
 
 MILLION = 1 << 20

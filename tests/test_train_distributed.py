@@ -216,8 +216,8 @@ def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, 
     """An --fsdp run saved after epoch 1 of 2 and resumed ends bitwise like the uninterrupted
     run (compact precision: the checkpoint's FP32 terms encode back to the same param,
     correction, codes and scales); the checkpoint also resumes on 4 processes with FP32
-    moments. Resuming it without --fsdp, or with FP32 masters (an FP32 model), is refused in
-    one line, as is an unsharded checkpoint under --fsdp."""
+    masters and moments, an FP32 model. Resuming it without --fsdp is refused in one line, as
+    is an unsharded checkpoint under --fsdp."""
     common = ("-m", "fp16fx.cli", "train", "--fsdp", "--limit", "320", "--lr-schedule", "constant")
     compact = ("--masters", "compensated", "--moments", "int8")
     two = ("--nproc-per-node", "2", *compact)
@@ -235,10 +235,11 @@ def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, 
         {k: v for k, v in e.items() if "seconds" not in k} for e in split["history"]["epochs"]
     ]
 
-    four = ("--nproc-per-node", "4", "--masters", "compensated", "--epochs", "3")
-    done = run_command(*common, *four, "--resume", "split.pt", "--save", "four.pt", cwd=tmp_path)
+    four = ("--nproc-per-node", "4", "--epochs", "3", "--resume", "split.pt", "--save", "four.pt")
+    done = run_command(*common, *four, cwd=tmp_path)
     assert "resumed from split.pt after epoch 2" in done.stderr
-    assert "to --masters compensated --moments fp32" in done.stderr
+    assert "int8 to --masters fp32 --moments fp32" in done.stderr
+    assert "FP32 model, FSDP2" in done.stderr
     assert summary_rows(done.stdout)["processes"] == "4, in sync"
     four_epochs = torch.load(tmp_path / "four.pt", weights_only=True)["history"]["epochs"]
     assert four_epochs[:2] == split["history"]["epochs"] and len(four_epochs) == 3
@@ -246,9 +247,7 @@ def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, 
     path = str(tmp_path / "split.pt")
     error = one_line_error(capsys, "--resume", path)
     assert f"checkpoint {path} was written with --fsdp: resume it with --fsdp" in error
-    error = one_line_error(capsys, "--fsdp", "--nproc-per-node", "2", "--resume", path)
-    assert "was written with --master compensated, this run has fp32" in error
-    unsharded = {k: v for k, v in split["run"].items() if k not in ("fsdp", "master")}
+    unsharded = {k: v for k, v in split["run"].items() if k != "fsdp"}
     torch.save({**split, "run": unsharded}, tmp_path / "unsharded.pt")  # no --fsdp recorded
     error = one_line_error(
         capsys, "--fsdp", "--nproc-per-node", "2", "--resume", str(tmp_path / "unsharded.pt")

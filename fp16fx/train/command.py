@@ -188,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="continue from this checkpoint (of the same --model, --dataset, --api, --seed and "
         "--fsdp; one written with other --masters or --moments has its optimizer state "
-        "converted, except --masters under --fsdp)",
+        "converted)",
     )
     out.add_argument(
         "--plot", metavar="FILE.png", help="save loss/accuracy/loss-scale curves (matplotlib)"

@@ -128,22 +128,24 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 def _shards_like(template: Any, saved: Any, where: str = "") -> Any:
     """Returns ``saved`` (nested dicts) with each tensor at a key where ``template`` holds a
-    DTensor made a DTensor laid out like it: this process's shard of the saved whole tensor.
-    Everything else is ``saved``'s own, for the loader to check."""
+    DTensor made a DTensor laid out like it: this process's shard of the saved whole tensor,
+    in the saved dtype. A key of a param's entry that ``template`` lacks (an FP16 param's
+    ``master``, loaded where the params are FP32) is laid out like the entry's ``param``.
+    Everything else is ``saved``'s own, for the loader to check and convert."""
     if isinstance(saved, torch.Tensor) and isinstance(template, DTensor):
         if saved.shape != template.shape:
             raise StateMismatchError(
                 f"the checkpoint's {where or 'tensor'} has shape {tuple(saved.shape)}, this "
                 f"run's {tuple(template.shape)}"
             )
-        whole = saved.to(device=template.device, dtype=template.dtype)
         # Every process holds the whole tensor: each keeps its own shard, nothing is sent.
         return distribute_tensor(
-            whole, template.device_mesh, template.placements, src_data_rank=None
+            saved.to(template.device), template.device_mesh, template.placements, src_data_rank=None
         )
     if isinstance(saved, dict) and isinstance(template, dict):
+        like = template.get("param")
         return {
-            key: _shards_like(template.get(key), value, f"{where}[{key!r}]")
+            key: _shards_like(template.get(key, like), value, f"{where}[{key!r}]")
             for key, value in saved.items()
         }
     return saved

@@ -90,15 +90,17 @@ class TrainConfig:
         order, augmentation), so a different ``--seed`` would be printed but not used;
         ``fsdp`` is one, since the optimizer's state dict has another form under FSDP2. The
         precision (``master``, ``moments``) is not: a checkpoint resumes in another one,
-        its optimizer state converted (docs/precision.md, "Checkpoints") -- except the
-        masters under FSDP2, where they decide the model's dtype (FP32 shards are their own
-        masters; compensated ones are FP16). Nor is the number of processes.
+        its optimizer state converted (docs/precision.md, "Checkpoints"), under FSDP2 too,
+        where the masters decide the model's dtype (FP32 shards are their own masters,
+        compensated ones FP16). Nor is the number of processes.
         """
-        identity = {"model": self.model, "dataset": self.dataset, "api": self.api}
-        identity.update(seed=self.seed, fsdp=self.fsdp)
-        if self.fsdp:
-            identity["master"] = self.master
-        return identity
+        return {
+            "model": self.model,
+            "dataset": self.dataset,
+            "api": self.api,
+            "seed": self.seed,
+            "fsdp": self.fsdp,
+        }
 
     def precision(self) -> dict[str, str]:
         """Returns the precision flags, recorded in a checkpoint beside :meth:`identity`."""
