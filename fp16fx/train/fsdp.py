@@ -5,7 +5,7 @@ Each process keeps its shard of every param and of the optimizer's state; the st
 0 writes the file), and :meth:`FSDPStepper.load_state_dict` cuts each process's shard back out
 of them. So an ``--fsdp`` checkpoint is one ``fp16fx train`` file like any other: written
 atomically, read with ``torch.load(weights_only=True)``, and resumed at any number of
-processes. The gathering costs the whole model and its FP32 optimizer state on each process
+processes and in any ``--masters`` / ``--moments``. The gathering costs the whole model and its FP32 optimizer state on each process
 while the dict lives: fine for the models ``fp16fx train`` trains. A model that needs FSDP2 to
 fit at all checkpoints through ``torch.distributed.checkpoint`` instead, each rank writing its
 own part (``examples/fsdp2_fp16.py``, docs/distributed.md).
@@ -81,7 +81,7 @@ class FSDPStepper(FacadeStepper):
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         if not self._replica_fresh:  # every process's first test batch: gather once
-            self._replica_network.load_state_dict(self.state_dict()["model"])
+            self._replica_network.load_state_dict(self._gathered_weights())
             self._replica_fresh = True
         self._replica.train(self.model.training)
         return self._replica(images.float())
@@ -97,9 +97,12 @@ class FSDPStepper(FacadeStepper):
         (docs/distributed.md): in FP32 terms whatever the precision, so a checkpoint resumes
         in any ``--masters`` / ``--moments``."""
         return {
-            "model": _map_tensors(_whole, self.weights.state_dict()),
+            "model": self._gathered_weights(),
             "optimizer": _map_tensors(_whole, self.optimizer.state_dict()),
         }
+
+    def _gathered_weights(self) -> dict[str, torch.Tensor]:
+        return _map_tensors(_whole, self.weights.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` saved at any number of processes: each DTensor's
