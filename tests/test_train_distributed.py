@@ -23,6 +23,7 @@ from fp16fx.train.data import ImageBatches, Split, TrainTestData
 from fp16fx.train.models import to_half
 from fp16fx.train.parallel import Processes
 from fp16fx.train.steppers import make_stepper
+from tests.test_train_checkpoint import assert_same_state
 
 APIS = ["functional", "facade"]
 SMALL = ("--limit", "320", "--epochs", "1")  # 5 global batches of 2 x 32
@@ -193,25 +194,6 @@ def test_fsdp_trains_the_default_task_sharded(tmp_path, precision, label) -> Non
     assert f"FP16_Optimizer(Adam), eager, {label}" in done.stdout
 
 
-def stepper_leaves(tree: object, path: str = "") -> dict[str, object]:
-    """Returns every leaf of a checkpoint's nested dicts and lists, keyed by its path."""
-    if isinstance(tree, dict):
-        return {
-            k: v for key, c in tree.items() for k, v in stepper_leaves(c, f"{path}/{key}").items()
-        }
-    if isinstance(tree, (list, tuple)):
-        return {
-            k: v for i, c in enumerate(tree) for k, v in stepper_leaves(c, f"{path}/{i}").items()
-        }
-    return {path: tree}
-
-
-def same_leaves(a: dict[str, object], b: dict[str, object]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(x, b[k]) if isinstance(x, torch.Tensor) else x == b[k] for k, x in a.items()
-    )
-
-
 def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, tmp_path) -> None:
     """An --fsdp run saved after epoch 1 of 2 and resumed ends bitwise like the uninterrupted
     run (compact precision: the checkpoint's FP32 terms encode back to the same param,
@@ -227,7 +209,7 @@ def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, 
     run_command(*common, *two, *resumed, cwd=tmp_path)
     whole, split = (torch.load(tmp_path / f, weights_only=True) for f in ("whole.pt", "split.pt"))
     assert split["epoch"] == 2 and split["run"]["fsdp"]
-    assert same_leaves(stepper_leaves(whole["stepper"]), stepper_leaves(split["stepper"]))
+    assert_same_state(tmp_path / "whole.pt", tmp_path / "split.pt")
     untimed = [
         {k: v for k, v in e.items() if "seconds" not in k} for e in whole["history"]["epochs"]
     ]
