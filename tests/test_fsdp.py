@@ -27,12 +27,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import fp16fx
 from fp16fx import dtensors
+from fp16fx.distributed import fsdp
 from tests.test_distributed import failed_step, spawn
 
 IN, HIDDEN, OUT = 8, 13, 3
@@ -174,14 +179,21 @@ def training_half(rank: int, world: int, where: Path) -> dict[str, Any]:
 
 def compact(rank: int, world: int, where: Path) -> dict[str, Any]:
     """FP16 params with compensated masters and int8 moments: 10 steps, a DCP checkpoint at
-    step 5 (d = 2 saves it), resumed from it at d = 2 and 4 in the same precision and at d = 1
-    with FP32 masters; at d = 4 also from ``training_half``'s FP32-master checkpoint."""
+    step 5 (d = 2 saves it, and a gathered one-file checkpoint), resumed from it at d = 2 and
+    4 in the same precision and at d = 1 with FP32 masters; at d = 4 also from
+    ``training_half``'s FP32-master checkpoint, and from the gathered file."""
     model = sharded(half=True)
     opt = facade(model, compiled=False, **COMPACT)
     train(model, opt, range(SAVE_AT), rank, world)
     saved = opt.state_dict()["state"]
     if world == 2:
         save(model, opt, where / "compact")
+        gathered = {
+            "model": fsdp.full_state_dict(get_model_state_dict(model)),
+            "optim": fsdp.full_state_dict(opt.state_dict()),
+        }
+        if rank == 0:
+            torch.save(gathered, where / "compact.pt")
     train(model, opt, range(SAVE_AT, STEPS), rank, world)
     entries = saved["params"].values()
     state = fp16fx.init(dict(sharded(half=True).named_parameters()), fp16fx.adamw(LR), **COMPACT)
@@ -202,10 +214,20 @@ def compact(rank: int, world: int, where: Path) -> dict[str, Any]:
         train(again, opt, range(SAVE_AT, STEPS), rank, world)
         return full(again)
 
+    def resume_gathered() -> dict[str, torch.Tensor]:
+        again = sharded(half=True)
+        opt = facade(again, compiled=False, **COMPACT)
+        sd = torch.load(where / "compact.pt", weights_only=True)
+        set_model_state_dict(again, sd["model"], options=StateDictOptions(full_state_dict=True))
+        opt.load_state_dict(sd["optim"])  # each rank takes its shard of the whole tensors
+        train(again, opt, range(SAVE_AT, STEPS), rank, world)
+        return full(again)
+
     if world == 1:
         return {**out, "resumed_fp32": resume("compact")}
     if world == 4:
         out["from_fp32"] = resume("half", **COMPACT)
+        out["from_gathered"] = resume_gathered()
     return {**out, "resumed": resume("compact", **COMPACT)}
 
 
@@ -490,6 +512,8 @@ def test_compact_precision_trains_fsdp2_shards_and_its_dcp_checkpoints_load_in_a
     close(two[0]["params"], half, INT8_TOL)
     for r in ranks(jobs, 4, "compact"):
         close(r["resumed"], two[0]["params"], INT8_TOL)  # resharded 2 -> 4
+        for name, value in r["resumed"].items():  # the gathered file: the same shards
+            assert torch.equal(r["from_gathered"][name], value), name
         close(r["from_fp32"], half, INT8_TOL)  # FP32 masters and moments, rounded in
     for r in ranks(jobs, 1, "compact"):
         close(r["resumed_fp32"], two[0]["params"], INT8_TOL)  # into FP32 masters

@@ -19,6 +19,14 @@ gradient norm over the mesh in one all-reduce. This module adds what a stateful 
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
     state = fsdp.load_state_dict(state, sd["optim"], params)
+
+Or as one file (:func:`full_state_dict` gathers every DTensor whole; any world size loads it,
+each rank taking its own shard)::
+
+    whole = fsdp.full_state_dict(fsdp.state_dict(state, params))  # every rank gathers
+    if dist.get_rank() == 0:
+        torch.save(whole, "optim.pt")
+    state = fsdp.load_state_dict(state, torch.load("optim.pt", weights_only=True), params)
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import optree
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp16fx import checkpoint, dtensors, tree
 from fp16fx.state import FP32, MixedPrecisionState
@@ -154,13 +163,24 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     return {**sd, "params": wrapped}
 
 
+def full_state_dict(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns ``sd`` (nested dicts: a :func:`state_dict`, ``FP16_Optimizer.state_dict()`` on
+    an FSDP2 model, a model's) with every DTensor gathered into a whole tensor on the CPU, for
+    one ``torch.save`` file that :func:`load_state_dict` takes back at any world size. A
+    collective: every rank calls it, and gets the whole state (its memory, on the CPU)."""
+    return optree.tree_map(
+        lambda v: v.full_tensor().cpu() if isinstance(v, DTensor) else v, dict(sd)
+    )
+
+
 def load_state_dict(
     state: MixedPrecisionState, sd: Mapping[str, Any], params: Any
 ) -> MixedPrecisionState:
     """Returns ``state`` holding ``sd``'s values: a :func:`state_dict` filled by ``dcp.load``
-    (at any world size) or saved by it. Each DTensor is checked to be laid out like its param,
-    then the values are loaded as by ``fp16fx.load_state_dict`` (which checks every key, shape
-    and dtype first).
+    (at any world size) or saved by it, or one gathered by :func:`full_state_dict`. Each
+    DTensor is checked to be laid out like its param; of a whole tensor, each rank takes the
+    shard its param holds. Then the values are loaded as by ``fp16fx.load_state_dict`` (which
+    checks every key, shape and dtype first).
 
     Raises:
       fp16fx.StateDictError, ValueError: an entry does not fit (named); nothing is changed.
@@ -171,12 +191,30 @@ def load_state_dict(
         param = by_path.get(path)
         out = {}
         for key, value in entries.items():
+            where = f"['params'][{path!r}][{key!r}]"
             if isinstance(value, DTensor):
-                _check_like(f"['params'][{path!r}][{key!r}]", value, param)
+                _check_like(where, value, param)
                 value = dtensors.local(value)
+            elif isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.ndim:
+                value = _own_shard(where, value, param)
             out[key] = value
         local[path] = out
     return checkpoint.load_state_dict(state, {**sd, "params": local})
+
+
+def _own_shard(where: str, whole: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """Returns this rank's shard of ``whole``, a tensor of ``param``'s global shape."""
+    if whole.shape != param.shape:
+        raise checkpoint.StateDictError(
+            f"the state dict does not fit this state: {where} is {tuple(whole.shape)}, a "
+            f"whole tensor of its param's shape {tuple(param.shape)} or a DTensor laid out "
+            "like it was expected"
+        )
+    # Every rank holds the whole tensor: each keeps its own shard, nothing is sent.
+    mine = distribute_tensor(
+        whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )
+    return dtensors.local(mine)
 
 
 def _check_like(where: str, value: DTensor, param: Any) -> None:
@@ -193,4 +231,4 @@ def _check_like(where: str, value: DTensor, param: Any) -> None:
         )
 
 
-__all__ = ["FSDPParams", "load_state_dict", "state_dict"]
+__all__ = ["FSDPParams", "full_state_dict", "load_state_dict", "state_dict"]

@@ -525,6 +525,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         (as ``fp16fx.load_apex_checkpoint`` returns it, or with apex scaler objects), or the
         list of every rank's dicts of a sharded optimizer (saved at any world size), or
         raises ValueError/TypeError naming the entry that does not fit -- then nothing changed.
+        On an FSDP2 model: the DCP dict, filled by ``dcp.load``, or gathered whole by
+        ``fp16fx.distributed.fsdp.full_state_dict`` (each rank takes its shard).
 
         The FP16/BF16 model params are set from the loaded masters.
         """

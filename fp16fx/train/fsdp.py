@@ -1,33 +1,34 @@
 """``fp16fx train --fsdp``: the facade stepper on a model sharded by FSDP2, and its checkpoints.
 
-Each process keeps its shard of every param and of the optimizer's state; the stepper's
-:meth:`FSDPStepper.state_dict` gathers them into whole tensors (every process takes part, rank
-0 writes the file), and :meth:`FSDPStepper.load_state_dict` cuts each process's shard back out
-of them. So an ``--fsdp`` checkpoint is one ``fp16fx train`` file like any other: written
+Each process keeps its shard of every param and of the optimizer's state. The stepper's
+:meth:`FSDPStepper.state_dict` gathers them into whole tensors
+(:func:`fp16fx.distributed.fsdp.full_state_dict`: every process takes part, rank 0 writes the
+file), and :meth:`FSDPStepper.load_state_dict` has each process take its own shard back out of
+them. So an ``--fsdp`` checkpoint is one ``fp16fx train`` file like any other: written
 atomically, read with ``torch.load(weights_only=True)``, and resumed at any number of
-processes and in any ``--masters`` / ``--moments``. The gathering costs the whole model and its FP32 optimizer state on each process
-while the dict lives: fine for the models ``fp16fx train`` trains. A model that needs FSDP2 to
-fit at all checkpoints through ``torch.distributed.checkpoint`` instead, each rank writing its
-own part (``examples/fsdp2_fp16.py``, docs/distributed.md).
+processes and in any ``--masters`` / ``--moments``. The gathering costs the whole model and
+its FP32 optimizer state on each process while the dict lives: fine for the models ``fp16fx
+train`` trains. A model that needs FSDP2 to fit at all checkpoints through
+``torch.distributed.checkpoint`` instead, each rank writing its own part
+(``examples/fsdp2_fp16.py``, docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fp16fx.distributed import fsdp
 from fp16fx.train.models import to_half
 from fp16fx.train.steppers import (
     FP16_MODEL,
     FacadeStepper,
     LossScale,
-    StateMismatchError,
     StepOutput,
 )
 
@@ -98,57 +99,22 @@ class FSDPStepper(FacadeStepper):
         in any ``--masters`` / ``--moments``."""
         return {
             "model": self._gathered_weights(),
-            "optimizer": _map_tensors(_whole, self.optimizer.state_dict()),
+            "optimizer": fsdp.full_state_dict(self.optimizer.state_dict()),
         }
 
-    def _gathered_weights(self) -> dict[str, torch.Tensor]:
-        return _map_tensors(_whole, self.weights.state_dict())
+    def _gathered_weights(self) -> dict[str, Any]:
+        return fsdp.full_state_dict(self.weights.state_dict())
+
+    def _load_weights(self, weights: dict[str, Any]) -> None:
+        # A copy: torch's loader replaces the dict's tensors with their shards.
+        set_model_state_dict(self.weights, dict(weights), options=_WHOLE)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` saved at any number of processes: each DTensor's
-        shard is cut out of the whole tensor saved (every process calls it)."""
-        model = _shards_like(self.weights.state_dict(), state["model"])
-        optimizer = _shards_like(self.optimizer.state_dict(), state["optimizer"])
-        super().load_state_dict({"model": model, "optimizer": optimizer})
+        """Restores a :meth:`state_dict` saved at any number of processes, each taking its
+        own shard of the whole tensors (every process calls it)."""
+        super().load_state_dict(state)
         self._replica_fresh = False
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """Returns ``t`` (a DTensor gathered) as a whole tensor on the CPU."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Returns ``tree`` (nested dicts, lists and tuples) with ``fn`` applied to its tensors."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {key: _map_tensors(fn, value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(fn, value) for value in tree)
-    return tree
-
-
-def _shards_like(template: Any, saved: Any, where: str = "") -> Any:
-    """Returns ``saved`` (nested dicts) with each tensor at a key where ``template`` holds a
-    DTensor made a DTensor laid out like it: this process's shard of the saved whole tensor,
-    in the saved dtype. A key of a param's entry that ``template`` lacks (an FP16 param's
-    ``master``, loaded where the params are FP32) is laid out like the entry's ``param``.
-    Everything else is ``saved``'s own, for the loader to check and convert."""
-    if isinstance(saved, torch.Tensor) and isinstance(template, DTensor):
-        if saved.shape != template.shape:
-            raise StateMismatchError(
-                f"the checkpoint's {where or 'tensor'} has shape {tuple(saved.shape)}, this "
-                f"run's {tuple(template.shape)}"
-            )
-        # Every process holds the whole tensor: each keeps its own shard, nothing is sent.
-        return distribute_tensor(
-            saved.to(template.device), template.device_mesh, template.placements, src_data_rank=None
-        )
-    if isinstance(saved, dict) and isinstance(template, dict):
-        like = template.get("param")
-        return {
-            key: _shards_like(template.get(key, like), value, f"{where}[{key!r}]")
-            for key, value in saved.items()
-        }
-    return saved
+#: How the stepper's checkpoints hold the model: whole tensors, every process a copy.
+_WHOLE = StateDictOptions(full_state_dict=True)

@@ -193,10 +193,13 @@ class OptimizerStepper(Stepper):
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.weights.state_dict(), "optimizer": self.optimizer.state_dict()}
 
+    def _load_weights(self, weights: dict[str, Any]) -> None:
+        self.weights.load_state_dict(weights)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            self.weights.load_state_dict(state["model"])
-        except (RuntimeError, TypeError, AttributeError) as exc:
+            self._load_weights(state["model"])
+        except (RuntimeError, TypeError, AttributeError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()
             raise StateMismatchError(
                 f"the model weights do not fit this model: {' '.join(first[:2])}"
