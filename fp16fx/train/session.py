@@ -298,8 +298,8 @@ def _run(
     def save(epochs_done: int, history: History) -> None:
         if save_to is None or not (processes.is_main or stepper.collective_state_dict):
             return
-        state = stepper.state_dict()
-        if not processes.is_main:
+        state = stepper.state_dict()  # under FSDP2 a collective: every process gathers
+        if not processes.is_main:  # rank 0 alone writes
             return
         checkpoint.save_atomic(
             {
