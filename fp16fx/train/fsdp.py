@@ -58,12 +58,12 @@ class FSDPStepper(FacadeStepper):
         master: str = "fp32",
         moments: str = "fp32",
     ) -> None:
-        # The network is the module that holds the weights, keyed alike at any precision (to_half
-        # puts it behind an input cast): a checkpoint resumes in another one.
+        # The network holds the weights, keyed alike at any precision (to_half puts it behind
+        # an input cast), so a checkpoint resumes in another one; the replica evaluates.
         self._network, self._replica_network = model, copy.deepcopy(model)
         self._replica = self._replica_network
         if master == "compensated":
-            model, self._replica = to_half(model), to_half(self._replica_network)
+            model, self._replica = to_half(self._network), to_half(self._replica_network)
         half = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in model.modules():  # one FSDP group per layer; BatchNorm computes in FP32

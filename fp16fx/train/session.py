@@ -195,15 +195,13 @@ def _fp16_stepper(
     config: TrainConfig, data: TrainTestData, device: torch.device, distributed: bool
 ) -> Stepper:
     model = build_model(config.model, data.in_channels, data.num_classes).to(device)
-    if not config.fsdp:  # FSDP2 shards FP32 params, or FP16 ones it makes (FSDPStepper)
-        model = to_half(model)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
     precision = {"master": config.master, "moments": config.moments}
-    if config.fsdp:
+    if config.fsdp:  # FSDP2 shards the FP32 model, or the FP16 one it makes
         return FSDPStepper(model, _lr(config), config.loss_scale, compile_step, **precision)
     return make_stepper(
         config.api,
-        model,
+        to_half(model),
         lr=_lr(config),
         loss_scale=config.loss_scale,
         compile=compile_step,
