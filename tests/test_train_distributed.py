@@ -20,6 +20,7 @@ from torch import nn
 from fp16fx import cli
 from fp16fx.train import parallel
 from fp16fx.train.data import ImageBatches, Split, TrainTestData
+from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.models import to_half
 from fp16fx.train.parallel import Processes
 from fp16fx.train.steppers import make_stepper
@@ -103,19 +104,43 @@ def _train_steps(run: str, distributed: bool, rank: int = 0, size: int = 1) -> d
     return {k: v.clone() for k, v in stepper.state_dict()["model"].items()}
 
 
+def _fsdp_in_sync(processes: Processes) -> list[bool]:
+    """Returns whether the processes' replicated state agrees after 2 FSDP2 steps on their
+    own parts: before BatchNorm's buffers become rank 0's, after, and after rank 1's loss
+    scale is set apart (each holds its own shard of the params, so those are not compared)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 10))
+    stepper = FSDPStepper(model, lr=1e-2, loss_scale="dynamic", compile=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(10, (16,), generator=g)
+        stepper.train_step(x[processes.rank :: 2], y[processes.rank :: 2])
+    agree = [processes.replicas_equal(stepper.replicated())]
+    processes.broadcast_buffers(stepper.model)
+    agree.append(processes.replicas_equal(stepper.replicated()))
+    if processes.rank == 1:
+        stepper.optimizer.loss_scale = stepper.optimizer.loss_scale / 2
+    agree.append(processes.replicas_equal(stepper.replicated()))
+    return agree
+
+
 def _worker(out_dir: str) -> None:
     """One process of the data-parallel run: its weights after 4 steps, per run, to a file."""
     processes = Processes.from_env()
     assert processes is not None
     with parallel.process_group(processes, "cpu"):
         weights = {run: _train_steps(run, True, processes.rank, processes.size) for run in RUNS}
+        weights["fsdp in sync"] = _fsdp_in_sync(processes)
     torch.save(weights, os.path.join(out_dir, f"rank{processes.rank}.pt"))
 
 
 def test_two_processes_step_like_one_process_on_the_global_batch(tmp_path) -> None:
-    """In FP32 and in compact precision (the dither is the same on every process)."""
+    """In FP32 and in compact precision (the dither is the same on every process). The same
+    processes check what the end of an FSDP2 run compares (:meth:`FSDPStepper.replicated`)."""
     parallel.launch(_worker, (str(tmp_path),), nproc=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    # The end-of-run check under FSDP2 sees the buffers and the loss scaler, on every rank.
+    assert ranks[0]["fsdp in sync"] == ranks[1]["fsdp in sync"] == [False, True, False]
     for run in RUNS:
         single = _train_steps(run, distributed=False)
         for name, value in single.items():

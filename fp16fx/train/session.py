@@ -395,9 +395,9 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 def _summary(name: str, stepper: Stepper, history: History, processes: Processes) -> RunSummary:
-    """Returns the run's summary, with whether every process ended with rank 0's weights."""
-    weights = stepper.state_dict()["model"].values()
-    in_sync = processes.replicas_equal(weights)
+    """Returns the run's summary, with whether every process ended with rank 0's replicated
+    state (:meth:`Stepper.replicated`)."""
+    in_sync = processes.replicas_equal(stepper.replicated())
     if not in_sync:
-        logger.warning("%s: the processes' weights differ at the end of the run", name)
+        logger.warning("%s: the processes' replicated state differs at the end of the run", name)
     return RunSummary(name, stepper.label, history, processes.size, in_sync)

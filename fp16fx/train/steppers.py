@@ -165,6 +165,12 @@ class Stepper(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict`; raises :class:`StateMismatchError` if it does not fit."""
 
+    def replicated(self) -> list[torch.Tensor]:
+        """Returns the tensors every process holds bitwise alike at the end of a run, which
+        the run's summary compares with rank 0's: under data parallelism, the model's weights
+        and buffers."""
+        return list(self.state_dict()["model"].values())
+
 
 class OptimizerStepper(Stepper):
     """A stepper around a stateful optimizer object (``torch.optim`` or ``FP16_Optimizer``):
@@ -192,6 +198,9 @@ class OptimizerStepper(Stepper):
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.weights.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def replicated(self) -> list[torch.Tensor]:
+        return list(self.weights.state_dict().values())
 
     def _load_weights(self, weights: dict[str, Any]) -> None:
         self.weights.load_state_dict(weights)
