@@ -7,8 +7,10 @@ writes what it saw to ``out/rank{r}.pt`` and the test compares the files.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +40,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, args: tuple) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ shows where its Python was
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -49,6 +52,12 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, arg
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Done and saved: leave without the interpreter's teardown, as a forkserver child (those
+    # of `fp16fx train`) does. There, rarely, torch 2.14 aborts a rank whose work is saved
+    # ("terminate called without an active exception": a joinable C++ thread destroyed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world: int, *args: Any, timeout_s: float = 30.0) -> None:
