@@ -165,11 +165,11 @@ class Stepper(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict`; raises :class:`StateMismatchError` if it does not fit."""
 
+    @abc.abstractmethod
     def replicated(self) -> list[torch.Tensor]:
         """Returns the tensors every process holds bitwise alike at the end of a run, which
         the run's summary compares with rank 0's: under data parallelism, the model's weights
         and buffers."""
-        return list(self.state_dict()["model"].values())
 
 
 class OptimizerStepper(Stepper):
@@ -364,6 +364,9 @@ class FunctionalStepper(Stepper):
             "model": {**self.state.params, **self.buffers},
             "optimizer": fp16fx.state_dict(self.state),
         }
+
+    def replicated(self) -> list[torch.Tensor]:
+        return [*self.state.params.values(), *self.buffers.values()]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state, opt_state = state["model"], state["optimizer"]
