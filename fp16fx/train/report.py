@@ -23,7 +23,8 @@ class RunSummary:
       label: what was trained and how (shown under the table).
       history: the run's :class:`~fp16fx.train.loop.History`.
       processes: how many processes trained it together (data parallelism).
-      replicas_equal: whether they all ended with bitwise the same weights.
+      replicas_equal: whether they all ended with bitwise the same replicated state
+        (:meth:`~fp16fx.train.steppers.Stepper.replicated`).
     """
 
     name: str
