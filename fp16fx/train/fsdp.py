@@ -106,10 +106,9 @@ class FSDPStepper(FacadeStepper):
         """Returns what the processes share under FSDP2, each holding its own shard of the
         params: the buffers (rank 0's since the last evaluation) and the loss scaler's state,
         which the found-inf consensus keeps alike (reading it syncs, once per run)."""
-        buffers = list(self.weights.buffers())
-        device = buffers[0].device if buffers else torch.device("cpu")
+        device = next(self.weights.parameters()).device  # the shards': the backend's device
         scaler = [self.optimizer.loss_scale, float(self.optimizer.skipped_steps)]
-        return [*buffers, torch.tensor(scaler, dtype=torch.float64, device=device)]
+        return [*self.weights.buffers(), torch.tensor(scaler, dtype=torch.float64, device=device)]
 
     def _gathered_weights(self) -> dict[str, Any]:
         return fsdp.full_state_dict(self.weights.state_dict())
