@@ -19,7 +19,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import optree
@@ -425,13 +425,3 @@ def shard_slice(bucket: Bucket, rank: int, world_size: int) -> slice:
     """Returns rank ``rank``'s equal slice of ``bucket``'s padded buffer (of ``world_size``)."""
     size = bucket.padded // world_size
     return slice(rank * size, (rank + 1) * size)
-
-
-def leaf_values(layout: Layout, per_bucket: Mapping[int, Sequence[Any]]) -> list[Any]:
-    """Returns one value per flat leaf: ``per_bucket[b][k]`` for the ``k``-th leaf of bucket
-    ``b``, None for leaves in no bucket."""
-    out: list[Any] = [None] * layout.num_leaves
-    for b, values in per_bucket.items():
-        for i, value in zip(layout.buckets[b].indices, values):
-            out[i] = value
-    return out

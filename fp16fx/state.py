@@ -37,9 +37,6 @@ from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, No
 from fp16fx.segments import Segments, split
 from fp16fx.transforms import GradientTransformation
 
-#: A segment's params: one flat tensor (views of a bucket's buffer), or the segment's leaves.
-SegmentParams = torch.Tensor | tuple[torch.Tensor, ...]
-
 _CHILDREN = ("param_segments", "master_segments", "opt_state", "loss_scale", "count")
 _META = ("optimizer", "policy", "layout", "consensus", "precision", "bucket_starts")
 FP32 = Precision()  # FP32 masters and moments: the default

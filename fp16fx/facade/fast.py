@@ -41,7 +41,7 @@ from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo
-from fp16fx.transforms import read_hyperparams, replace_hyperparams
+from fp16fx.transforms import replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
 
@@ -500,10 +500,6 @@ class FastEngine:
     def zero_grad(self, set_to_none: bool) -> None:
         self.flat.zero_grads(set_to_none)
         self._checked = self._scattered = None
-
-    def hyperparams_now(self) -> list[dict[str, Any]]:
-        """Returns, per group, the hyperparameters the compiled step reads (one sync)."""
-        return read_hyperparams(self.state.opt_state)
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]

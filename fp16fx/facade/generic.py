@@ -48,7 +48,6 @@ class GenericEngine:
             self.add_group(params, group_masters)
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
-        self._floored: torch.Tensor | None = None
 
     @staticmethod
     def make_masters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
