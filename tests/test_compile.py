@@ -209,7 +209,7 @@ def test_a_thousand_bucketed_steps_with_a_schedule_and_overflows_compile_once():
     grads = fp16fx.grad_buffers(state)
     step = fp16fx.compile_step(inplace=True)
     state, _ = step(state, grads)  # the one compile (zero grads)
-    skipped = torch.zeros((), dtype=torch.int64)
+    finite = torch.zeros(1000, dtype=torch.bool)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(1000):
             fp16fx.set_hyperparams(state, inplace=True, lr=1e-3 * (1 - i / 1000))
@@ -218,6 +218,10 @@ def test_a_thousand_bucketed_steps_with_a_schedule_and_overflows_compile_once():
             if i % 37 == 0:
                 grads["w"][0, 0] = float("inf")
             state, info = step(state, grads)
-            skipped += ~info["finite"]
-    assert skipped.item() >= 1000 // 37 and state.count.item() == 1001 - skipped.item()
+            finite[i] = info["finite"]
+    skipped = (~finite).nonzero().flatten().tolist()
+    # Every injected inf is caught; the scale, growing between them, overflows FP16 too.
+    assert set(range(0, 1000, 37)) <= set(skipped)
+    assert state.count.item() == 1001 - len(skipped)
+    assert all(torch.isfinite(p).all() for p in optree.tree_leaves(state.params))
     assert state.loss_scale.scale.item() > 2.0**4  # it grew between overflows

@@ -10,7 +10,17 @@ from torch import nn
 
 from fp16fx.fp16_utils import FP16_Optimizer
 from fp16fx.train import command
-from tests.test_facade_checkpoint import assert_same_fingerprint, fingerprint, save_and_load
+from tests.test_facade_checkpoint import (
+    APEX_SCALERS,
+    apex_state_dict,
+    assert_same_fingerprint,
+    fingerprint,
+    load_apex,
+    save_and_load,
+)
+from tests.test_facade_checkpoint import INNER as APEX_INNER
+from tests.test_facade_checkpoint import make_model as apex_model
+from tests.test_facade_checkpoint import run as apex_run
 
 #: Every compact mode the facade offers (FP32 masters and moments is the default).
 COMPACT = [
@@ -197,17 +207,35 @@ def test_a_checkpoint_loads_across_precisions(master, moments):
     assert train(target, opt2, 5) < before
 
 
-def test_an_apex_checkpoint_loads_into_a_compact_optimizer():
-    """apex's FP16_Optimizer dict (masters, torch-format Adam state, a legacy scaler) loads;
-    the masters land to within the correction's resolution."""
-    model = make_model()
-    reference = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), verbose=False)
-    train(model, reference, 3)
-    apex_dict = reference.state_dict()
-    opt = wrap(make_model(), "compensated", "int8", inner=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    opt.load_state_dict(apex_dict)
-    for mine, theirs in zip(opt.state_dict()["fp32_from_fp16"][0], apex_dict["fp32_from_fp16"][0]):
+def test_an_apex_checkpoint_loads_into_a_compact_optimizer(tmp_path):
+    """apex's FP16_Optimizer(SGD(momentum)) dict with its legacy DynamicLossScaler loads into a
+    compensated + int8 optimizer: the masters to within the correction's resolution, the
+    momentum to within an int8 code, the scaler's scale and schedule as they were."""
+    loss_scaler, scales = APEX_SCALERS["legacy dynamic"]
+    apex_sd = apex_state_dict(apex_model(seed=4), loss_scaler)
+    model = apex_model()
+    opt = FP16_Optimizer(
+        APEX_INNER["sgd"](model.parameters()),
+        dynamic_loss_scale=True,
+        compiled=False,
+        master="compensated",
+        moments="int8",
+    )
+    opt.load_state_dict(load_apex(tmp_path, apex_sd))
+    assert opt.dynamic_loss_scale and opt.loss_scale == scales[0]
+    (masters,) = apex_sd["fp32_from_fp16"]
+    loaded = opt.state_dict()
+    for mine, theirs in zip(loaded["fp32_from_fp16"][0], masters, strict=True):
+        # A compensated master keeps 8 bits below FP16's last one: 2**-19 relative.
         assert torch.allclose(mine, theirs, rtol=2.0**-18, atol=2.0**-32)
+    saved = apex_sd["optimizer_state_dict"]["state"]
+    got = loaded["optimizer_state_dict"]["state"]
+    largest = max(s["momentum_buffer"].abs().max() for s in saved.values())
+    for i in saved:
+        # Square-root companding: within 2 d sqrt(|x| s) + d**2 s <= 0.016 s, d = 1/127.
+        mine, theirs = got[i]["momentum_buffer"], saved[i]["momentum_buffer"]
+        assert torch.allclose(mine, theirs, rtol=0, atol=0.016 * float(largest))
+    assert [t[1] for t in apex_run(model, opt, range(4))] == scales
 
 
 @pytest.mark.parametrize(
@@ -221,12 +249,23 @@ def test_an_apex_checkpoint_loads_into_a_compact_optimizer():
 )
 def test_compact_precision_refuses_what_it_cannot_run(kwargs, message):
     model = make_model()
-    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    values, storages = [p.detach().clone() for p in params], [p.data_ptr() for p in params]
     settings = {"master": "compensated", "moments": "int8", **kwargs}
     master, moments = settings.pop("master"), settings.pop("moments")
+    make_inner = settings.pop("inner", lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    inners = []
+
+    def inner(ps):
+        inners.append(make_inner(ps))
+        return inners[-1]
+
     with pytest.raises(ValueError, match=message):
-        wrap(model, master, moments, **settings)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+        wrap(model, master, moments, inner=inner, **settings)
+    # Nothing moved into flat buffers, and the inner optimizer still holds the model's params.
+    assert all(torch.equal(a, b) for a, b in zip(params, values))
+    assert [p.data_ptr() for p in model.parameters()] == storages
+    assert all(a is b for a, b in zip(inners[0].param_groups[0]["params"], params, strict=True))
 
 
 def test_a_compact_optimizer_refuses_to_hand_over_to_the_generic_path():

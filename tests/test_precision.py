@@ -733,9 +733,11 @@ def test_int8_second_moments_decay_as_fp32_ones_on_average():
 )
 def test_unknown_precisions_are_refused_by_name(keywords, message):
     params = {"w": torch.ones(4).half()}
-    before = params["w"].clone()
+    before, storage = params["w"].clone(), params["w"].untyped_storage().data_ptr()
     with pytest.raises(ValueError, match=message):
         fp16fx.init(params, adam(), buckets=True, **keywords)
+    # Not moved into a bucket (which keeps the values): refused before anything changed.
+    assert params["w"].untyped_storage().data_ptr() == storage
     assert same_bits(params["w"], before)
 
 
