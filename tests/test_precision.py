@@ -961,6 +961,7 @@ MILLION = 1 << 20
         ("compensated", "fp32", 13.0),  # correction 1
         ("compensated", "bf16", 9.0),  # moments 2 + 2
         ("compensated", "int8", 7.03125),  # moments 1 + 1, and a 4-byte scale per 256 each
+        ("fp32", "int8", 10.03125),  # master 4, moments as above
     ],
 )
 def test_persistent_bytes_per_param_for_adam(master, moments, expected):

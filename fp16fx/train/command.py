@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp32: an FP32 master copy of every FP16 param (default); compensated: no FP32 "
         "copy, the FP16 param plus an int8 correction carry the master (with --api "
         "functional the params then move into flat buckets). Under torchrun spell it "
-        "--masters: torchrun reads --master as an abbreviation of its --master-addr",
+        "--masters: torchrun refuses --master as an ambiguous abbreviation of its "
+        "--master-addr and --master-port",
     )
     how.add_argument(
         "--moments",
