@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="samples per rank")
     parser.add_argument("--steps", type=int, default=10)
-    # --masters, not --master: torchrun reads --master as its --master-addr.
+    # --masters, not --master: torchrun refuses --master as ambiguous (--master-addr, -port).
     parser.add_argument("--masters", choices=MASTERS, default="fp32")
     parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     parser.add_argument(

@@ -86,7 +86,7 @@ def checkpoint(model: nn.Module, opt: fp16fx.FP16_Optimizer) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    # --masters, not --master: torchrun reads --master as its --master-addr.
+    # --masters, not --master: torchrun refuses --master as ambiguous (--master-addr, -port).
     parser.add_argument("--masters", choices=MASTERS, default="fp32")
     parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     args = parser.parse_args()

@@ -180,8 +180,8 @@ def test_nproc_per_node_trains_and_only_rank_0_reports(tmp_path) -> None:
 
 
 def test_torchrun_runs_the_functional_api(tmp_path) -> None:
-    """In compact precision: ``--masters`` passes through torchrun's parser (which reads
-    ``--master`` as its own ``--master-addr``)."""
+    """In compact precision: ``--masters`` passes through torchrun's parser (which refuses
+    ``--master`` as an ambiguous abbreviation of its ``--master-addr`` and ``--master-port``)."""
     done = run_command(
         *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         *("-m", "fp16fx.train", "--api", "functional", *SMALL),

@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     how.add_argument(
         "--masters",
-        "--master",  # the API's name; torchrun's parser takes it for --master-addr
+        "--master",  # the API's name; torchrun's parser refuses it as ambiguous
         dest="master",
         choices=MASTERS,
         default=MASTERS[0],
