@@ -493,6 +493,23 @@ def test_add_param_group_trains_the_new_params_with_masters(path):
     assert extra.weight.dtype == torch.float16
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_param_group_listing_a_param_twice_is_refused_and_changes_nothing(path):
+    model = TwoHeads()
+    opt = wrap(model, path, torch.optim.Adam(model.trunk.parameters(), lr=1e-2))
+    train(model, opt, 1)
+    params = list(model.parameters())
+    values, storages = [p.detach().clone() for p in params], [p.data_ptr() for p in params]
+    state = snapshot(opt)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] is .*\[0\] again"):
+        opt.add_param_group({"params": [model.a.weight, model.a.weight]})
+    assert len(opt.param_groups) == 1
+    assert [p.data_ptr() for p in params] == storages  # nothing moved into new buffers
+    assert all(map(torch.equal, params, values)) and all(map(torch.equal, snapshot(opt), state))
+    train(model, opt, 1)  # and it still trains
+    assert not torch.equal(model.trunk.weight, values[0])
+
+
 def test_add_param_group_matches_between_paths():
     masters = {}
     for path in PATHS:

@@ -471,6 +471,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         try:
             group = self.param_groups[n]
             names = param_names(self.optimizer)
+            check_unique([group], names, first=n)
             known = self._params.known()
             again = [names[id(p)] for p in group["params"] if id(p) in known]
             if again:  # torch cannot see it: the groups hold its master, not the param itself
