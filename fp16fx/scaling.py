@@ -56,9 +56,20 @@ def is_power_of_two(x: float) -> bool:
     return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
 
 
-def _require_positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+#: The scales a state can hold: it keeps them in an FP32 tensor, where a larger value would
+#: be inf and a smaller one a subnormal or 0 (every step then skipped, or nothing learnt).
+_FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def check_scale(name: str, value: float) -> None:
+    """Raises ValueError, naming ``name``, unless ``value`` is a number that FP32 holds as a
+    positive normal value (a loss scale, or a factor or bound of one)."""
+    low, high = _FP32_NORMAL
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+        raise ValueError(
+            f"{name} must be a finite number > 0 that FP32 holds as a normal value "
+            f"({low:g} to {high:g}), got {value!r}"
+        )
 
 
 class _FixedLossScale:
@@ -89,7 +100,7 @@ class StaticLossScale(_FixedLossScale):
     scale: float
 
     def __post_init__(self) -> None:
-        _require_positive("scale", self.scale)
+        check_scale("scale", self.scale)
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         return _state(float(self.scale), device)
@@ -132,7 +143,7 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             value = getattr(self, name)
-            _require_positive(name, value)
+            check_scale(name, value)
             if not is_power_of_two(value):
                 raise ValueError(
                     f"{name} must be a power of two (so that scaling is exact), got {value!r}"

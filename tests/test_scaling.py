@@ -131,6 +131,9 @@ def test_fixed_policies_never_move(policy):
         ({"growth_interval": 0}, "growth_interval must be an int >= 1"),
         ({"hysteresis": 1.5}, "hysteresis must be an int >= 1"),
         ({"min_scale": 4.0, "max_scale": 2.0}, "must not exceed max_scale"),
+        # Powers of two beyond FP32's normal range: the state's scale would be inf, or 0.
+        ({"max_scale": 2.0**128}, "max_scale must be .* FP32 holds as a normal value"),
+        ({"init_scale": 2.0**-127}, "init_scale must be .* FP32 holds as a normal value"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(kwargs, message):
@@ -141,6 +144,11 @@ def test_bad_configuration_is_refused_with_a_clear_message(kwargs, message):
 def test_static_scale_must_be_positive():
     with pytest.raises(ValueError, match="scale must be a finite number > 0"):
         StaticLossScale(0.0)
+    for outside in (1e39, 1e-46):  # inf and 0 in the state's FP32 tensor
+        with pytest.raises(ValueError, match="FP32 holds as a normal value"):
+            StaticLossScale(outside)
+    edges = DynamicLossScale(min_scale=2.0**-126, max_scale=2.0**127, init_scale=2.0**127)
+    assert edges.init().scale.item() == 2.0**127  # FP32's range itself is accepted
 
 
 @given(st.sampled_from([NoLossScale(), StaticLossScale(8.0), DynamicLossScale(min_scale=0.5)]))

@@ -34,7 +34,7 @@ from fp16fx.facade.params import (
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
-from fp16fx.scaling import DynamicLossScale
+from fp16fx.scaling import DynamicLossScale, check_scale
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -269,8 +269,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}")
+        check_scale("loss_scale", value)
         self._scaler.state.scale.fill_(float(value))
 
     @property
