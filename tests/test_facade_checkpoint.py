@@ -235,7 +235,23 @@ CORRUPTIONS = {
     "scaler value": (
         _set(["loss_scaler", "loss_scale"], 0.0),
         ValueError,
-        "'loss_scale'\\] must be finite and > 0",
+        "'loss_scale'\\] must be a finite number > 0",
+    ),
+    # Values an FP32 scale and int32 counters cannot hold: found before anything is written.
+    "scaler value past FP32": (
+        _set(["loss_scaler", "loss_scale"], 1e39),
+        ValueError,
+        "'loss_scale'\\] must be .* FP32 holds as a normal value",
+    ),
+    "scaler count past int32": (
+        _set(["loss_scaler", "good_steps"], 2**40),
+        ValueError,
+        "'good_steps'\\] must be a count in \\[0, 2\\*\\*31\\)",
+    ),
+    "master on meta": (
+        _set(["fp32_from_fp16", 0, 1], lambda t: t.to("meta")),
+        ValueError,
+        "fp32_from_fp16\\[0\\]\\[1\\] is a meta tensor",
     ),
     "scaler entry": (_set(["loss_scaler", "good_steps"], DELETE), ValueError, "no 'good_steps'"),
     "scaler object": (_set(["loss_scaler"], object()), ValueError, "loss_scaler: .*not an apex"),

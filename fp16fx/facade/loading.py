@@ -103,6 +103,9 @@ def _fail(message: str) -> ValueError:
 def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype | None) -> None:
     if not isinstance(value, torch.Tensor):
         raise _fail(f"{name} is a {type(value).__name__}, not a tensor")
+    if value.is_meta or value.layout != torch.strided:
+        raise _fail(f"{name} is a {'meta' if value.is_meta else value.layout} tensor, not one "
+                    "holding its values")  # fmt: skip
     if value.shape != like.shape:
         raise _fail(f"{name} has shape {tuple(value.shape)}, its param {tuple(like.shape)}")
     if dtype is not None and value.dtype != dtype:

@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from fp16fx.scaling import DynamicLossScale, LossScaleState, StaticLossScale, is_power_of_two
+from fp16fx.scaling import (
+    DynamicLossScale,
+    LossScaleState,
+    StaticLossScale,
+    check_scale,
+    is_power_of_two,
+)
 
 #: The floor used for apex's ``min_loss_scale=None``: 2**-126, reciprocal 2**126 (normal FP32).
 NO_FLOOR = 2.0**-126
@@ -162,6 +168,14 @@ def _get(d: Mapping[str, Any], key: str, kind: type) -> Any:
     return kind(value)
 
 
+def _count(d: Mapping[str, Any], key: str) -> int:
+    """A step counter of the scaler: the state keeps it in an int32 tensor."""
+    value = _get(d, key, int)
+    if not 0 <= value < 2**31:
+        raise ValueError(f"loss_scaler[{key!r}] must be a count in [0, 2**31), got {value!r}")
+    return value
+
+
 def _pow2(x: float, up: bool) -> float:
     """Returns ``x`` if it is a power of two, else the next power of two above/below it."""
     if is_power_of_two(x):
@@ -192,10 +206,9 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
         raise ValueError(f"loss_scaler must be a dict, got {type(d).__name__}")
     fmt = d.get("format")
     scale = _get(d, "loss_scale", float)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"loss_scaler['loss_scale'] must be finite and > 0, got {scale!r}")
+    check_scale("loss_scaler['loss_scale']", scale)
     if fmt == "fp16fx":
-        values = (scale, _get(d, "good_steps", int), _get(d, "overflows", int))
+        values = (scale, _count(d, "good_steps"), _count(d, "overflows"))
         if not _get(d, "dynamic", bool):
             return StaticLossScale(scale), values
         fields = {f: d[f] for f in _FP16FX_KEYS if f in d}
@@ -215,7 +228,7 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
             min_scale=min_scale,
             max_scale=max_scale,
         )
-        return policy, (scale, _get(d, "unskipped", int), 0)
+        return policy, (scale, _count(d, "unskipped"), 0)
     if fmt == "apex.fp16_utils.dynamic":
         # Legacy rule: grow when (cur_iter - last_overflow_iter) % window == 0, i.e. after
         # `window` clean iterations counted from the last overflow; floor 1, no ceiling.
