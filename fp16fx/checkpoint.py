@@ -40,6 +40,7 @@ from fp16fx import flat, tree
 from fp16fx.precision import (
     Precision,
     Quantized,
+    correction_dtype,
     decode_master,
     decode_moment,
     encode_master,
@@ -230,7 +231,11 @@ def saved_precision(sd: Mapping[str, Any]) -> Precision:
 
 def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
-    ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded."""
+    ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
+
+    Raises _NotStored, naming the key, where a stored tensor is not of a dtype or shape its
+    format stores (decoding it would silently give other numbers)."""
+    _check_stored(entry, block)
     out = {"param": entry["param"]}
     if "master" in entry:
         out["master"] = entry["master"]
@@ -245,6 +250,57 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         else:
             out[key] = value.float() if value.ndim else value
     return out
+
+
+class _NotStored(ValueError):
+    """A saved leaf's tensor that its format does not store (named by its key)."""
+
+
+def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
+    """Raises _NotStored naming the first tensor of a saved leaf whose dtype or shape its
+    format does not store."""
+    for key, value in entry.items():
+        if not isinstance(value, torch.Tensor):
+            raise _NotStored(f"[{key!r}] is a {type(value).__name__}, not a tensor")
+    param = entry["param"]
+    if param.dtype not in tree.MODEL_DTYPES:
+        raise _NotStored(f"['param'] has dtype {param.dtype}, not FP16, BF16 or FP32")
+    if "correction" in entry:
+        if param.dtype == torch.float32:
+            raise _NotStored("['correction'] beside an FP32 param, which is its own master")
+        wanted = correction_dtype(param.dtype)
+        if entry["correction"].dtype != wanted:
+            raise _NotStored(
+                f"['correction'] has dtype {entry['correction'].dtype}; a {param.dtype} "
+                f"param's is {wanted}"
+            )
+    for key, value in entry.items():
+        if key.endswith(".codes"):
+            name = key[: -len(".codes")]
+            offset, scales = entry[f"{name}.offset"], entry[f"{name}.scales"]
+            # (Meta tensors, a layout without values, are checked for their kind only.)
+            bad_kind = offset.ndim or offset.dtype != torch.int64
+            if bad_kind or not (offset.is_meta or 0 <= int(offset) < block):
+                raise _NotStored(f"[{name + '.offset'!r}] is not an int64 in [0, {block})")
+            if value.dtype not in (torch.int8, torch.uint8):
+                raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not int8 or uint8 codes")
+            blocks = None if offset.is_meta else -(-(int(offset) + value.numel()) // block)
+            if (
+                scales.dtype != torch.float32
+                or scales.ndim != 1
+                or blocks not in (None, len(scales))
+            ):
+                raise _NotStored(
+                    f"[{name + '.scales'!r}] is {scales.dtype} of shape {tuple(scales.shape)}; "
+                    f"its codes need {blocks} FP32 scales"
+                )
+        elif (
+            key.startswith("opt")
+            and value.ndim
+            and not key.endswith(".scales")
+            and value.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not FP32 or BF16")
 
 
 def _decode_leaf(
@@ -270,6 +326,8 @@ def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
             out[path] = canonical(entry, block)
         except KeyError as err:
             raise _fail(f"{where} lacks {err}") from None
+        except _NotStored as err:
+            raise _fail(f"{where}{err}") from None
         except (AttributeError, IndexError, TypeError, RuntimeError, ValueError) as err:
             raise _fail(f"{where} holds a malformed compact tensor: {err}") from None
     return out
@@ -304,6 +362,17 @@ def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     )
 
 
+def _check_dense(sd: Mapping[str, Any]) -> None:
+    """Raises StateDictError naming the first tensor of ``sd`` that holds no values to load
+    (a meta or sparse one)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(sd, is_leaf=torch.is_tensor)
+    for path, value in zip(paths, leaves):
+        if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
+            kind = "meta" if value.is_meta else value.layout
+            where = "".join(f"[{key!r}]" for key in path)
+            raise _fail(f"{where} is a {kind} tensor, not one holding its values")
+
+
 def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedPrecisionState:
     """Returns ``state`` holding the values of ``sd`` (a :func:`state_dict`), or raises.
 
@@ -322,13 +391,16 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
 
     Raises:
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
-        loss-scale policy -- named; TypeError: ``sd`` is not a dict. Nothing is changed.
+        loss-scale policy, a stored tensor its format does not store (a correction or int8
+        codes of another dtype, int8 scales that do not count the blocks), a meta or sparse
+        tensor -- named; TypeError: ``sd`` is not a dict. Nothing is changed.
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
     saved = saved_precision(sd)
     if not isinstance(sd.get("params"), Mapping):
         raise _fail("it has no ['params'] dict")
+    _check_dense(sd)
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
     their_params = canonical_params(sd["params"], saved.block)

@@ -794,7 +794,36 @@ def _mismatches():
         sd["params"]["w"]["correction"] = sd["params"]["w"]["correction"][:, :10].clone()
         return sd
 
+    def changed(key, change):
+        """The dict with ``['params']['w'][key]`` (or ``[key]`` at the top) changed."""
+
+        def make():
+            sd = saved()
+            where = sd if key == "count" else sd["params"]["w"]
+            where[key] = change(where[key])
+            return sd
+
+        return make
+
+    # Stored tensors of a kind the format does not store: decoded, they would give other numbers.
     return {
+        "a correction of another dtype": (
+            changed("correction", lambda c: c.to(torch.int16) * 2),
+            r"\['correction'\] has dtype torch.int16; a torch.float16 param's is torch.int8",
+        ),
+        "more int8 scales than blocks": (
+            changed("opt[1].mu.scales", lambda t: torch.cat([t, t])),
+            r"\['opt\[1\].mu.scales'\] is torch.float32 of shape .*its codes need",
+        ),
+        "a float block offset": (
+            changed("opt[1].nu.offset", lambda t: t.float()),
+            r"\['opt\[1\].nu.offset'\] is not an int64",
+        ),
+        "an integer param": (
+            changed("param", lambda t: t.long()),
+            r"\['param'\] has dtype torch.int64, not FP16, BF16 or FP32",
+        ),
+        "a meta tensor": (changed("count", lambda t: t.to("meta")), r"\['count'\] is a meta"),
         "other shapes": (other_shapes, r"\['c'\].*shape"),
         "another optimizer": (lambda: saved(fp16fx.sgd(0.1, momentum=0.9)), "lacks|has"),
         "an unknown precision": (bad_precision, "precision"),
