@@ -16,6 +16,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 PyTree = Any
 _SHAPE = operator.attrgetter("shape")
@@ -89,6 +90,7 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
             )
         seen[memory] = name
         devices.add(leaf.device)
+    check_disjoint(names, leaves)
     if not devices:
         raise ValueError("params holds no tensor: there is nothing to train")
     if len(devices) > 1:
@@ -97,6 +99,34 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
             "device's params per state (make one state per device)"
         )
     return leaves, treedef
+
+
+def check_disjoint(names: Sequence[str], leaves: Sequence[Any]) -> None:
+    """Raises ValueError naming two leaves whose elements may share memory (views of one
+    tensor): each would get its own master and update, and the memory would keep whichever
+    was written last. Judged by each leaf's byte span in its storage, so two strided views
+    that interleave without sharing an element are refused too (a rare way to hold params)."""
+    spans = []
+    for order, (name, leaf) in enumerate(zip(names, leaves)):
+        # FSDP2's DTensor params: each shard is a tensor of FSDP's, in storage of its own.
+        plain = isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)
+        if not plain or leaf.device.type == "meta" or leaf.numel() == 0:
+            continue
+        size = leaf.element_size()
+        low = high = leaf.storage_offset()
+        for n, stride in zip(leaf.shape, leaf.stride()):
+            low, high = low + min(0, (n - 1) * stride), high + max(0, (n - 1) * stride)
+        storage = (str(leaf.device), leaf.untyped_storage().data_ptr())
+        spans.append((storage, low * size, (high + 1) * size, (order, name)))
+    spans.sort(key=lambda span: span[:2])
+    for (storage, _, end, one), (other, start, _, two) in itertools.pairwise(spans):
+        if storage == other and start < end:
+            (_, first), (_, second) = sorted([one, two])
+            raise ValueError(
+                f"{second} overlaps {first} in memory (views of one tensor): each would be "
+                "stepped on its own and overwrite the other; pass the tensor they view once, "
+                "or clone one of them"
+            )
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...]:

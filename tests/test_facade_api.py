@@ -510,6 +510,23 @@ def test_a_param_group_listing_a_param_twice_is_refused_and_changes_nothing(path
     assert not torch.equal(model.trunk.weight, values[0])
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_params_that_overlap_in_memory_are_refused(path):
+    model = TwoHeads()
+    view = nn.Parameter(model.trunk.weight.data[:2])  # a view of a trained param's memory
+    with pytest.raises(ValueError, match=r"overlaps .*in memory"):
+        wrap(model, path, torch.optim.Adam([*model.parameters(), view]))
+    opt = wrap(model, path, torch.optim.Adam(model.trunk.parameters(), lr=1e-2))
+    train(model, opt, 1)
+    values, state = [p.detach().clone() for p in model.parameters()], snapshot(opt)
+    view = nn.Parameter(model.trunk.weight.data[:2])  # the trunk's memory now: a flat buffer
+    with pytest.raises(ValueError, match=r"overlaps .*in memory"):
+        opt.add_param_group({"params": [view]})
+    assert len(opt.param_groups) == 1 and all(map(torch.equal, snapshot(opt), state))
+    assert all(map(torch.equal, model.parameters(), values))
+    train(model, opt, 1)
+
+
 def test_add_param_group_matches_between_paths():
     masters = {}
     for path in PATHS:

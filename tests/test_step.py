@@ -294,6 +294,13 @@ def test_a_tensor_given_twice_is_refused_and_left_as_it_was(buckets):
         with pytest.raises(ValueError, match=r"params\['b'\].* is the same tensor as "):
             fp16fx.init(params, fp16fx.sgd(0.1), buckets=buckets)
     assert torch.equal(w, before) and w.untyped_storage().data_ptr() == storage
-    # Views of one buffer are separate params: init accepts them.
+    # Views of one buffer are separate params where they are disjoint: init accepts them.
     flat = torch.randn(8).half()
     fp16fx.init({"a": flat[:4], "b": flat[4:]}, fp16fx.sgd(0.1), buckets=buckets)
+    # Overlapping views would each be stepped and overwrite the other: refused.
+    base = torch.randn(16).half()
+    base_storage = base.untyped_storage().data_ptr()
+    for params in ({"a": base, "b": base.view(4, 4)}, {"a": base[4:12], "b": base[:8]}):
+        with pytest.raises(ValueError, match=r"params\['b'\] overlaps params\['a'\] in memory"):
+            fp16fx.init(params, fp16fx.sgd(0.1), buckets=buckets)
+    assert base.untyped_storage().data_ptr() == base_storage  # not moved into a bucket

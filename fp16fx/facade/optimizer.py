@@ -479,7 +479,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     "already trained by this FP16_Optimizer"
                 )
             params = [p for p in group["params"] if p.requires_grad]
-            check_trainable(params, names, self._scaler.state.scale.device)
+            trained = [p for ps in self._params.trainable for p in ps]
+            check_trainable([*trained, *params], names, self._scaler.state.scale.device)
             moved: dict[int, torch.Tensor] = {}
             if isinstance(self._engine, FastEngine):
                 try:

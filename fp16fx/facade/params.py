@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fp16fx.tree import MODEL_DTYPES
+from fp16fx.tree import MODEL_DTYPES, check_disjoint
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -45,7 +45,9 @@ def check_trainable(
     params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
 ) -> None:
     """Raises TypeError/ValueError, naming the param, unless every one of ``params`` is
-    FP16/BF16/FP32 and they all live on one device (``device``, if given)."""
+    FP16/BF16/FP32, they all live on one device (``device``, if given), and no two share
+    memory (views of one tensor)."""
+    check_disjoint([names.get(id(p), f"param {i}") for i, p in enumerate(params)], params)
     for p in params:
         if p.dtype not in MODEL_DTYPES:
             raise TypeError(
