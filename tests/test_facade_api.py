@@ -527,6 +527,26 @@ def test_params_that_overlap_in_memory_are_refused(path):
     train(model, opt, 1)
 
 
+class FailingSGD(torch.optim.SGD):
+    """An SGD whose step raises (e.g. torch's Adam on a sparse gradient)."""
+
+    def step(self, closure=None):
+        raise RuntimeError("this optimizer cannot step these grads")
+
+
+def test_a_wrapped_step_that_raises_leaves_the_loss_scale_as_it_was():
+    model = TwoHeads()
+    args = {"scale_window": 1}  # a clean step would double the scale
+    opt = wrap(model, "generic", FailingSGD(model.parameters(), lr=0.1),
+               dynamic_loss_scale=True, dynamic_loss_args=args)  # fmt: skip
+    before = opt.state_dict()["loss_scaler"]
+    opt.zero_grad()
+    opt.backward(model(X))
+    with pytest.raises(RuntimeError, match="cannot step these grads"):
+        opt.step()
+    assert opt.state_dict()["loss_scaler"] == before and opt.loss_scale == 2.0**16
+
+
 def test_add_param_group_matches_between_paths():
     masters = {}
     for path in PATHS:

@@ -124,12 +124,14 @@ class GenericEngine:
                     p.copy_(master)
 
     def step(self) -> object:
-        """Moves the scale, then steps the wrapped optimizer unless the grads overflowed;
-        returns its result."""
-        self.adjust_scale()
+        """Steps the wrapped optimizer unless the grads overflowed, then moves the scale;
+        returns its result. (In that order: a wrapped step that raises leaves the scale, too,
+        as it was.)"""
         if not self.finite():
+            self.adjust_scale()
             return None
         result = self.optimizer.step()
+        self.adjust_scale()
         self.masters_to_model()
         return result
 
