@@ -46,9 +46,10 @@ from fp16fx.precision import (
     encode_master,
     encode_moment,
 )
+from fp16fx.scaling import check_scale
 from fp16fx.segments import MASKED, named_segments
 from fp16fx.state import MixedPrecisionState, recut
-from fp16fx.transforms import Hyperparams
+from fp16fx.transforms import Hyperparams, check_hyperparam
 
 FORMAT = "fp16fx.state/1"
 
@@ -202,12 +203,38 @@ def check_fits(template: Mapping[str, Any], sd: Any) -> None:
         for key, like in template[group].items():
             _check_tensor(f"[{group!r}][{key!r}]", sd[group][key], like)
     _check_tensor("['count']", sd["count"], template["count"])
+    _check_values(sd)
     _check_keys("['params']", sd["params"], template["params"])
     for path, entry in template["params"].items():
         where = f"['params'][{path!r}]"
         _check_keys(where, sd["params"][path], entry)
         for key, like in entry.items():
             _check_tensor(f"{where}[{key!r}]", sd["params"][path][key], like)
+
+
+def _check_values(sd: Mapping[str, Any]) -> None:
+    """Raises StateDictError naming the first of ``sd``'s loss scale, hyperparameters and
+    counts whose value the state cannot take: what the loss-scale policies and
+    ``set_hyperparams`` refuse (a scale FP32 cannot hold, a NaN or negative lr), a negative
+    count. (Meta tensors, a layout without values, are skipped.)"""
+    scale = sd["loss_scale"]["scale"]
+    if not scale.is_meta:
+        try:
+            check_scale("the loss scale", float(scale))
+        except ValueError as err:
+            raise _fail(f"['loss_scale']['scale']: {err}") from None
+    for key, value in sd["hyperparams"].items():
+        if not value.is_meta:
+            try:
+                check_hyperparam(key.rsplit("['", 1)[-1].rstrip("']"), value)  # opt[2]['lr']
+            except (TypeError, ValueError) as err:
+                raise _fail(f"['hyperparams'][{key!r}]: {err}") from None
+    counts = {"['count']": sd["count"]}
+    for name in ("good_steps", "overflows"):
+        counts[f"['loss_scale'][{name!r}]"] = sd["loss_scale"][name]
+    for where, count in counts.items():
+        if not count.is_meta and int(count) < 0:
+            raise _fail(f"{where} is {int(count)}, a count below 0")
 
 
 def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:

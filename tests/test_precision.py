@@ -805,6 +805,16 @@ def _mismatches():
 
         return make
 
+    def valued(group, key, value):
+        """The dict with ``[group][key]`` filled with ``value``."""
+
+        def make():
+            sd = saved()
+            sd[group][key] = torch.full_like(sd[group][key], value)
+            return sd
+
+        return make
+
     # Stored tensors of a kind the format does not store: decoded, they would give other numbers.
     return {
         "a correction of another dtype": (
@@ -824,6 +834,16 @@ def _mismatches():
             r"\['param'\] has dtype torch.int64, not FP16, BF16 or FP32",
         ),
         "a meta tensor": (changed("count", lambda t: t.to("meta")), r"\['count'\] is a meta"),
+        # Values the state cannot take, refused as set_hyperparams and the policies refuse them.
+        "a NaN learning rate": (
+            valued("hyperparams", "opt[2]['lr']", math.nan),
+            r"\['hyperparams'\]\[\"opt\[2\]\['lr'\]\"\]: hyperparameter 'lr' must be",
+        ),
+        "an infinite loss scale": (
+            valued("loss_scale", "scale", math.inf),
+            r"\['loss_scale'\]\['scale'\]: the loss scale must be",
+        ),
+        "a negative count": (changed("count", lambda t: t - 10), r"\['count'\] is -9, a count"),
         "other shapes": (other_shapes, r"\['c'\].*shape"),
         "another optimizer": (lambda: saved(fp16fx.sgd(0.1, momentum=0.9)), "lacks|has"),
         "an unknown precision": (bad_precision, "precision"),
