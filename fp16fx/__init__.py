@@ -10,9 +10,10 @@ The functional API::
 """
 
 from fp16fx.apex_checkpoint import load_apex_checkpoint
-from fp16fx.checkpoint import StateDictError, load_state_dict, state_dict
+from fp16fx.checkpoint import load_state_dict, state_dict
 from fp16fx.compile import compile_step
 from fp16fx.facade import FP16_Optimizer
+from fp16fx.saved_format import StateDictError
 from fp16fx.scaling import (
     DynamicLossScale,
     LossScaleState,

@@ -24,6 +24,8 @@ Tensors are views of the live state (as ``torch.optim``'s ``state_dict``): save 
 copy it, before stepping again. Loading checks everything first -- format, policy, optimizer
 (its keys), every shape and dtype -- and raises naming the first misfit, having changed nothing.
 It converts what it can: another precision (``Precision``), or params of another float dtype.
+What a saved dict may hold, and how its leaves read in FP32 terms, is
+:mod:`fp16fx.saved_format`'s.
 """
 
 from __future__ import annotations
@@ -38,20 +40,24 @@ import torch
 
 from fp16fx import flat, tree
 from fp16fx.precision import (
-    Precision,
     Quantized,
-    correction_dtype,
-    decode_master,
-    decode_moment,
     encode_master,
     encode_moment,
 )
-from fp16fx.scaling import check_scale
+from fp16fx.saved_format import (
+    FORMAT,
+    StateDictError,
+    canonical_params,
+    check_dense,
+    check_fits,
+    leaf_scalars,
+    misfit,
+    precision_dict,
+    precision_of,
+)
 from fp16fx.segments import MASKED, named_segments
 from fp16fx.state import MixedPrecisionState, recut
-from fp16fx.transforms import Hyperparams, check_hyperparam
-
-FORMAT = "fp16fx.state/1"
+from fp16fx.transforms import Hyperparams
 
 
 def leaf_paths(state: MixedPrecisionState) -> list[str]:
@@ -131,11 +137,6 @@ def per_leaf(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]
     return out
 
 
-def precision_dict(precision: Precision) -> dict[str, Any]:
-    """Returns a state's :class:`~fp16fx.precision.Precision` as primitives."""
-    return dataclasses.asdict(precision)
-
-
 def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
     """Returns the state as a dict of tensors and primitives keyed by param path (see the
     module docstring); ``torch.save`` it, and ``load_state_dict`` it into a state made by
@@ -150,214 +151,6 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
         "hyperparams": hyperparam_tensors(state.opt_state),
         "params": {path: entry for path, entry in zip(paths, per_leaf(state)) if entry is not None},
     }
-
-
-class StateDictError(ValueError):
-    """A state dict does not fit the state it is loaded into; the message names the key."""
-
-
-def _fail(message: str) -> StateDictError:
-    return StateDictError(f"the state dict does not fit this state: {message}")
-
-
-def _check_tensor(where: str, value: Any, like: torch.Tensor) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise _fail(f"{where} is a {type(value).__name__}, not a tensor")
-    if value.shape != like.shape:
-        raise _fail(f"{where} has shape {tuple(value.shape)}, this state's {tuple(like.shape)}")
-    if value.dtype != like.dtype:
-        raise _fail(f"{where} has dtype {value.dtype}, this state's {like.dtype}")
-
-
-def _check_keys(where: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    if not isinstance(saved, Mapping):
-        raise _fail(f"{where} is a {type(saved).__name__}, not a dict")
-    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    if missing:
-        raise _fail(
-            f"{where} lacks {missing} (was it saved from another optimizer or other params?)"
-        )
-    if extra:
-        raise _fail(f"{where} has {extra}, which this state does not keep (another optimizer?)")
-
-
-def check_fits(template: Mapping[str, Any], sd: Any) -> None:
-    """Raises naming the first entry of ``sd`` that does not fit ``template`` (a state dict of
-    the state it is to be loaded into: its keys, and tensors of the right shape and dtype).
-
-    Raises:
-      TypeError: ``sd`` is not a dict; StateDictError: anything else that does not fit.
-    """
-    if not isinstance(sd, Mapping):
-        raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
-    if sd.get("format") != FORMAT:
-        raise _fail(f"its format is {sd.get('format')!r}, expected {FORMAT!r}")
-    _check_keys("the state dict", sd, template)
-    if sd["policy"] != template["policy"]:
-        raise _fail(
-            f"it was saved with loss-scale policy {sd['policy']}, this state has "
-            f"{template['policy']}"
-        )
-    for group in ("loss_scale", "hyperparams"):
-        _check_keys(f"[{group!r}]", sd[group], template[group])
-        for key, like in template[group].items():
-            _check_tensor(f"[{group!r}][{key!r}]", sd[group][key], like)
-    _check_tensor("['count']", sd["count"], template["count"])
-    _check_values(sd)
-    _check_keys("['params']", sd["params"], template["params"])
-    for path, entry in template["params"].items():
-        where = f"['params'][{path!r}]"
-        _check_keys(where, sd["params"][path], entry)
-        for key, like in entry.items():
-            _check_tensor(f"{where}[{key!r}]", sd["params"][path][key], like)
-
-
-def _check_values(sd: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming the first of ``sd``'s loss scale, hyperparameters and
-    counts whose value the state cannot take: what the loss-scale policies and
-    ``set_hyperparams`` refuse (a scale FP32 cannot hold, a NaN or negative lr), a negative
-    count. (Meta tensors, a layout without values, are skipped.)"""
-    scale = sd["loss_scale"]["scale"]
-    if not scale.is_meta:
-        try:
-            check_scale("the loss scale", float(scale))
-        except ValueError as err:
-            raise _fail(f"['loss_scale']['scale']: {err}") from None
-    for key, value in sd["hyperparams"].items():
-        if not value.is_meta:
-            try:
-                check_hyperparam(key.rsplit("['", 1)[-1].rstrip("']"), value)  # opt[2]['lr']
-            except (TypeError, ValueError) as err:
-                raise _fail(f"['hyperparams'][{key!r}]: {err}") from None
-    counts = {"['count']": sd["count"]}
-    for name in ("good_steps", "overflows"):
-        counts[f"['loss_scale'][{name!r}]"] = sd["loss_scale"][name]
-    for where, count in counts.items():
-        if not count.is_meta and int(count) < 0:
-            raise _fail(f"{where} is {int(count)}, a count below 0")
-
-
-def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
-    """Returns a saved leaf's per-param scalars (step counts), in key order (one sync each)."""
-    return tuple(
-        float(v)
-        for k, v in sorted(entry.items())
-        if k.startswith("opt") and not k.endswith(".offset") and v.ndim == 0
-    )
-
-
-def saved_precision(sd: Mapping[str, Any]) -> Precision:
-    """Returns the precision state dict ``sd`` was saved in (FP32 masters and moments for a
-    dict saved before compact precision); raises StateDictError naming a malformed one."""
-    saved = sd.get("precision", precision_dict(Precision()))
-    try:
-        return Precision(**saved)
-    except (TypeError, ValueError) as err:
-        raise _fail(f"['precision'] is {saved!r}: {err}") from None
-
-
-def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
-    """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
-    ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
-
-    Raises _NotStored, naming the key, where a stored tensor is not of a dtype or shape its
-    format stores (decoding it would silently give other numbers)."""
-    _check_stored(entry, block)
-    out = {"param": entry["param"]}
-    if "master" in entry:
-        out["master"] = entry["master"]
-    elif "correction" in entry:
-        out["master"] = decode_master(entry["param"], entry["correction"])
-    for key, value in entry.items():
-        if not key.startswith("opt") or key.endswith((".scales", ".offset")):
-            continue
-        if key.endswith(".codes"):
-            name = key[: -len(".codes")]
-            out[name] = _decode_leaf(value, entry[f"{name}.scales"], entry[f"{name}.offset"], block)
-        else:
-            out[key] = value.float() if value.ndim else value
-    return out
-
-
-class _NotStored(ValueError):
-    """A saved leaf's tensor that its format does not store (named by its key)."""
-
-
-def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
-    """Raises _NotStored naming the first tensor of a saved leaf whose dtype or shape its
-    format does not store."""
-    for key, value in entry.items():
-        if not isinstance(value, torch.Tensor):
-            raise _NotStored(f"[{key!r}] is a {type(value).__name__}, not a tensor")
-    param = entry["param"]
-    if param.dtype not in tree.MODEL_DTYPES:
-        raise _NotStored(f"['param'] has dtype {param.dtype}, not FP16, BF16 or FP32")
-    if "correction" in entry:
-        if param.dtype == torch.float32:
-            raise _NotStored("['correction'] beside an FP32 param, which is its own master")
-        wanted = correction_dtype(param.dtype)
-        if entry["correction"].dtype != wanted:
-            raise _NotStored(
-                f"['correction'] has dtype {entry['correction'].dtype}; a {param.dtype} "
-                f"param's is {wanted}"
-            )
-    for key, value in entry.items():
-        if key.endswith(".codes"):
-            name = key[: -len(".codes")]
-            offset, scales = entry[f"{name}.offset"], entry[f"{name}.scales"]
-            # (Meta tensors, a layout without values, are checked for their kind only.)
-            bad_kind = offset.ndim or offset.dtype != torch.int64
-            if bad_kind or not (offset.is_meta or 0 <= int(offset) < block):
-                raise _NotStored(f"[{name + '.offset'!r}] is not an int64 in [0, {block})")
-            if value.dtype not in (torch.int8, torch.uint8):
-                raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not int8 or uint8 codes")
-            blocks = None if offset.is_meta else -(-(int(offset) + value.numel()) // block)
-            if (
-                scales.dtype != torch.float32
-                or scales.ndim != 1
-                or blocks not in (None, len(scales))
-            ):
-                raise _NotStored(
-                    f"[{name + '.scales'!r}] is {scales.dtype} of shape {tuple(scales.shape)}; "
-                    f"its codes need {blocks} FP32 scales"
-                )
-        elif (
-            key.startswith("opt")
-            and value.ndim
-            and not key.endswith(".scales")
-            and value.dtype not in (torch.float32, torch.bfloat16)
-        ):
-            raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not FP32 or BF16")
-
-
-def _decode_leaf(
-    codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor, block: int
-) -> torch.Tensor:
-    """Returns the FP32 values of one leaf's part of an int8 moment (uint8 codes: a
-    non-negative one)."""
-    start = int(offset)
-    padded = torch.cat([codes.reshape(-1).new_zeros(start), codes.reshape(-1)])
-    stored = Quantized(padded, scales)
-    return decode_moment(stored, codes.dtype == torch.uint8, block)[start:].view(codes.shape)
-
-
-def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
-    """Returns :func:`canonical` of every leaf entry of a state dict's ``params`` saved with
-    int8 blocks of ``block`` values; raises StateDictError naming a malformed one."""
-    out = {}
-    for path, entry in params.items():
-        where = f"['params'][{path!r}]"
-        if not isinstance(entry, Mapping):
-            raise _fail(f"{where} is a {type(entry).__name__}, not a dict")
-        try:
-            out[path] = canonical(entry, block)
-        except KeyError as err:
-            raise _fail(f"{where} lacks {err}") from None
-        except _NotStored as err:
-            raise _fail(f"{where}{err}") from None
-        except (AttributeError, IndexError, TypeError, RuntimeError, ValueError) as err:
-            raise _fail(f"{where} holds a malformed compact tensor: {err}") from None
-    return out
 
 
 def _in_dtype_of(entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -389,17 +182,6 @@ def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     )
 
 
-def _check_dense(sd: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming the first tensor of ``sd`` that holds no values to load
-    (a meta or sparse one)."""
-    paths, leaves, _ = optree.tree_flatten_with_path(sd, is_leaf=torch.is_tensor)
-    for path, value in zip(paths, leaves):
-        if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
-            kind = "meta" if value.is_meta else value.layout
-            where = "".join(f"[{key!r}]" for key in path)
-            raise _fail(f"{where} is a {kind} tensor, not one holding its values")
-
-
 def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedPrecisionState:
     """Returns ``state`` holding the values of ``sd`` (a :func:`state_dict`), or raises.
 
@@ -424,10 +206,10 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
-    saved = saved_precision(sd)
+    saved = precision_of(sd)
     if not isinstance(sd.get("params"), Mapping):
-        raise _fail("it has no ['params'] dict")
-    _check_dense(sd)
+        raise misfit("it has no ['params'] dict")
+    check_dense(sd)
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
     their_params = canonical_params(sd["params"], saved.block)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fp16fx
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint
+from fp16fx import saved_format
 from fp16fx.compile import StepFunction
 from fp16fx.segments import named_segments
 from fp16fx.state import decode_moments
@@ -423,8 +423,8 @@ def test_a_checkpoint_it_cannot_copy_loads_decoded_and_rounded_into_a_compact_sh
     loaded = fdist.consolidate([torch.load(runs["dir"] / f, weights_only=True) for f in files])
     source = fp16fx.state_dict(converting_sources()[name])
     for path, entry in source["params"].items():
-        ours = checkpoint.canonical(loaded["params"][path], 256)
-        theirs = checkpoint.canonical(entry, 256)
+        ours = saved_format.canonical(loaded["params"][path], 256)
+        theirs = saved_format.canonical(entry, 256)
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
             if (key == "master" and name == "restarted") or value.ndim == 0:

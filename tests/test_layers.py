@@ -14,7 +14,7 @@ LAYERS = [
     ("tree", ["tree", "flat", "segments", "dtensors"]),
     ("scaling", ["scaling"]),
     ("transforms", ["transforms"]),
-    ("step", ["consensus", "precision", "state", "prepare", "step", "checkpoint"]),
+    ("step", ["consensus", "precision", "state", "prepare", "step", "saved_format", "checkpoint"]),
     ("compile", ["compile"]),
     ("distributed", ["distributed"]),
     ("facade", ["facade", "fp16_utils", "apex_checkpoint"]),

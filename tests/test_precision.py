@@ -39,7 +39,6 @@ from hypothesis import strategies as st
 
 import fp16fx
 from fp16fx import precision
-from fp16fx.checkpoint import StateDictError
 from fp16fx.distributed import persistent_bytes
 from fp16fx.precision import (
     Precision,
@@ -49,6 +48,7 @@ from fp16fx.precision import (
     encode_master,
     encode_moment,
 )
+from fp16fx.saved_format import StateDictError
 from fp16fx.segments import named_segments
 from tests.strategies import grads_like
 from tests.test_facade_checkpoint import save_and_load

@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import torch
 
-from fp16fx import checkpoint, flat, tree
+from fp16fx import checkpoint, flat, saved_format, tree
 from fp16fx.distributed.sharded import ShardedState
 from fp16fx.precision import ZERO_BLOCK_SCALE, Precision
 
@@ -125,7 +125,7 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
     shard = first["shard"]
     return {
-        "format": checkpoint.FORMAT,
+        "format": saved_format.FORMAT,
         "policy": shard["policy"],
         "loss_scale": shard["loss_scale"],
         "count": shard["count"],
@@ -138,7 +138,7 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _block(shard: Mapping[str, Any]) -> int:
     """Returns the int8 block size of a rank's shard dict (dicts saved before compact
     precision have no ``precision``: their block is never read)."""
-    return shard.get("precision", checkpoint.precision_dict(Precision()))["block"]
+    return shard.get("precision", saved_format.precision_dict(Precision()))["block"]
 
 
 def _leaf_part(key: str, value: torch.Tensor, start: int, shape: tuple, block: int) -> Any:
@@ -155,7 +155,7 @@ def _leaf_part(key: str, value: torch.Tensor, start: int, shape: tuple, block: i
 
 def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
     """Returns the unsharded state dict ``state`` would have, with meta tensors as values;
-    ``canonical``: its entries in FP32 terms (``fp16fx.checkpoint.canonical``), the form a
+    ``canonical``: its entries in FP32 terms (``fp16fx.saved_format.canonical``), the form a
     checkpoint saved in another precision is checked and loaded in."""
     mine = checkpoint.state_dict(state.shard)
     block = state.shard.precision.block
@@ -165,7 +165,7 @@ def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
         slice_entry = mine["params"][str(b)]
         if canonical:  # decoded on the meta device: shapes and dtypes, no copies
             on_meta = {k: v if v.ndim == 0 else v.to("meta") for k, v in slice_entry.items()}
-            slice_entry = checkpoint.canonical(on_meta, block)
+            slice_entry = saved_format.canonical(on_meta, block)
         for k, i in enumerate(bucket.indices):
             start, end = bucket.offsets[k], bucket.offsets[k + 1]
             params[paths[state.trained[i]]] = {
@@ -209,22 +209,22 @@ def load_state_dict(
     """
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
-    saved, precision = checkpoint.saved_precision(sd), state.shard.precision
+    saved, precision = saved_format.precision_of(sd), state.shard.precision
     if saved == precision:
-        checkpoint.check_fits(template(state), sd)
+        saved_format.check_fits(template(state), sd)
         entries = sd["params"]
     else:
         if not isinstance(sd.get("params"), Mapping):
-            raise checkpoint.StateDictError("the state dict has no ['params'] dict")
-        entries = checkpoint.canonical_params(sd["params"], saved.block)
-        converted = {**sd, "precision": checkpoint.precision_dict(precision), "params": entries}
-        checkpoint.check_fits(template(state, canonical=True), converted)
+            raise saved_format.StateDictError("the state dict has no ['params'] dict")
+        entries = saved_format.canonical_params(sd["params"], saved.block)
+        converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
+        saved_format.check_fits(template(state, canonical=True), converted)
     paths = _leaf_paths(state)
     per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
     for bucket, saved_entries in zip(state.buckets, per_bucket):
-        counts = {checkpoint.leaf_scalars(entry) for entry in saved_entries}
+        counts = {saved_format.leaf_scalars(entry) for entry in saved_entries}
         if len(counts) > 1:
-            raise checkpoint.StateDictError(
+            raise saved_format.StateDictError(
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
@@ -233,7 +233,7 @@ def load_state_dict(
             _copy_as_stored(state, per_bucket)
         else:
             block = saved.block
-            canonical = [[checkpoint.canonical(e, block) for e in es] for es in per_bucket]
+            canonical = [[saved_format.canonical(e, block) for e in es] for es in per_bucket]
             _store_converted(state, canonical)
         checkpoint.load_shared(state.shard, sd)
 

@@ -39,7 +39,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fp16fx import checkpoint, dtensors, tree
+from fp16fx import checkpoint, dtensors, saved_format, tree
 from fp16fx.state import FP32, MixedPrecisionState
 
 
@@ -137,7 +137,7 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     completes the load.
 
     A compact state (docs/precision.md) gives its entries in FP32 terms, as copies
-    (:func:`fp16fx.checkpoint.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
+    (:func:`fp16fx.saved_format.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
     which :func:`load_state_dict` encodes back. So a DCP checkpoint is the same whatever
     precision saved it, and any state loads it (rounded to nearest into its own precision);
     a state like the one that saved it, at the same world size, loads it bitwise, since
@@ -148,8 +148,8 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     sd = checkpoint.state_dict(state)
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block
-        decoded = {path: checkpoint.canonical(e, block) for path, e in sd["params"].items()}
-        sd = {**sd, "precision": checkpoint.precision_dict(FP32), "params": decoded}
+        decoded = {path: saved_format.canonical(e, block) for path, e in sd["params"].items()}
+        sd = {**sd, "precision": saved_format.precision_dict(FP32), "params": decoded}
     by_path = _by_path(state, params)
     wrapped = {}
     for path, entries in sd["params"].items():
@@ -205,7 +205,7 @@ def load_state_dict(
 def _own_shard(where: str, whole: torch.Tensor, param: DTensor) -> torch.Tensor:
     """Returns this rank's shard of ``whole``, a tensor of ``param``'s global shape."""
     if whole.shape != param.shape:
-        raise checkpoint.StateDictError(
+        raise saved_format.StateDictError(
             f"the state dict does not fit this state: {where} is {tuple(whole.shape)}, a "
             f"whole tensor of its param's shape {tuple(param.shape)} or a DTensor laid out "
             "like it was expected"
@@ -224,7 +224,7 @@ def _check_like(where: str, value: DTensor, param: Any) -> None:
         and tuple(value.placements) == tuple(param.placements)
         and value.shape == param.shape
     ):
-        raise checkpoint.StateDictError(
+        raise saved_format.StateDictError(
             f"the state dict does not fit this state: {where} is {tuple(value.shape)} placed "
             f"{tuple(value.placements)} on {value.device_mesh}; its param is "
             f"{getattr(param, 'placements', 'not a DTensor')}"

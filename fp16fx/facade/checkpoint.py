@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint
+from fp16fx import saved_format
 from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
@@ -154,9 +154,9 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
     full = fdist.consolidate([d["shard"] for d in shards])
     first = shards[0]
     groups, trainable = first["param_groups"], first["trainable"]
-    precision = checkpoint.saved_precision(full)
+    precision = saved_format.precision_of(full)
     leaves = [
-        checkpoint.canonical(full["params"][str(k)], precision.block)
+        saved_format.canonical(full["params"][str(k)], precision.block)
         for k in range(len(full["params"]))
     ]
     keys = [pid for pids in trainable for pid in pids]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, dtensors, tree
+from fp16fx import checkpoint, dtensors, saved_format, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed.fsdp import FSDPParams
@@ -220,7 +220,7 @@ class FastEngine:
         if not self.compact:
             return leaves
         block = self.state.precision.block
-        return [None if leaf is None else checkpoint.canonical(leaf, block) for leaf in leaves]
+        return [None if leaf is None else saved_format.canonical(leaf, block) for leaf in leaves]
 
     def check_state(self, per_param: PerParamState, specs: Sequence[GroupSpec]) -> None:
         """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it."""
@@ -254,7 +254,7 @@ class FastEngine:
         params = {}
         block = self.state.precision.block
         for k, (path, p) in enumerate(zip(paths, self.flat.params)):
-            mine = checkpoint.canonical(template["params"][path], block)
+            mine = saved_format.canonical(template["params"][path], block)
             spec = self.specs[self.labels[k]]
             opt = {key: value for key, value in mine.items() if key.startswith("opt")}
             entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
@@ -275,7 +275,7 @@ class FastEngine:
         sd = {
             **template,
             "policy": checkpoint.policy_dict(policy),
-            "precision": checkpoint.precision_dict(FP32),  # the entries are in FP32 terms
+            "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
             "params": params,
         }
         state = self.state
