@@ -261,8 +261,11 @@ def init(
     params, mesh, group = dtensors.local_shards(params)
     leaves, treedef = tree.check_params(params)
     policy = default_policy(leaves) if loss_scale is None else loss_scale
-    if not callable(getattr(policy, "adjust", None)):
-        raise TypeError(f"loss_scale must be a loss-scale policy, got {policy!r}")
+    if isinstance(policy, type) or not callable(getattr(policy, "adjust", None)):
+        raise TypeError(
+            f"loss_scale must be a loss-scale policy such as fp16fx.DynamicLossScale() (an "
+            f"instance), got {policy!r}"
+        )
     labels = _labels(optimizer, len(leaves))
     # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
     # already in them (FlatParams(..., multiple)); else the params as given.

@@ -277,6 +277,8 @@ def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, S
 
 def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
     """Returns ``loss`` in FP32 times the current loss scale (backpropagate through this)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"scale_loss expects the loss as a tensor, got {loss!r}")
     return loss.float() * state.loss_scale.scale
 
 

@@ -22,6 +22,7 @@ PyTree = Any
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
 
 #: Parameter dtypes fp16fx trains. FP64 is refused: its master would be less precise than it.
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -177,6 +178,7 @@ def _all_fit(pairs: list[tuple[Any, Any]]) -> bool:
         and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
         and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
         and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
+        and all(layout == torch.strided for layout in map(_LAYOUT, grads))
     )
 
 
@@ -195,4 +197,6 @@ def _grad_problem(param: Any, grad: Any) -> tuple[type[Exception], str] | None:
         return TypeError, f"has dtype {grad.dtype}, its param {param.dtype}"
     if grad.device != param.device:
         return TypeError, f"is on {grad.device}, its param on {param.device}"
+    if grad.layout != torch.strided:
+        return TypeError, f"is a {grad.layout} tensor; fp16fx steps dense gradients"
     return None

@@ -256,3 +256,22 @@ def test_pickling_a_functional_state_says_to_use_state_dict():
     state = fp16fx.init({"w": torch.ones(2)}, fp16fx.adam())
     with pytest.raises(TypeError, match=re.escape("fp16fx.state_dict(state)")):
         pickle.dumps(state)
+
+
+def test_misused_arguments_get_errors_that_name_them():
+    """Each of these once failed deep inside (an AttributeError, or torch's own error about
+    a sparse tensor's data pointer) without saying what was wrong."""
+    params = {"w": torch.randn(4).half()}
+    with pytest.raises(TypeError, match=r"an instance\), got <class"):
+        fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.DynamicLossScale)
+    state = fp16fx.init(params, fp16fx.sgd(0.1))
+    with pytest.raises(TypeError, match=r"scale_loss expects the loss as a tensor, got 1\.0"):
+        fp16fx.scale_loss(state, 1.0)
+    sparse = torch.ones(4).half().to_sparse()
+    with pytest.raises(TypeError, match=r"grads\['w'\] is a torch.sparse_coo tensor"):
+        fp16fx.step(state, {"w": sparse})
+    model = make_model()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), compiled=False)
+    for loss in (1.0, model(batch(0)[0]).float()):  # a number, a (8, 2) tensor
+        with pytest.raises(TypeError, match="backward expects the loss as a one-element tensor"):
+            opt.backward(loss)

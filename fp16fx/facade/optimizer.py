@@ -322,6 +322,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         ``update_master_grads()`` once before ``step()`` (or keep the default: the scale
         moves once per step, so each call's grads carry the same scale either way).
         """
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else loss
+            raise TypeError(f"backward expects the loss as a one-element tensor, got {what!r}")
         if isinstance(self._engine, FastEngine):
             self._engine.forget_check()
         before = self._engine.grad_versions()
