@@ -86,7 +86,9 @@ def check_fits(template: Mapping[str, Any], sd: Any) -> None:
         where = f"['params'][{path!r}]"
         _check_keys(where, sd["params"][path], entry)
         for key, like in entry.items():
-            _check_tensor(f"{where}[{key!r}]", sd["params"][path][key], like)
+            value = sd["params"][path][key]
+            _check_tensor(f"{where}[{key!r}]", value, like)
+            _check_leaf_value(f"{where}[{key!r}]", key, value)
 
 
 def _check_values(sd: Mapping[str, Any]) -> None:
@@ -112,6 +114,17 @@ def _check_values(sd: Mapping[str, Any]) -> None:
     for where, count in counts.items():
         if not count.is_meta and int(count) < 0:
             raise misfit(f"{where} is {int(count)}, a count below 0")
+
+
+def _check_leaf_value(where: str, key: str, value: torch.Tensor) -> None:
+    """Raises StateDictError unless a leaf's saved ``value`` is one no run saves into NaN: a
+    finite param, master and moment, a step count >= 0 (one sync a tensor: loading is rare)."""
+    if value.is_meta:
+        return
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise misfit(f"{where} holds inf or NaN (saved from a run that diverged?)")
+    if key.endswith(".count") and value.ndim == 0 and float(value) < 0:
+        raise misfit(f"{where} is {float(value):g}, a step count below 0")
 
 
 def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:

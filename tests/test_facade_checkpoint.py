@@ -248,6 +248,22 @@ CORRUPTIONS = {
         ValueError,
         "'good_steps'\\] must be a count in \\[0, 2\\*\\*31\\)",
     ),
+    # Values no run saves, which would train into NaN: refused before anything is written.
+    "a NaN master": (
+        _set(["fp32_from_fp16", 0, 1], lambda t: t * math.nan),
+        ValueError,
+        "fp32_from_fp16\\[0\\]\\[1\\] holds inf or NaN",
+    ),
+    "a negative second moment": (
+        _set(["optimizer_state_dict", "state", 2, "exp_avg_sq"], lambda t: -1 - t),
+        ValueError,
+        "\\['exp_avg_sq'\\] holds negative values",
+    ),
+    "a negative step count": (
+        _set(["optimizer_state_dict", "state", 2, "step"], lambda t: t - 100),
+        ValueError,
+        "\\['step'\\] is tensor\\(-97\\.\\), not a step count",
+    ),
     "master on meta": (
         _set(["fp32_from_fp16", 0, 1], lambda t: t.to("meta")),
         ValueError,

@@ -844,6 +844,14 @@ def _mismatches():
             r"\['loss_scale'\]\['scale'\]: the loss scale must be",
         ),
         "a negative count": (changed("count", lambda t: t - 10), r"\['count'\] is -9, a count"),
+        "a negative step count of a param": (
+            changed("opt[1].count", lambda t: t - 10),
+            r"\['w'\]\['opt\[1\].count'\] is -9, a step count below 0",
+        ),
+        "a NaN param": (
+            changed("param", lambda t: t * math.nan),
+            r"\['w'\]\['(param|master)'\] holds inf or NaN",
+        ),
         "other shapes": (other_shapes, r"\['c'\].*shape"),
         "another optimizer": (lambda: saved(fp16fx.sgd(0.1, momentum=0.9)), "lacks|has"),
         "an unknown precision": (bad_precision, "precision"),

@@ -11,6 +11,7 @@ the entry and leaves the optimizer exactly as it was.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,6 +113,8 @@ def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype 
         raise _fail(f"{name} has dtype {value.dtype}, expected {dtype}")
     if not value.is_floating_point():
         raise _fail(f"{name} has dtype {value.dtype}, expected a floating-point tensor")
+    if not bool(torch.isfinite(value).all()):  # one sync a tensor: loading is rare
+        raise _fail(f"{name} holds inf or NaN (saved from a run that diverged?)")
 
 
 def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
@@ -175,14 +178,22 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
         for field, tensor in value.items():
             where = f"optimizer_state_dict['state'][{key!r}][{field!r}]"
             if field == "step":
-                if not (
-                    isinstance(tensor, (int, float))
-                    or (isinstance(tensor, torch.Tensor) and tensor.numel() == 1)
-                ):
+                if not _is_count(tensor):
                     raise _fail(f"{where} is {tensor!r}, not a step count")
             elif tensor is not None:
                 _check_tensor(where, tensor, entries[key], None)
+                if field.endswith("exp_avg_sq") and bool((tensor < 0).any()):
+                    raise _fail(f"{where} holds negative values: a second moment cannot")
     return merged
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` (a number or a one-element tensor) is a whole number >= 0."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value >= 0 and value == int(value)
 
 
 def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
