@@ -60,14 +60,13 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
     """Returns the flat leaves of ``params`` after checking they can be trained.
 
     Raises:
-      ValueError: the tree holds no tensor, holds one tensor twice (tied weights), or its
-        tensors live on several devices.
+      ValueError: the tree holds no tensor, holds one tensor twice (tied weights) or two
+        that overlap in memory, or its tensors live on several devices.
       TypeError: a leaf is neither ``None`` nor a floating tensor of a dtype in ``MODEL_DTYPES``.
     """
     leaves, treedef = flatten(params)
     names = leaf_names(params)
     devices = set()
-    seen: dict[tuple[Any, ...], str] = {}  # where each tensor's memory was first met
     for name, leaf in zip(names, leaves):
         if leaf is None:
             continue
@@ -81,15 +80,6 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
                 "params (integer, bool, complex and float64 leaves cannot be trained: pass None "
                 "for leaves that are not trained)"
             )
-        memory = _memory(leaf)
-        if memory in seen:
-            # Stepped as two params, one tensor would get two masters and two updates, and
-            # keep whichever was written last.
-            raise ValueError(
-                f"{name} is the same tensor as {seen[memory]}: pass each tensor once (tied "
-                "weights are one param, whose gradient sums both uses)"
-            )
-        seen[memory] = name
         devices.add(leaf.device)
     check_disjoint(names, leaves)
     if not devices:
@@ -103,31 +93,41 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
 
 
 def check_disjoint(names: Sequence[str], leaves: Sequence[Any]) -> None:
-    """Raises ValueError naming two leaves whose elements may share memory (views of one
-    tensor): each would get its own master and update, and the memory would keep whichever
-    was written last. Judged by each leaf's byte span in its storage, so two strided views
-    that interleave without sharing an element are refused too (a rare way to hold params)."""
+    """Raises ValueError naming two leaves whose elements may share memory: one tensor given
+    twice (tied weights), or two views of one tensor. Stepped as two params, each would get
+    its own master and update, and the memory would keep whichever was written last. Judged
+    by each leaf's byte span in its storage, so two strided views that interleave without
+    sharing an element are refused too (a rare way to hold params)."""
     spans = []
     for order, (name, leaf) in enumerate(zip(names, leaves)):
         # FSDP2's DTensor params: each shard is a tensor of FSDP's, in storage of its own.
-        plain = isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)
-        if not plain or leaf.device.type == "meta" or leaf.numel() == 0:
+        if not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
             continue
-        size = leaf.element_size()
-        low = high = leaf.storage_offset()
-        for n, stride in zip(leaf.shape, leaf.stride()):
-            low, high = low + min(0, (n - 1) * stride), high + max(0, (n - 1) * stride)
-        storage = (str(leaf.device), leaf.untyped_storage().data_ptr())
-        spans.append((storage, low * size, (high + 1) * size, (order, name)))
+        if leaf.device.type == "meta" or leaf.numel() == 0:  # no memory: the object is all
+            storage, low, high = ("id", id(leaf)), 0, 1
+        else:
+            size = leaf.element_size()
+            low = high = leaf.storage_offset()
+            for n, stride in zip(leaf.shape, leaf.stride()):
+                low, high = low + min(0, (n - 1) * stride), high + max(0, (n - 1) * stride)
+            storage = (str(leaf.device), leaf.untyped_storage().data_ptr())
+            low, high = low * size, (high + 1) * size
+        spans.append((storage, low, high, (order, name), _memory(leaf)))
     spans.sort(key=lambda span: span[:2])
-    for (storage, _, end, one), (other, start, _, two) in itertools.pairwise(spans):
-        if storage == other and start < end:
-            (_, first), (_, second) = sorted([one, two])
+    for (storage, _, end, one, memory), (other, start, _, two, again) in itertools.pairwise(spans):
+        if storage != other or start >= end:
+            continue
+        (_, first), (_, second) = sorted([one, two])
+        if memory == again:
             raise ValueError(
-                f"{second} overlaps {first} in memory (views of one tensor): each would be "
-                "stepped on its own and overwrite the other; pass the tensor they view once, "
-                "or clone one of them"
+                f"{second} is the same tensor as {first}: pass each tensor once (tied "
+                "weights are one param, whose gradient sums both uses)"
             )
+        raise ValueError(
+            f"{second} overlaps {first} in memory (views of one tensor): each would be "
+            "stepped on its own and overwrite the other; pass the tensor they view once, "
+            "or clone one of them"
+        )
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...]:
@@ -178,7 +178,7 @@ def _all_fit(pairs: list[tuple[Any, Any]]) -> bool:
         and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
         and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
         and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
-        and all(layout == torch.strided for layout in map(_LAYOUT, grads))
+        and set(map(_LAYOUT, grads)) <= {torch.strided}
     )
 
 
