@@ -43,6 +43,7 @@ from fp16fx.precision import (
     Quantized,
     encode_master,
     encode_moment,
+    map_moments,
 )
 from fp16fx.saved_format import (
     FORMAT,
@@ -82,6 +83,15 @@ def hyperparam_tensors(opt_state: Any) -> dict[str, torch.Tensor]:
             for name, t in leaf.items():
                 out[f"opt{accessor.codify('')}[{name!r}]"] = t
     return out
+
+
+def non_negative_keys(opt_state: Any) -> frozenset[str]:
+    """Returns the leaf keys, e.g. ``opt[1].nu``, of an optimizer state's moments that are
+    never negative (the fields its state classes list in ``non_negative``)."""
+    marked = map_moments(lambda x, non_negative, k: non_negative, opt_state)
+    return frozenset(
+        f"opt{name}" for name, node in named_segments(marked) if any(v is True for v in node)
+    )
 
 
 def blocks_of(start: int, end: int, block: int) -> slice:
@@ -202,7 +212,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype, int8 scales that do not count the blocks), a meta or sparse
-        tensor -- named; TypeError: ``sd`` is not a dict. Nothing is changed.
+        tensor, a value no run saves (inf or NaN, a negative count or second moment) --
+        named; TypeError: ``sd`` is not a dict. Nothing is changed.
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
@@ -221,7 +232,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
             for path, entry in their_params.items()
         },
     }
-    check_fits(mine, theirs)
+    check_fits(mine, theirs, non_negative_keys(state.opt_state))
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]

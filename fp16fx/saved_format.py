@@ -10,7 +10,7 @@ leaves through :func:`canonical`. Everything here only reads: a dict that does n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import optree
@@ -58,9 +58,13 @@ def _check_keys(where: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -
         raise misfit(f"{where} has {extra}, which this state does not keep (another optimizer?)")
 
 
-def check_fits(template: Mapping[str, Any], sd: Any) -> None:
+def check_fits(
+    template: Mapping[str, Any], sd: Any, non_negative: Collection[str] = frozenset()
+) -> None:
     """Raises naming the first entry of ``sd`` that does not fit ``template`` (a state dict of
-    the state it is to be loaded into: its keys, and tensors of the right shape and dtype).
+    the state it is to be loaded into: its keys, and tensors of the right shape and dtype,
+    holding values a run can save: finite, ``>= 0`` counts and, under the leaf keys named in
+    ``non_negative``, the state's moments that are never negative).
 
     Raises:
       TypeError: ``sd`` is not a dict; StateDictError: anything else that does not fit.
@@ -88,7 +92,7 @@ def check_fits(template: Mapping[str, Any], sd: Any) -> None:
         for key, like in entry.items():
             value = sd["params"][path][key]
             _check_tensor(f"{where}[{key!r}]", value, like)
-            _check_leaf_value(f"{where}[{key!r}]", key, value)
+            _check_leaf_value(f"{where}[{key!r}]", key, value, key in non_negative)
 
 
 def _check_values(sd: Mapping[str, Any]) -> None:
@@ -116,13 +120,16 @@ def _check_values(sd: Mapping[str, Any]) -> None:
             raise misfit(f"{where} is {int(count)}, a count below 0")
 
 
-def _check_leaf_value(where: str, key: str, value: torch.Tensor) -> None:
+def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: bool) -> None:
     """Raises StateDictError unless a leaf's saved ``value`` is one no run saves into NaN: a
-    finite param, master and moment, a step count >= 0 (one sync a tensor: loading is rare)."""
+    finite param, master and moment, a step count >= 0, a ``non_negative`` moment (Adam's
+    second) without negative values (one sync a tensor: loading is rare)."""
     if value.is_meta:
         return
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise misfit(f"{where} holds inf or NaN (saved from a run that diverged?)")
+    if non_negative and value.is_floating_point() and bool((value < 0).any()):
+        raise misfit(f"{where} holds negative values, which this moment never takes")
     if key.endswith(".count") and value.ndim == 0 and float(value) < 0:
         raise misfit(f"{where} is {float(value):g}, a step count below 0")
 

@@ -214,6 +214,7 @@ def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
     state = fdist.init(params, fp16fx.adam(1e-3), shard=True, **COMPACT)
     found["bytes"] = fdist.persistent_bytes(state, fdist.grad_buffers(state))
     load_converted(rank, world, out)
+    found["refused"] = refused_load()
     return found
 
 
@@ -242,6 +243,23 @@ def load_converted(rank: int, world: int, out: Path) -> None:
         sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
         fdist.load_state_dict(sharded, fp16fx.state_dict(source))
         torch.save(fdist.state_dict(sharded), out / f"converted_{name}_{world}_{rank}.pt")
+
+
+def refused_load() -> dict[str, Any]:
+    """Loads an FP32 checkpoint whose second moment went negative into a sharded compact
+    state: the error's message, and whether the state is as it was."""
+    sd = fp16fx.state_dict(converting_sources()["fp32"])
+    sd["params"]["a"]["opt[1].nu"] = -1 - sd["params"]["a"]["opt[1].nu"]
+    sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
+    before = optree.tree_map(  # copies, not views of the state
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
+    )
+    message = "loaded"
+    try:
+        fdist.load_state_dict(sharded, sd)
+    except saved_format.StateDictError as err:
+        message = str(err)
+    return {"message": message, "unchanged": same_tensors(fdist.state_dict(sharded), before)}
 
 
 def same_tensors(a: Any, b: Any) -> bool:
@@ -410,6 +428,13 @@ def test_compact_sharded_memory_is_4_plus_3_over_d_bytes_per_param(request, worl
     found = request.getfixturevalue("runs_4" if world == 4 else "runs")[world]
     per_param = found[0]["compact"]["bytes"] / (1 << 20)
     assert per_param == pytest.approx(4 + (3 + 8 / 256) / world, abs=1e-3)
+
+
+def test_a_sharded_state_refuses_a_negative_second_moment_and_changes_nothing(runs):
+    for found in runs[2]:
+        refused = found["compact"]["refused"]
+        assert "['a']['opt[1].nu'] holds negative values" in refused["message"]
+        assert refused["unchanged"]
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

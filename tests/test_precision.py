@@ -763,14 +763,14 @@ def _mismatches():
     """name -> (a function making a compact state dict that does not fit ``tail_state``,
     the error message expected)."""
 
-    def saved(optimizer=None, params=None):
+    def saved(optimizer=None, params=None, master="compensated", moments="int8"):
         state = fp16fx.init(
             params or tail_params(1),
             optimizer or adam(),
             POLICY,
             buckets=True,
-            master="compensated",
-            moments="int8",
+            master=master,
+            moments=moments,
         )
         state, _ = fp16fx.step(state, scaled_grads(state, 5))
         return fp16fx.state_dict(state)
@@ -804,6 +804,11 @@ def _mismatches():
             return sd
 
         return make
+
+    def negative_full_moment():
+        sd = saved(master="fp32", moments="fp32")
+        sd["params"]["w"]["opt[1].nu"] = -1 - sd["params"]["w"]["opt[1].nu"]
+        return sd
 
     def valued(group, key, value):
         """The dict with ``[group][key]`` filled with ``value``."""
@@ -851,6 +856,16 @@ def _mismatches():
         "a NaN param": (
             changed("param", lambda t: t * math.nan),
             r"\['w'\]\['(param|master)'\] holds inf or NaN",
+        ),
+        # A second moment below zero: its square root would be NaN. Stored as signed codes
+        # (not the uint8 of a non-negative moment) or saved in FP32.
+        "a second moment stored as signed codes": (
+            changed("opt[1].nu.codes", lambda t: -(t // 2).to(torch.int8) - 1),
+            r"\['w'\]\['opt\[1\].nu'\] holds negative values",
+        ),
+        "a negative FP32 second moment": (
+            negative_full_moment,
+            r"\['w'\]\['opt\[1\].nu'\] holds negative values",
         ),
         "other shapes": (other_shapes, r"\['c'\].*shape"),
         "another optimizer": (lambda: saved(fp16fx.sgd(0.1, momentum=0.9)), "lacks|has"),

@@ -210,15 +210,16 @@ def load_state_dict(
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
     saved, precision = saved_format.precision_of(sd), state.shard.precision
+    non_negative = checkpoint.non_negative_keys(state.shard.opt_state)
     if saved == precision:
-        saved_format.check_fits(template(state), sd)
+        saved_format.check_fits(template(state), sd, non_negative)
         entries = sd["params"]
     else:
         if not isinstance(sd.get("params"), Mapping):
             raise saved_format.StateDictError("the state dict has no ['params'] dict")
         entries = saved_format.canonical_params(sd["params"], saved.block)
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
-        saved_format.check_fits(template(state, canonical=True), converted)
+        saved_format.check_fits(template(state, canonical=True), converted, non_negative)
     paths = _leaf_paths(state)
     per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
     for bucket, saved_entries in zip(state.buckets, per_bucket):
