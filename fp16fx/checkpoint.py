@@ -57,7 +57,7 @@ from fp16fx.saved_format import (
     precision_of,
 )
 from fp16fx.segments import MASKED, named_segments
-from fp16fx.state import MixedPrecisionState, recut
+from fp16fx.state import MixedPrecisionState, check_state, recut
 from fp16fx.transforms import Hyperparams
 
 
@@ -151,6 +151,7 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
     """Returns the state as a dict of tensors and primitives keyed by param path (see the
     module docstring); ``torch.save`` it, and ``load_state_dict`` it into a state made by
     ``fp16fx.init`` with the same params tree, optimizer and loss-scale policy."""
+    check_state(state, "state_dict")
     paths = leaf_paths(state)
     return {
         "format": FORMAT,
@@ -213,8 +214,10 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype, int8 scales that do not count the blocks), a meta or sparse
         tensor, a value no run saves (inf or NaN, a negative count or second moment) --
-        named; TypeError: ``sd`` is not a dict. Nothing is changed.
+        named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
+        is changed.
     """
+    check_state(state, "load_state_dict")
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
     saved = precision_of(sd)

@@ -18,7 +18,7 @@ import torch
 from fp16fx import dtensors, flat, tree
 from fp16fx.scaling import LossScaleState
 from fp16fx.segments import Segments, merge, select
-from fp16fx.state import MixedPrecisionState, recut
+from fp16fx.state import MixedPrecisionState, check_state, recut
 
 #: Per bucket, a flat buffer that grads are packed into, and its views (reused every step).
 Scratch = dict[flat.Bucket, tuple[torch.Tensor, list[torch.Tensor]]]
@@ -93,8 +93,10 @@ def prepare(
     gets a segment of its own (the state is cut; one recompile for a compiled step).
 
     Raises:
-      ValueError, TypeError: the grads do not fit the params (named); nothing is changed.
+      TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
+        not fit the params (named). Nothing is changed.
     """
+    check_state(state, "step")
     layout = state.layout
     grads = _local_grads(state, grads)
     flats = _laid_out(state, grads)

@@ -191,6 +191,16 @@ optree.register_pytree_node(
 )
 
 
+def check_state(state: Any, caller: str) -> None:
+    """Raises TypeError naming ``caller`` unless ``state`` is a MixedPrecisionState: a slip
+    such as passing the params, or ``step``'s arguments swapped, would otherwise surface as
+    an AttributeError from deep inside."""
+    if not isinstance(state, MixedPrecisionState):
+        raise TypeError(
+            f"{caller} expects the state fp16fx.init returns, got a {type(state).__name__}"
+        )
+
+
 def default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
     """Returns ``DynamicLossScale()`` when any param is FP16, else ``NoLossScale()``."""
     if any(p is not None and p.dtype == torch.float16 for p in params):
@@ -437,6 +447,7 @@ def grad_buffers(state: MixedPrecisionState) -> Any:
         for p, g in zip(model.parameters(), optree.tree_leaves(grads)):
             p.grad = g
     """
+    check_state(state, "grad_buffers")
     layout = state.layout
     leaves: list[torch.Tensor | None] = [None] * layout.num_leaves
     device = state.count.device

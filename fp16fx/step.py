@@ -40,7 +40,7 @@ from fp16fx.precision import (
 from fp16fx.prepare import Trained, finish, prepare
 from fp16fx.scaling import LossScalePolicy, unscale_and_check
 from fp16fx.segments import Segments
-from fp16fx.state import MixedPrecisionState, decode_moments
+from fp16fx.state import MixedPrecisionState, check_state, decode_moments
 from fp16fx.transforms import (
     GradientTransformation,
     Hyperparams,
@@ -279,12 +279,14 @@ def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
     """Returns ``loss`` in FP32 times the current loss scale (backpropagate through this)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss as a tensor, got {loss!r}")
+    check_state(state, "scale_loss")
     return loss.float() * state.loss_scale.scale
 
 
 def get_hyperparams(state: MixedPrecisionState) -> dict[str, Any] | list[dict[str, Any]]:
     """Returns the hyperparameters by name, e.g. ``{"lr": 1e-3, "betas": (0.9, 0.999), ...}``
     (one sync); with ``multi_transform``, a list of such dicts, one per param group."""
+    check_state(state, "get_hyperparams")
     groups = read_hyperparams(state.opt_state)
     return groups[0] if len(groups) == 1 else groups
 
@@ -308,5 +310,6 @@ def set_hyperparams(
       KeyError, ValueError, TypeError: an unknown name or group, or a value out of range;
         nothing is changed.
     """
+    check_state(state, "set_hyperparams")
     opt_state = _replace_hyperparams(state.opt_state, values, group=group, inplace=inplace)
     return state if inplace else state.replace(opt_state=opt_state)

@@ -275,3 +275,24 @@ def test_misused_arguments_get_errors_that_name_them():
     for loss in (1.0, model(batch(0)[0]).float()):  # a number, a (8, 2) tensor
         with pytest.raises(TypeError, match="backward expects the loss as a one-element tensor"):
             opt.backward(loss)
+
+
+def test_a_functional_call_given_something_other_than_a_state_names_what_it_got():
+    """The params in place of the state, or step's arguments swapped, once raised an
+    AttributeError from deep inside ('dict' object has no attribute 'layout')."""
+    params = {"w": torch.randn(4).half()}
+    state = fp16fx.init(params, fp16fx.sgd(0.1))
+    calls = {
+        "step": lambda: fp16fx.step(params, state),
+        "state_dict": lambda: fp16fx.state_dict(params),
+        "load_state_dict": lambda: fp16fx.load_state_dict(params, fp16fx.state_dict(state)),
+        "scale_loss": lambda: fp16fx.scale_loss(params, torch.tensor(1.0)),
+        "grad_buffers": lambda: fp16fx.grad_buffers(params),
+        "get_hyperparams": lambda: fp16fx.get_hyperparams(params),
+        "set_hyperparams": lambda: fp16fx.set_hyperparams(params, lr=1.0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(
+            TypeError, match=f"^{name} expects the state fp16fx.init returns, got a dict"
+        ):
+            call()
