@@ -76,9 +76,7 @@ class Bandwidth:
     Attributes:
         gbps: ``dst.copy_(src)`` bytes moved (read + write) per second, in GB/s (1e9 bytes);
             the roofline's denominator.
-        median_s: median seconds of one copy.
         buffer_bytes: size of the copied FP32 buffer (each of source and destination).
-        reps: number of timed copies.
         inplace_gbps: for reference, the same for an in-place ``buf.mul_(1.0)`` (read +
             write of one buffer). On CPUs that read a cache line before writing it
             ("write-allocate"), a copy's destination costs a hidden extra read, so
@@ -86,9 +84,7 @@ class Bandwidth:
     """
 
     gbps: float
-    median_s: float
     buffer_bytes: int
-    reps: int
     inplace_gbps: float
 
 
@@ -105,11 +101,12 @@ def copy_bandwidth(
         buffer_bytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     numel = buffer_bytes // 4
     copies, inplace = _time_copies(numel, device, reps)
-    median = statistics.median(copies)
     release_memory(device)
     moved = 2 * numel * 4
     return Bandwidth(
-        moved / median / 1e9, median, numel * 4, reps, moved / statistics.median(inplace) / 1e9
+        gbps=moved / statistics.median(copies) / 1e9,
+        buffer_bytes=numel * 4,
+        inplace_gbps=moved / statistics.median(inplace) / 1e9,
     )
 
 

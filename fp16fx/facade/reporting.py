@@ -35,7 +35,7 @@ class OverflowReporter:
     """Logs skipped steps and floored back-offs at most once per ``interval`` steps (stateful).
 
     Attributes:
-      skipped_total, floored_total: counts up to the last read of the device counters.
+      skipped_total: skipped steps up to the last read of the device counters.
     """
 
     def __init__(self, *, verbose: bool, interval: int) -> None:
@@ -44,7 +44,6 @@ class OverflowReporter:
         self.verbose, self.interval = verbose, interval
         self.steps = 0
         self.skipped_total = 0
-        self.floored_total = 0
         self._warned_below_one = False
 
     def stepped(self, stats: torch.Tensor, scale: torch.Tensor) -> None:
@@ -60,7 +59,6 @@ class OverflowReporter:
         stats.zero_()
         self.steps = 0
         self.skipped_total += skipped
-        self.floored_total += floored
         if floored:
             logger.warning(
                 "fp16fx: the loss scale is at its minimum (%g) and the gradients still "
