@@ -20,8 +20,6 @@ from fp16fx.scaling import (
     unscale_and_check,
 )
 
-powers = st.integers(-6, 20).map(lambda k: 2.0**k)
-
 
 class DynamicScaleMachine(RuleBasedStateMachine):
     """Drives DynamicLossScale.adjust with random finite/non-finite steps and checks it against
