@@ -184,8 +184,12 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
     """Raises _NotStored naming the first tensor of a saved leaf whose dtype or shape its
     format does not store."""
     for key, value in entry.items():
+        if key not in ("param", "master", "correction") and not key.startswith("opt"):
+            raise _NotStored(f"[{key!r}] is no key a saved leaf has (another format?)")
         if not isinstance(value, torch.Tensor):
             raise _NotStored(f"[{key!r}] is a {type(value).__name__}, not a tensor")
+    if "master" in entry and "correction" in entry:
+        raise _NotStored("['correction'] beside a ['master']: a leaf saves one or the other")
     param = entry["param"]
     if param.dtype not in tree.MODEL_DTYPES:
         raise _NotStored(f"['param'] has dtype {param.dtype}, not FP16, BF16 or FP32")

@@ -443,9 +443,10 @@ def grad_buffers(state: MixedPrecisionState) -> Any:
     copying. Make them the ``.grad`` of the model's params (autograd then accumulates into
     them in place)::
 
+        state = fp16fx.init(dict(model.named_parameters()), fp16fx.adam(), buckets=True)
         grads = fp16fx.grad_buffers(state)
-        for p, g in zip(model.parameters(), optree.tree_leaves(grads)):
-            p.grad = g
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
     """
     check_state(state, "grad_buffers")
     layout = state.layout

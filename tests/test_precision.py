@@ -805,6 +805,16 @@ def _mismatches():
 
         return make
 
+    def added(key, value):
+        """The dict with ``value`` under ``['params']['w'][key]``."""
+
+        def make():
+            sd = saved()
+            sd["params"]["w"][key] = value
+            return sd
+
+        return make
+
     def negative_full_moment():
         sd = saved(master="fp32", moments="fp32")
         sd["params"]["w"]["opt[1].nu"] = -1 - sd["params"]["w"]["opt[1].nu"]
@@ -856,6 +866,16 @@ def _mismatches():
         "a NaN param": (
             changed("param", lambda t: t * math.nan),
             r"\['w'\]\['(param|master)'\] holds inf or NaN",
+        ),
+        # Keys no saved leaf has, once dropped unread (a master beside the correction was
+        # decoded in its place).
+        "a stray key in a leaf": (
+            added("notes", torch.zeros(1)),
+            r"\['w'\]\['notes'\] is no key a saved leaf has",
+        ),
+        "a master beside the correction": (
+            added("master", torch.zeros(30, 20)),
+            r"\['w'\]\['correction'\] beside a \['master'\]",
         ),
         # A second moment below zero: its square root would be NaN. Stored as signed codes
         # (not the uint8 of a non-negative moment) or saved in FP32.
