@@ -296,3 +296,18 @@ def test_a_functional_call_given_something_other_than_a_state_names_what_it_got(
             TypeError, match=f"^{name} expects the state fp16fx.init returns, got a dict"
         ):
             call()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_empty_param_group_is_accepted_as_torch_accepts_it(path):
+    """A "no decay" group left empty once raised an IndexError while choosing the device."""
+    model = make_model()
+    inner = torch.optim.AdamW(
+        [{"params": [], "weight_decay": 0.0}, {"params": list(model.parameters())}], lr=1e-2
+    )
+    opt = wrap(model, path, inner)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(loss_of(model, 0))
+    opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert [len(g["params"]) for g in opt.param_groups] == [0, 4]

@@ -195,7 +195,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         check_unique(groups, names)
         trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
         check_trainable([p for params in trainable for p in params], names)
-        device = next((p.device for ps in trainable for p in ps), groups[0]["params"][0].device)
+        every = [*(p for ps in trainable for p in ps), *(p for g in groups for p in g["params"])]
+        device = every[0].device if every else torch.device("cpu")  # a group may be empty
         stats = torch.zeros(2, dtype=torch.int64, device=device)
         consensus = default_consensus(process_group) if group is NOT_SHARDED else None
         self._scaler = Scaler(policy, policy.init(device), stats, consensus)
