@@ -18,6 +18,7 @@ plain attribute names.
 from __future__ import annotations
 
 import _compat_pickle
+import io
 import math
 import os
 import pickle
@@ -217,18 +218,33 @@ def load_apex_checkpoint(
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ApexCheckpointError: the pickle names any global beyond tensors, torch's default
-            weights-only allowlist and the apex scaler classes (the name is in the message and
-            in ``.global_name``), or the top level is not a dict. Nothing it names is called.
+        TypeError: ``path_or_file`` is neither a path nor a binary file.
+        ApexCheckpointError: the file is no torch checkpoint (empty, truncated, text...),
+            its pickle names any global beyond tensors, torch's default weights-only allowlist
+            and the apex scaler classes (the name is in the message and in
+            ``.global_name``), or its top level is not a dict. Nothing it names is called.
     """
-    if isinstance(path_or_file, (str, os.PathLike)) and not os.path.exists(path_or_file):
-        raise FileNotFoundError(f"apex checkpoint not found: {os.fspath(path_or_file)}")
+    if isinstance(path_or_file, (str, os.PathLike)):
+        if not os.path.exists(path_or_file):
+            raise FileNotFoundError(f"apex checkpoint not found: {os.fspath(path_or_file)}")
+    elif isinstance(path_or_file, io.TextIOBase) or not hasattr(path_or_file, "read"):
+        raise TypeError(
+            "load_apex_checkpoint expects a path or a file opened in binary mode ('rb'), got "
+            f"{path_or_file!r}"
+        )
     allowed = [(cls, cls.apex_path) for cls in _STAND_INS]
     try:
         with torch.serialization.safe_globals(allowed):
             loaded = torch.load(path_or_file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise _refusal(err, path_or_file) from err
+    except (EOFError, IndexError, KeyError, ValueError) as err:  # torch.load on other files
+        raise ApexCheckpointError(
+            f"{path_or_file!r} is not a torch checkpoint, so not an apex FP16_Optimizer one "
+            f"({type(err).__name__}: {err})"
+        ) from err
+    except RuntimeError as err:  # a truncated archive; or a CUDA one without map_location="cpu"
+        raise ApexCheckpointError(f"{path_or_file!r} could not be read: {err}") from err
     if not isinstance(loaded, dict):
         raise ApexCheckpointError(
             f"{path_or_file!r} holds a {type(loaded).__name__}, not a dict: it is not an apex "

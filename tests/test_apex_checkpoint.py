@@ -196,6 +196,28 @@ def test_missing_file_names_the_path(tmp_path):
         load_apex_checkpoint(path)
 
 
+def test_a_file_that_is_no_torch_checkpoint_is_refused_by_name(tmp_path):
+    """Text, an empty file and a truncated checkpoint once raised torch.load's own KeyError,
+    EOFError and RuntimeError; a text-mode file or bytes, an AssertionError or
+    AttributeError."""
+    save(apex_state_dict(amp_scaler()), tmp_path / "whole.pt")
+    files = {
+        "text.pt": b"epoch 3, loss 0.25\n",
+        "empty.pt": b"",
+        "truncated.pt": (tmp_path / "whole.pt").read_bytes()[:100],
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ApexCheckpointError, match=re.escape(name) + ".*(not a torch|could)"):
+            load_apex_checkpoint(tmp_path / name)
+    text_mode = open(tmp_path / "whole.pt")  # noqa: SIM115 -- closed below
+    with pytest.raises(TypeError, match=r"binary mode \('rb'\)"):
+        load_apex_checkpoint(text_mode)
+    text_mode.close()
+    with pytest.raises(TypeError, match="a path or a file"):
+        load_apex_checkpoint((tmp_path / "whole.pt").read_bytes())
+
+
 def test_a_non_dict_checkpoint_is_refused(tmp_path):
     save([amp_scaler()], tmp_path / "list.pt")
     with pytest.raises(ApexCheckpointError, match="list, not a dict"):
