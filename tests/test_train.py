@@ -148,6 +148,7 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--dataset", "cifar10"], ["--data-dir", "nothing is downloaded"]),
         (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], [""]),
         (["--epochs", "0"], ["--epochs must be >= 1"]),
+        (["--lr", "inf"], ["--lr must be a finite number > 0, got inf"]),
         (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
         (["--resume", "/nonexistent/ck.pt"], ["checkpoint /nonexistent/ck.pt does not exist"]),
     ],
@@ -199,6 +200,10 @@ def test_bad_loss_scale_is_an_argparse_error(capsys) -> None:
         cli.main(["train", "--loss-scale", "lots"])
     assert exit_info.value.code == 2
     assert "'lots' is neither 'dynamic' nor a number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # once a traceback from FP16_Optimizer
+        cli.main(["train", "--loss-scale", "1e40"])
+    assert exit_info.value.code == 2
+    assert "FP32 holds as a normal value" in capsys.readouterr().err
 
 
 def test_fp16fx_command_lists_train() -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import sys
 from collections.abc import Iterator, Sequence
 
 from fp16fx.precision import MASTERS, MOMENTS
+from fp16fx.scaling import check_scale
 from fp16fx.train.checkpoint import CheckpointError
 from fp16fx.train.data import DATASETS, DataError
 from fp16fx.train.loop import SCHEDULES
@@ -80,8 +80,10 @@ def _loss_scale(text: str) -> LossScale:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither 'dynamic' nor a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a static loss scale must be > 0, got {text}")
+    try:
+        check_scale("a static loss scale", value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return value
 
 

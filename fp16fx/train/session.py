@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -235,8 +236,8 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
     if config.moments not in MOMENTS:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
-    if config.lr is not None and not config.lr > 0:
-        raise SetupError(f"--lr must be > 0, got {config.lr}")
+    if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
+        raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
     if config.fsdp and config.api != "facade":
         raise SetupError("--fsdp trains with FP16_Optimizer: use --api facade")
     if config.save is not None:
