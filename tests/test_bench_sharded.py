@@ -96,9 +96,12 @@ def test_compact_sharded_bytes_per_param_at_d2_through_the_cli(capsys) -> None:
         (["--world-sizes", "2", "--device", "cuda"], "CPU"),
         (["--moments", "int8"], "--world-sizes"),
         (["--world-sizes", "2", "--masters", "half"], "invalid choice: 'half'"),
+        # Not only --world-sizes': torch's own error once named no option; -1 s was taken.
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--time-budget", "-1"], "argument --time-budget: must be a finite number >= 0"),
     ],
 )
-def test_cli_rejects_bad_world_size_requests_before_spawning(argv, message, capsys) -> None:
+def test_cli_rejects_bad_arguments_before_spawning_or_measuring(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as excinfo:
         command.main([*argv, "--params", "1000", "--leaves", "2"])
     # argparse's usage errors exit with 2 on stderr; the command's own with their message.

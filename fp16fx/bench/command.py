@@ -6,6 +6,7 @@ Registered into ``fp16fx``'s CLI by :func:`add_parser`; also runs as ``python -m
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_threads,
         default=None,
         help="torch intra-op threads (default: torch's current setting); with --world-sizes: "
         "the cores the d processes share (default: all available)",
@@ -135,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-budget",
-        type=float,
+        type=_seconds,
         default=DEFAULT_TIME_BUDGET_S,
         metavar="SECONDS",
         help="stop timing a contender after this many seconds of timed steps (at least 5 "
@@ -171,6 +172,28 @@ def _world_sizes(text: str) -> list[int]:
     if any(d < 1 for d in sizes):
         raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
     return sizes
+
+
+def _threads(text: str) -> int:
+    """Parse ``--threads``: a count of at least 1."""
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {threads}")
+    return threads
+
+
+def _seconds(text: str) -> float:
+    """Parse ``--time-budget``: finite seconds, at least 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return seconds
 
 
 def _presets(args: argparse.Namespace) -> list[Preset]:
