@@ -311,3 +311,27 @@ def test_an_empty_param_group_is_accepted_as_torch_accepts_it(path):
     opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert [len(g["params"]) for g in opt.param_groups] == [0, 4]
+
+
+@pytest.mark.parametrize(
+    ("lr", "message"),
+    [
+        (None, r"param group 0: hyperparameter 'lr' must be a number, got None"),
+        ("0.1", r"param group 0: hyperparameter 'lr' must be a number, got '0.1'"),
+        (torch.tensor([0.1, 0.2]), r"param group 0: hyperparameter 'lr' must be a scalar"),
+    ],
+)
+def test_a_param_groups_lr_that_is_no_number_is_named_and_changes_nothing(lr, message):
+    """None and a 2-element tensor once failed in float() without naming the group or lr; a
+    string was read as a number (and would break any LR scheduler)."""
+    model = make_model()
+    opt = wrap(model, "fast")
+    opt.param_groups[0]["lr"] = lr
+    opt.backward(loss_of(model, 0))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((TypeError, ValueError), match=message):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()  # the grads are still there: a number goes on
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -110,7 +110,7 @@ class FastEngine:
             )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
-        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
+        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
         self.max_norm = NO_CLIP  # clip_master_grads' request for the next step
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
@@ -315,7 +315,7 @@ class FastEngine:
         opt_state = encode_moments(transform.init(state.decoded_masters()), state.precision)
         self.state = state.replace(optimizer=transform, opt_state=opt_state)
         self.specs = specs
-        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
+        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
         self._clip_written = NO_CLIP
 
     def check_structure(self, specs: list[GroupSpec]) -> None:
@@ -351,7 +351,7 @@ class FastEngine:
         old_entries = [self.entry(p) for p in old]
         self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
         self.labels, self.specs = labels, specs
-        self._written = [group_values(s, g) for s, g in zip(specs, groups)]
+        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
         state = self._init(transform, self.state.consensus, self.state.precision)
         self.state = state.replace(loss_scale=self.scaler.state)
         self._entries = self._make_entries()
@@ -382,7 +382,7 @@ class FastEngine:
                 self.check_structure(specs)
             self.restructure(specs, self.export() if self.sharded is None else {})
         for k, (spec, group) in enumerate(zip(self.specs, groups)):
-            values, written = group_values(spec, group), self._written[k]
+            values, written = group_values(spec, group, k), self._written[k]
             changed = {name: v for name, v in values.items() if written[name] != v}
             if changed:
                 replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)

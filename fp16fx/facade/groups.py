@@ -23,6 +23,7 @@ from fp16fx.transforms import (
     adam,
     adamw,
     chain,
+    check_hyperparam,
     clip_by_global_norm,
     multi_transform,
     sgd,
@@ -68,18 +69,20 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
     return GroupSpec(name, amsgrad=bool(group["amsgrad"]))
 
 
-def group_values(spec: GroupSpec, group: dict[str, Any]) -> dict[str, Any]:
-    """Returns the core's hyperparameters for ``group`` (tensors, e.g. a tensor lr, as floats)."""
+def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str, Any]:
+    """Returns the core's hyperparameters for param group ``index`` (tensors, e.g. a tensor
+    lr, as floats); raises TypeError/ValueError naming the group and the value that is not a
+    number in its range (None, a string, a tensor of several values, a NaN...)."""
     values = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
     if spec.name == "sgd":
         if spec.momentum:
             values.update(momentum=group["momentum"], dampening=group["dampening"])
     else:
-        values.update(betas=tuple(group["betas"]), eps=group["eps"])
-    return {
-        name: tuple(float(v) for v in value) if isinstance(value, tuple) else float(value)
-        for name, value in values.items()
-    }
+        values.update(betas=group["betas"], eps=group["eps"])
+    try:
+        return {name: check_hyperparam(name, value) for name, value in values.items()}
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"param group {index}: {err}") from None
 
 
 def group_transform(spec: GroupSpec, values: dict[str, Any]) -> GradientTransformation:
@@ -104,8 +107,9 @@ def build_transform(
     """
     named = []
     for k, (spec, group) in enumerate(zip(specs, groups)):
+        values = group_values(spec, group, k)
         try:
-            named.append(group_transform(spec, group_values(spec, group)))
+            named.append(group_transform(spec, values))
         except (ValueError, TypeError) as err:
             raise type(err)(f"param group {k}: {err}") from None
     return chain(clip_by_global_norm(NO_CLIP), multi_transform(named, labels))
