@@ -196,8 +196,11 @@ def check_state(state: Any, caller: str) -> None:
     such as passing the params, or ``step``'s arguments swapped, would otherwise surface as
     an AttributeError from deep inside."""
     if not isinstance(state, MixedPrecisionState):
+        sharded = isinstance(getattr(state, "shard", None), MixedPrecisionState)
+        hint = " (a sharded state: pass its .shard, or use fp16fx.distributed's own call)"
         raise TypeError(
             f"{caller} expects the state fp16fx.init returns, got a {type(state).__name__}"
+            + (hint if sharded else "")
         )
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import re
 import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optree
@@ -382,6 +384,29 @@ def test_without_torch_distributed_there_is_no_consensus():
         fdist.default_consensus(object())
     with pytest.raises(ValueError, match="nothing to shard across"):
         fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
+
+
+def test_sharded_and_unsharded_calls_given_the_other_state_say_which_call_to_use():
+    """An unsharded state (fdist.init(..., shard=False)'s) in fdist's sharded calls once
+    raised AttributeError: 'MixedPrecisionState' object has no attribute 'flat'."""
+    state = fdist.init({"w": torch.ones(4, dtype=torch.float16)}, fp16fx.sgd(0.1))
+    grads = {"w": torch.ones(4, dtype=torch.float16)}
+    calls = {
+        "fdist.sharded_step": ("fp16fx.step", lambda: fdist.sharded_step(state, grads)),
+        "fdist.grad_buffers": ("fp16fx.grad_buffers", lambda: fdist.grad_buffers(state)),
+        "fdist.state_dict": ("fp16fx.state_dict", lambda: fdist.state_dict(state)),
+        "fdist.load_state_dict": (
+            "fp16fx.load_state_dict",
+            lambda: fdist.load_state_dict(state, fp16fx.state_dict(state)),
+        ),
+    }
+    for name, (instead, call) in calls.items():
+        expected = f"^{re.escape(name)} expects the ShardedState .*use {re.escape(instead)}\\)$"
+        with pytest.raises(TypeError, match=expected):
+            call()
+    # A ShardedState (here its one attribute that matters) in an unsharded call:
+    with pytest.raises(TypeError, match=r"set_hyperparams .* pass its \.shard"):
+        fp16fx.set_hyperparams(SimpleNamespace(shard=state), lr=0.1)
 
 
 def test_fdist_init_passes_compact_precision_on_and_checks_its_names_first():

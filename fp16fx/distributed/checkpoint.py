@@ -24,7 +24,7 @@ import optree
 import torch
 
 from fp16fx import checkpoint, flat, saved_format, tree
-from fp16fx.distributed.sharded import ShardedState
+from fp16fx.distributed.sharded import ShardedState, check_sharded
 from fp16fx.precision import ZERO_BLOCK_SCALE, Precision
 
 FORMAT = "fp16fx.sharded/2"
@@ -33,6 +33,7 @@ ShardDict = dict[str, Any]
 
 def state_dict(state: ShardedState) -> ShardDict:
     """Returns this rank's checkpoint dict (a snapshot: tensors are copies)."""
+    check_sharded(state, "fdist.state_dict", "fp16fx.state_dict")
     leaf_paths = _leaf_paths(state)
     layout = state.flat.layout
     leaves = {}
@@ -207,6 +208,7 @@ def load_state_dict(
         params, a rank missing, or params of one bucket saved with different step counts (a
         sharded bucket keeps one). Nothing is changed.
     """
+    check_sharded(state, "fdist.load_state_dict", "fp16fx.load_state_dict")
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
     saved, precision = saved_format.precision_of(sd), state.shard.precision

@@ -249,12 +249,24 @@ def init_sharded(
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
 
+def check_sharded(state: Any, caller: str, unsharded: str) -> None:
+    """Raises TypeError naming ``caller`` unless ``state`` is a ShardedState; an unsharded
+    state (``fdist.init(..., shard=False)``'s) is told to use ``unsharded`` instead."""
+    if not isinstance(state, ShardedState):
+        hint = f" (an unsharded state: use {unsharded})"
+        raise TypeError(
+            f"{caller} expects the ShardedState fdist.init(..., shard=True) returns, got a "
+            f"{type(state).__name__}{hint if isinstance(state, MixedPrecisionState) else ''}"
+        )
+
+
 def grad_buffers(state: ShardedState) -> Any:
     """Returns zeroed grads structured like ``state.params``: views into padded flat buffers.
 
     Make them the model params' ``.grad`` (autograd accumulates into them); a step then reads
     them without a copy. :func:`sharded_step` divides them by d in place (they are spent).
     """
+    check_sharded(state, "fdist.grad_buffers", "fp16fx.grad_buffers")
     for buffer in state.flat.grad_buffers:
         buffer.zero_()
     return state.grad_buffers()
@@ -310,6 +322,7 @@ def sharded_step(
     the params. ``step`` steps the shard in place: eagerly by default, or
     ``fp16fx.compile_step(inplace=True)``. ``info``'s ``finite`` and ``grad_norm`` are global.
     """
+    check_sharded(state, "fdist.sharded_step", "fp16fx.step")
     return state, step_shards(state, reduce_grads(state, grads), step)
 
 
