@@ -61,12 +61,13 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
 
     Raises:
       ValueError: the tree holds no tensor, holds one tensor twice (tied weights) or two
-        that overlap in memory, or its tensors live on several devices.
+        that overlap in memory, one whose elements overlap (an expanded view) or one made
+        under ``torch.inference_mode()``, or its tensors live on several devices or on the
+        meta device.
       TypeError: a leaf is neither ``None`` nor a floating tensor of a dtype in ``MODEL_DTYPES``.
     """
     leaves, treedef = flatten(params)
     names = leaf_names(params)
-    devices = set()
     for name, leaf in zip(names, leaves):
         if leaf is None:
             continue
@@ -74,22 +75,69 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
             raise TypeError(
                 f"{name} is a {type(leaf).__name__}; every leaf must be a tensor or None"
             )
-        if leaf.dtype not in MODEL_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {leaf.dtype}; fp16fx trains float16, bfloat16 and float32 "
-                "params (integer, bool, complex and float64 leaves cannot be trained: pass None "
-                "for leaves that are not trained)"
-            )
-        devices.add(leaf.device)
+        check_leaf(name, leaf)
     check_disjoint(names, leaves)
-    if not devices:
+    named = [(name, leaf) for name, leaf in zip(names, leaves) if leaf is not None]
+    if not named:
         raise ValueError("params holds no tensor: there is nothing to train")
-    if len(devices) > 1:
-        raise ValueError(
-            f"params live on several devices {sorted(map(str, devices))}; fp16fx steps one "
-            "device's params per state (make one state per device)"
-        )
+    check_one_device(named)
     return leaves, treedef
+
+
+def check_one_device(
+    named: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None
+) -> None:
+    """Raises ValueError naming the first tensor of ``(name, tensor)`` pairs that lives on
+    another device than ``device`` (default: the first tensor's), or on the meta device (no
+    values to train)."""
+    where = "the others" if device is None else "the params trained so far"
+    device = device or named[0][1].device
+    for name, leaf in named:
+        if leaf.device != device:
+            raise ValueError(
+                f"{name} is on {leaf.device}, {where} on {device}: fp16fx steps one device's "
+                "params per state (make one state, or FP16_Optimizer, per device)"
+            )
+        if leaf.device.type == "meta":
+            raise ValueError(
+                f"{name} is on the meta device: it holds no values to train; materialize the "
+                "model first (e.g. model.to_empty(device=...), then initialize its weights)"
+            )
+
+
+def check_leaf(name: str, leaf: torch.Tensor) -> None:
+    """Raises, naming ``name``, unless the tensor ``leaf`` is one fp16fx can train in place:
+    FP16, BF16 or FP32 (TypeError), made outside ``torch.inference_mode()``, and with no two
+    elements in the same memory (ValueError)."""
+    if leaf.dtype not in MODEL_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {leaf.dtype}; fp16fx trains float16, bfloat16 and float32 "
+            "params (integer, bool, complex and float64 tensors cannot be trained: leave them "
+            "out, or pass None in their place in a params tree)"
+        )
+    if leaf.is_inference():
+        raise ValueError(
+            f"{name} was made under torch.inference_mode(), which forbids updating it in place "
+            "outside; build the model (or clone its params) outside inference mode"
+        )
+    if _overlaps_itself(leaf):
+        raise ValueError(
+            f"{name} has elements that share memory (an expanded or as_strided view, strides "
+            f"{leaf.stride()}): each would be updated on its own; pass a clone"
+        )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` may share memory: taking its dims by stride, one does not
+    step past everything the smaller ones span (a stride of 0, an expanded dim, does not).
+    Judged by spans, as :func:`check_disjoint` is: a rare strided layout that interleaves
+    without sharing an element is refused too."""
+    spanned = 0
+    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= spanned:
+            return True
+        spanned += (size - 1) * stride
+    return False
 
 
 def check_disjoint(names: Sequence[str], leaves: Sequence[Any]) -> None:

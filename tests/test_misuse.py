@@ -335,3 +335,19 @@ def test_a_param_groups_lr_that_is_no_number_is_named_and_changes_nothing(lr, me
     opt.param_groups[0]["lr"] = 1e-2
     opt.step()  # the grads are still there: a number goes on
     assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_model_made_in_inference_mode_or_on_meta_is_refused_by_name(path):
+    """Once torch's "Inference tensors do not track version counter" while flattening the
+    params (fast path); a meta model was built and trained nothing."""
+    with torch.inference_mode():
+        frozen_in_inference = nn.Linear(3, 2).half()
+    with torch.device("meta"):
+        on_meta = nn.Linear(3, 2).half()
+    for model, message in (
+        (frozen_in_inference, r"\['params'\]\[0\] was made under torch.inference_mode"),
+        (on_meta, r"\['params'\]\[0\] is on the meta device"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            wrap(model, path, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -217,6 +217,18 @@ GOOD = {"w": torch.ones(2, 2).half(), "b": torch.ones(2).half()}
         ({"w": [1.0, 2.0]}, TypeError, r"params\['w'\]\[0\] is a float"),
         ({}, ValueError, "holds no tensor"),
         ({"w": None}, ValueError, "holds no tensor"),
+        # Once accepted, then failing inside the step (torch's own error, after the masters,
+        # moments and count were written) or at the first copy (meta: no values).
+        (
+            {"w": torch.ones(1).half().expand(4)},
+            ValueError,
+            r"params\['w'\] has elements that share memory .* strides \(0,\)",
+        ),
+        (
+            {"w": torch.ones(2, device="meta").half()},
+            ValueError,
+            r"params\['w'\] is on the meta device: it holds no values",
+        ),
     ],
 )
 def test_init_refuses_untrainable_params(params, error, message):
@@ -278,8 +290,15 @@ def test_grads_laid_out_like_the_buckets_but_of_another_dtype_are_refused():
         fp16fx.step(state, fp16fx.grad_buffers(other))
 
 
+def test_params_made_in_inference_mode_are_refused():
+    with torch.inference_mode():
+        params = {"w": torch.ones(2).half()}
+    with pytest.raises(ValueError, match=r"params\['w'\] was made under torch.inference_mode"):
+        fp16fx.init(params, fp16fx.sgd(0.1))
+
+
 def test_params_on_several_devices_are_refused():
-    with pytest.raises(ValueError, match="several devices"):
+    with pytest.raises(ValueError, match=r"params\[1\] is on meta, the others on cpu"):
         fp16fx.init([torch.ones(1), torch.ones(1, device="meta")], fp16fx.sgd(0.1))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fp16fx.tree import MODEL_DTYPES, check_disjoint
+from fp16fx.tree import check_disjoint, check_leaf, check_one_device
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -44,22 +44,15 @@ def check_unique(groups: list[dict[str, Any]], names: dict[int, str], first: int
 def check_trainable(
     params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
 ) -> None:
-    """Raises TypeError/ValueError, naming the param, unless every one of ``params`` is
-    FP16/BF16/FP32, they all live on one device (``device``, if given), and no two share
-    memory (views of one tensor)."""
-    check_disjoint([names.get(id(p), f"param {i}") for i, p in enumerate(params)], params)
-    for p in params:
-        if p.dtype not in MODEL_DTYPES:
-            raise TypeError(
-                f"{names.get(id(p), 'a param')} has dtype {p.dtype}; FP16_Optimizer trains "
-                "float16, bfloat16 and float32 params"
-            )
-        device = device or p.device
-        if p.device != device:
-            raise ValueError(
-                f"{names.get(id(p), 'a param')} is on {p.device}, others on {device}; "
-                "FP16_Optimizer steps the params of one device"
-            )
+    """Raises TypeError/ValueError, naming the param, unless every one of ``params`` is one
+    fp16fx can train (:func:`fp16fx.tree.check_leaf`), they all live on one device
+    (``device``, if given), and no two share memory (views of one tensor)."""
+    named = [(names.get(id(p), f"param {i}"), p) for i, p in enumerate(params)]
+    check_disjoint([name for name, _ in named], params)
+    for name, p in named:
+        check_leaf(name, p)
+    if named:
+        check_one_device(named, device)
 
 
 def replace_params(
