@@ -191,18 +191,24 @@ def check_grads(params: PyTree, grads: PyTree) -> list[torch.Tensor | None]:
     """Returns the flat leaves of ``grads`` after checking they match ``params`` leaf by leaf.
 
     A ``None`` grad is allowed anywhere (that leaf is left untouched this step). Every other grad
-    must have its param's shape, dtype and device.
+    must have its param's shape, dtype and device. A tuple of grads fits a list of params and
+    the reverse (``torch.autograd.grad`` returns a tuple).
 
     Raises:
       ValueError: the tree structures or a leaf's shape differ, or a grad is given for a
         ``None`` (untrained) param.
       TypeError: a grad is not a tensor, or its dtype or device differs from its param's.
     """
+    sequences = (list, tuple)
+    if type(params) in sequences and type(grads) in sequences and len(params) == len(grads):
+        grads = type(params)(grads)
     param_leaves, param_def = flatten(params)
     grad_leaves, grad_def = flatten(grads)
     if grad_def != param_def:
+        kinds = (type(params).__name__, type(grads).__name__)
+        which = f" (params: {kinds[0]}, grads: {kinds[1]})" if kinds[0] != kinds[1] else ""
         raise ValueError(
-            "grads do not have the structure of params:\n"
+            f"grads do not have the structure of params{which}:\n"
             f"  params: {param_def}\n  grads:  {grad_def}"
         )
     pairs = [(p, g) for p, g in zip(param_leaves, grad_leaves) if g is not None]

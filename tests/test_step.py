@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import optree
@@ -288,6 +289,21 @@ def test_grads_laid_out_like_the_buckets_but_of_another_dtype_are_refused():
     other = fp16fx.init({k: v.bfloat16() for k, v in GOOD.items()}, fp16fx.sgd(0.1), buckets=True)
     with pytest.raises(TypeError, match=r"grads\['b'\] has dtype torch.bfloat16"):
         fp16fx.step(state, fp16fx.grad_buffers(other))
+
+
+def test_a_tuple_of_grads_fits_a_list_of_params_and_the_reverse():
+    """``torch.autograd.grad`` returns a tuple; list params once refused it, showing two
+    PyTreeSpecs that differed only in their brackets."""
+    params = [torch.ones(3).half(), torch.full((2,), 2.0).half()]
+    grads = [torch.full((3,), 4.0).half(), torch.full((2,), -8.0).half()]
+    for tree, other in ((params, tuple(grads)), (tuple(params), grads)):
+        state = fp16fx.init(tree, fp16fx.adam(0.1), fp16fx.StaticLossScale(1.0))
+        expected, _ = fp16fx.step(state, type(tree)(grads))
+        stepped, _ = fp16fx.step(state, other)
+        assert bitwise_equal(snapshot(stepped), snapshot(expected))
+    state = fp16fx.init({"a": params[0]}, fp16fx.sgd(0.1))
+    with pytest.raises(ValueError, match=r"\(params: dict, grads: OrderedDict\)"):
+        fp16fx.step(state, collections.OrderedDict(a=grads[0]))
 
 
 def test_params_made_in_inference_mode_are_refused():
