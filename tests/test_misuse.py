@@ -351,3 +351,18 @@ def test_a_model_made_in_inference_mode_or_on_meta_is_refused_by_name(path):
     ):
         with pytest.raises(ValueError, match=message):
             wrap(model, path, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_clip_master_grads_names_a_norm_type_that_is_no_number(path):
+    """None and "fro" once failed in float() with torch's words; the optimizer stays usable
+    and "inf" is taken, as torch's clip_grad_norm_ takes it."""
+    model = make_model()
+    opt = wrap(model, path)
+    opt.backward(loss_of(model, 0))
+    for bad in (None, "fro", True):
+        with pytest.raises(ValueError, match=r"norm_type must be a number \(2, 1, inf...\)"):
+            opt.clip_master_grads(1.0, norm_type=bad)
+    assert opt.path == path  # nothing handed over
+    norms = [opt.clip_master_grads(1e3, norm_type=kind) for kind in (2, "inf")]
+    assert 0 < norms[1] <= norms[0]

@@ -414,8 +414,14 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """
         if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        try:
+            order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too
+        except (TypeError, ValueError):
+            order = math.nan
+        if isinstance(norm_type, bool) or math.isnan(order):
+            raise ValueError(f"norm_type must be a number (2, 1, inf...), got {norm_type!r}")
         if isinstance(self._engine, FastEngine):
-            if float(norm_type) == 2.0:
+            if order == 2.0:
                 finite, norm = self._engine.check()
                 if not bool(finite):
                     return -1.0
@@ -423,12 +429,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 return float(norm)
             if self.sharded or self._engine.fsdp:
                 raise ValueError("a sharded FP16_Optimizer clips by the L2 norm (norm_type=2) only")
-            self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type})"))
+            self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
         if self._phase.grads != "unscaled":
             self.update_master_grads()
-        return engine.clip(max_norm, norm_type)
+        return engine.clip(max_norm, order)
 
     def zero_grad(
         self, set_grads_to_None: bool = False, *, set_to_none: bool | None = None
