@@ -65,7 +65,8 @@ def check_scale(name: str, value: float) -> None:
     """Raises ValueError, naming ``name``, unless ``value`` is a number that FP32 holds as a
     positive normal value (a loss scale, or a factor or bound of one)."""
     low, high = _FP32_NORMAL
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and low <= value <= high):
         raise ValueError(
             f"{name} must be a finite number > 0 that FP32 holds as a normal value "
             f"({low:g} to {high:g}), got {value!r}"

@@ -399,7 +399,7 @@ def test_loss_scale_can_be_set_and_update_is_step(path):
             getattr(opt, method)()
         results.append(snapshot(opt))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    for bad in (0.0, -1.0, math.inf, "8", 1e39, 1e-46):  # the last two: inf and 0 in FP32
+    for bad in (0.0, -1.0, math.inf, "8", True, 1e39, 1e-46):  # the last two: inf, 0 in FP32
         with pytest.raises(ValueError, match="loss_scale must be"):
             opt.loss_scale = bad
     assert opt.loss_scale == 8.0
