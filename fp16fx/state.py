@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -211,16 +211,6 @@ def default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
     return NoLossScale()
 
 
-def _labels(optimizer: GradientTransformation, n_leaves: int) -> Sequence[Hashable] | None:
-    labels = optimizer.param_labels
-    if labels is not None and len(labels) != n_leaves:
-        raise ValueError(
-            f"the optimizer's multi_transform has {len(labels)} labels but the params have "
-            f"{n_leaves} leaves (None leaves included): give one label per leaf"
-        )
-    return labels
-
-
 def init(
     params: Any,
     optimizer: GradientTransformation,
@@ -279,7 +269,7 @@ def init(
             f"loss_scale must be a loss-scale policy such as fp16fx.DynamicLossScale() (an "
             f"instance), got {policy!r}"
         )
-    labels = _labels(optimizer, len(leaves))
+    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
     # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
     # already in them (FlatParams(..., multiple)); else the params as given.
     layout = flat.plan(leaves, treedef, labels, precision.multiple)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -42,6 +43,21 @@ def leaf_names(tree: PyTree, root: str = "params") -> list[str]:
     """Returns a readable name per flat leaf of ``tree``, e.g. ``params['fc'][0]``."""
     paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return [root + "".join(f"[{key!r}]" for key in path) for path in paths]
+
+
+def dict_order_differs(tree: PyTree) -> bool:
+    """Whether ``tree`` holds a dict whose keys, as given, are not in the sorted order in
+    which optree flattens them (an ``OrderedDict`` keeps its own order)."""
+    if isinstance(tree, dict) and not isinstance(tree, OrderedDict):
+        try:
+            if list(tree) != sorted(tree):
+                return True
+        except TypeError:  # keys that do not compare: optree's order is its own
+            return True
+    children = tree.values() if isinstance(tree, Mapping) else tree
+    if isinstance(tree, (Mapping, list, tuple)):
+        return any(dict_order_differs(child) for child in children)
+    return False
 
 
 def leaf_paths(treedef: optree.PyTreeSpec) -> list[str]:

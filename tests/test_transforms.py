@@ -188,9 +188,54 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, messa
         (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'betas' must be a pair of numbers in \[0, 1\)"),
         (lambda: fp16fx.clip_by_global_norm(0.0), "'max_norm' must be > 0"),
         (lambda: fp16fx.chain(), "at least one transform"),
-        (lambda: fp16fx.multi_transform([fp16fx.sgd(1.0)], [0, 1]), r"labels \[1\] name no"),
+        (lambda: fp16fx.multi_transform(fp16fx.sgd(1.0), [0]), "a list of .* got one transform"),
+        (lambda: fp16fx.multi_transform([fp16fx.sgd(1.0)], None), "needs labels"),
     ],
 )
 def test_bad_optimizer_arguments_are_refused(factory, message):
     with pytest.raises((ValueError, TypeError), match=message):
         factory()
+
+
+def _decayed(labels):
+    """Which params of a two-layer FP16 model a step with zero grads changes, when
+    ``labels`` route them to SGD with weight decay (0) or without (1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).half()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    opt = fp16fx.multi_transform([fp16fx.sgd(1.0, weight_decay=0.5), fp16fx.sgd(1.0)], labels)
+    state = fp16fx.init(params, opt, fp16fx.StaticLossScale(1.0))
+    state, _ = fp16fx.step(state, {name: torch.zeros_like(p) for name, p in params.items()})
+    return {name for name in params if not torch.equal(state.params[name], params[name])}
+
+
+def test_multi_transform_labels_a_dict_of_params_by_name():
+    """A flat list for named_parameters() (weight before bias) once routed by optree's
+    sorted order instead: the biases were decayed and the weights not, silently."""
+    weights = {"0.weight", "1.weight"}
+    by_name = {"0.weight": 0, "0.bias": 1, "1.weight": 0, "1.bias": 1}
+    assert _decayed(by_name) == weights
+    by_rank = {"0.weight": 0, "0.bias": 1, "1.weight": 0, "1.bias": 1}
+    assert _decayed(lambda params: {n: by_rank[n] for n in params}) == weights  # optax's form
+    with pytest.raises(ValueError, match="keys are not in sorted order"):
+        _decayed([0, 1, 0, 1])  # named_parameters()' order, which optree's is not
+    # A dict whose keys are given sorted takes a flat list in that order.
+    opt = fp16fx.multi_transform([fp16fx.sgd(1.0), fp16fx.sgd(0.5)], [1, 0])
+    state = fp16fx.init({"a": torch.ones(2), "b": torch.ones(2)}, opt, fp16fx.NoLossScale())
+    state, _ = fp16fx.step(state, {"a": torch.ones(2), "b": torch.ones(2)})
+    assert state.params["a"].tolist() == [0.5, 0.5] and state.params["b"].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "message"),
+    [
+        ({"a": 0, "b": 2}, ValueError, r"label of params\['b'\] is 2: there are 2"),
+        ({"a": 0, "b": "x"}, TypeError, r"label of params\['b'\] is 'x', not an index"),
+        ({"a": 0, "b": True}, TypeError, "not an index"),
+        ([0, 1, 1], ValueError, "neither the structure of the params"),
+    ],
+)
+def test_multi_transform_labels_that_do_not_fit_the_params_are_named(labels, error, message):
+    opt = fp16fx.multi_transform([fp16fx.sgd(1.0), fp16fx.sgd(0.1)], labels)
+    with pytest.raises(error, match=message):
+        fp16fx.init({"a": torch.ones(2), "b": torch.ones(2)}, opt)

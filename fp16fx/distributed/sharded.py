@@ -214,12 +214,7 @@ def init_sharded(
     """
     leaves, treedef = tree.check_params(params)
     trained = [i for i, p in enumerate(leaves) if p is not None]
-    labels = optimizer.param_labels
-    if labels is not None and len(labels) != len(leaves):
-        raise ValueError(
-            f"the optimizer's multi_transform has {len(labels)} labels but the params have "
-            f"{len(leaves)} leaves (None leaves included): give one label per leaf"
-        )
+    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
     precision = Precision(master, moments)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
@@ -232,8 +227,9 @@ def init_sharded(
     buckets = flat_params.layout.buckets
     slices = [buffer[sharding.slice(b)] for b, buffer in zip(buckets, flat_params.param_buffers)]
     # The shard's params are a list of slices, one per bucket: its leaf labels are the buckets'.
+    bucket_labels = tuple(b.label for b in buckets)
     shard_optimizer = optimizer._replace(
-        param_labels=None if labels is None else tuple(b.label for b in buckets)
+        param_labels=None if labels is None else lambda slices: bucket_labels
     )
     shard = init(
         slices,

@@ -39,14 +39,14 @@ class GradientTransformation(NamedTuple):
     """A pure optimizer piece: ``init(params) -> state``, ``update(updates, state, params) ->
     (updates, state)``; neither mutates its inputs.
 
-    ``param_labels`` is None, or a label per flat leaf of the params tree given to
-    ``fp16fx.init``: leaves with different labels are updated by different transforms
-    (:func:`~fp16fx.transforms.multi_transform`) and so never share a flat buffer.
+    ``param_labels`` is None, or a function of the params tree given to ``fp16fx.init``
+    returning a label per flat leaf: leaves with different labels are updated by different
+    transforms (:func:`~fp16fx.transforms.multi_transform`) and so never share a flat buffer.
     """
 
     init: Callable[[Params], State]
     update: Callable[[Updates, State, Params], tuple[Updates, State]]
-    param_labels: tuple[Hashable, ...] | None = None
+    param_labels: Callable[[Any], tuple[Hashable, ...]] | None = None
 
 
 class Hyperparams(dict):

@@ -10,12 +10,14 @@ step can cut, pick and read segments of the whole state without knowing the rout
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from fp16fx import tree
 from fp16fx.segments import expand, merge, select
 from fp16fx.transforms.base import (
     GradientTransformation,
@@ -36,25 +38,44 @@ class MultiTransformState(NamedTuple):
 
 
 def multi_transform(
-    transforms: Sequence[GradientTransformation], labels: Sequence[int]
+    transforms: Sequence[GradientTransformation], labels: Any
 ) -> GradientTransformation:
-    """Returns the transform applying ``transforms[labels[i]]`` to flat param leaf ``i``.
+    """Returns the transform applying ``transforms[label]`` to each param, by its label.
 
     This is how param groups with different hyperparameters share one step (and one global
-    gradient norm): ``labels`` has one entry per flat leaf of the params tree given to
-    ``fp16fx.init`` (``None`` leaves included). ``get_hyperparams`` then returns one dict per
-    group, and ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
+    gradient norm). ``labels`` gives each param of the tree given to ``fp16fx.init`` the index
+    of its transform: as a tree shaped like the params (``{"fc.weight": 0, "fc.bias": 1}``),
+    as a function of the params returning one (optax's spelling), or as one label per flat
+    leaf in optree's order -- for params in a dict that is sorted by key, so a flat sequence
+    is refused for a dict whose keys are not given sorted (it would route by another order).
+    A ``None`` param needs no label. ``get_hyperparams`` then returns one dict per group, and
+    ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
+
+    Raises:
+      TypeError, ValueError: not a sequence of transforms, or one holding another
+        ``multi_transform``; ``labels`` of another structure than the params, or naming no
+        transform -- when ``fp16fx.init`` resolves them against the params.
     """
-    transforms, labels = tuple(transforms), tuple(labels)
+    one = isinstance(transforms, GradientTransformation)  # itself a tuple: of functions
+    if one or not isinstance(transforms, Sequence):
+        raise TypeError(
+            "multi_transform() takes a list of fp16fx transforms, one per label, e.g. "
+            f"[fp16fx.adam(1e-3), fp16fx.sgd(0.1)]; got {'one transform' if one else transforms}"
+        )
+    transforms = tuple(transforms)
     if not transforms:
         raise ValueError("multi_transform() needs at least one transform")
-    bad = [
-        label for label in labels if not (isinstance(label, int) and 0 <= label < len(transforms))
-    ]
-    if bad:
-        raise ValueError(f"labels {bad} name no transform (there are {len(transforms)})")
+    strays = [t for t in transforms if not isinstance(t, GradientTransformation)]
+    if strays:
+        raise TypeError(f"multi_transform() takes fp16fx transforms, got {strays[0]!r}")
     if any(t.param_labels is not None for t in transforms):
         raise ValueError("multi_transform() cannot hold another multi_transform")
+    if labels is None or isinstance(labels, (str, bytes)):
+        raise TypeError(f"multi_transform() needs labels, one per param; got {labels!r}")
+
+    def resolve(params: Any) -> tuple[int, ...]:
+        given = labels(params) if callable(labels) else labels
+        return _flat_labels(given, params, len(transforms))
 
     def owned(params: Params, k: int) -> list[bool]:
         return [label == k for label in labels_of(params)]
@@ -79,7 +100,43 @@ def multi_transform(
             new_inner.append(inner)
         return updates, MultiTransformState(tuple(new_inner))
 
-    return GradientTransformation(init, update, labels)
+    return GradientTransformation(init, update, resolve)
+
+
+def _flat_labels(given: Any, params: Any, n_transforms: int) -> tuple[int, ...]:
+    """Returns one label per flat leaf of ``params`` (0 for a None param) from ``given``, a
+    tree shaped like ``params`` or a flat sequence; raises naming what does not fit."""
+    leaves, treedef = tree.flatten(params)
+    try:
+        flat = treedef.flatten_up_to(given)
+    except (TypeError, ValueError):
+        if not (isinstance(given, Sequence) and len(given) == len(leaves)):
+            raise ValueError(
+                f"multi_transform's labels have neither the structure of the params "
+                f"({treedef}) nor one label per flat leaf ({len(leaves)}, None leaves "
+                f"included); got {given!r}"
+            ) from None
+        if tree.dict_order_differs(params):
+            raise ValueError(
+                "multi_transform's labels are a flat sequence, but the params hold a dict whose "
+                "keys are not in sorted order, the order optree flattens them in: give the "
+                "labels as a dict with the params' keys, or a function of the params"
+            ) from None
+        flat = list(given)
+    names = tree.leaf_names(params)
+    out = []
+    for name, leaf, label in zip(names, leaves, flat):
+        if leaf is None:
+            out.append(0)
+            continue
+        if isinstance(label, bool) or not isinstance(label, numbers.Integral):
+            raise TypeError(f"multi_transform's label of {name} is {label!r}, not an index")
+        if not 0 <= label < n_transforms:
+            raise ValueError(
+                f"multi_transform's label of {name} is {label}: there are {n_transforms} transforms"
+            )
+        out.append(int(label))
+    return tuple(out)
 
 
 def _is_node(x: Any) -> bool:
