@@ -74,8 +74,17 @@ class StepInfo(NamedTuple):
             return getattr(self, key)
         return tuple.__getitem__(self, key)
 
+    def __contains__(self, key: Any) -> bool:  # "finite" in info, as in the dict
+        return key in self._fields if isinstance(key, str) else tuple.__contains__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self._fields else default
+
     def keys(self) -> tuple[str, ...]:
         return self._fields
+
+    def values(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self)
 
     def items(self) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self._fields, self))

@@ -339,3 +339,16 @@ def test_a_tensor_given_twice_is_refused_and_left_as_it_was(buckets):
         with pytest.raises(ValueError, match=r"params\['b'\] overlaps params\['a'\] in memory"):
             fp16fx.init(params, fp16fx.sgd(0.1), buckets=buckets)
     assert base.untyped_storage().data_ptr() == base_storage  # not moved into a bucket
+
+
+def test_step_info_reads_as_the_dict_it_used_to_be():
+    """``"finite" in info`` was False (a tuple's membership of values) and get/values were
+    missing, for code written against the dict."""
+    state = fp16fx.init([torch.ones(2).half()], fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+    _, info = fp16fx.step(state, [torch.ones(2).half()])
+    assert "finite" in info and "lr" not in info
+    assert info.get("grad_norm") is info.grad_norm and info.get("lr", 0) == 0
+    assert dict(zip(info.keys(), info.values())) == dict(info.items())
+    assert info["finite"] is info.finite and bool(info.finite)
+    with pytest.raises(KeyError, match="a step reports"):
+        info["lr"]
