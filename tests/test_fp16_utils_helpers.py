@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -134,6 +135,21 @@ def test_fp16_model_casts_floating_inputs_recursively_and_converts_network():
     assert extra.dtype == torch.half
 
 
+def test_fp16_model_casts_named_tuples_packed_sequences_and_dicts():
+    """A PackedSequence (rebuilt as a plain tuple of its fields) and other named tuples
+    once failed inside torch, and dicts were passed on uncast; apex called ``.half()``."""
+    lstm = FP16Model(nn.LSTM(3, 4))
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
+    out, _ = lstm(packed)
+    assert isinstance(out, nn.utils.rnn.PackedSequence) and out.data.dtype == torch.half
+    Pair = collections.namedtuple("Pair", "x steps")
+    model = FP16Model(Probe())
+    inputs = (Pair(torch.randn(2), 3), {"a": torch.randn(2), "ids": torch.arange(2)}, None)
+    pair, mapping = model(*inputs)[:2]
+    assert type(pair) is Pair and pair.x.dtype == torch.half and pair.steps == 3
+    assert mapping["a"].dtype == torch.half and mapping["ids"].dtype == torch.int64
+
+
 # --- master params --------------------------------------------------------------------------
 
 
@@ -234,12 +250,33 @@ def test_master_to_model_round_trip_is_bitwise(flat_master):
     assert torch.equal(torch.cat([p.reshape(-1) for p in model_params]), flat.half())
 
 
-def test_master_param_helpers_refuse_mismatched_lists():
+def test_master_param_helpers_refuse_mismatched_lists_before_copying_anything():
+    """zip(strict=True) once raised only after copying the pairs before the shorter list's
+    end; masters of another flat_master or swapped arguments got torch's or unpacking
+    errors, or set every model grad to None."""
     model_params, masters = prep_param_lists(half_model_with_frozen_param())
-    with pytest.raises(ValueError):
-        master_params_to_model_params(model_params, masters[:-1])
-    with pytest.raises(ValueError):
-        model_grads_to_master_grads(model_params[:-1], masters)
+    for p, m in zip(model_params, masters):
+        p.grad, m.grad = torch.ones_like(p), None
+    before = [p.detach().clone() for p in model_params]
+    calls = {
+        "2 model params but 1 masters": lambda: master_params_to_model_params(
+            model_params[:2], masters[:1]
+        ),
+        "3 model params but 2 masters": lambda: model_grads_to_master_grads(
+            model_params, masters[:-1]
+        ),
+        r"flat_master=True\) needs the one flat master": lambda: master_params_to_model_params(
+            model_params, masters, flat_master=True
+        ),
+        r"master_params\[0\] is torch.float16 .* arguments swapped": (
+            lambda: model_grads_to_master_grads(masters, model_params)
+        ),
+    }
+    for message, call in calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert all(torch.equal(a, p) for a, p in zip(before, model_params))
+    assert all(m.grad is None for m in masters) and all(p.grad is not None for p in model_params)
 
 
 def test_to_python_float():

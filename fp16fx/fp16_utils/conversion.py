@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = [
     "BN_convert_float",
@@ -89,11 +90,18 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _to_half(value: Any) -> Any:
-    """Returns ``value`` with floating-point tensors cast to FP16, recursing into tuples/lists."""
+    """Returns ``value`` with floating-point tensors cast to FP16, recursing into tuples
+    (named ones too), lists and dicts; a ``PackedSequence``'s data is cast whole."""
     if isinstance(value, torch.Tensor):
         return value.half() if value.is_floating_point() else value
+    if isinstance(value, PackedSequence):
+        return value.half() if value.data.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_half(v) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(_to_half(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _to_half(v)) for k, v in value.items())
     return value
 
 
@@ -101,8 +109,9 @@ class FP16Model(nn.Module):
     """A wrapper running ``network`` in FP16 (affine BatchNorm kept FP32) on FP16-cast inputs.
 
     The wrapped network is ``self.network = convert_network(network, torch.half)``. ``forward``
-    casts every floating-point tensor among its arguments (also inside tuples and lists) to FP16;
-    integer tensors, such as token ids, pass through unchanged.
+    casts every floating-point tensor among its arguments (also inside tuples, named ones such
+    as a ``PackedSequence``, lists and dicts) to FP16; integer tensors, such as token ids, pass
+    through unchanged.
     """
 
     def __init__(self, network: nn.Module) -> None:

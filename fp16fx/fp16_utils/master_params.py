@@ -82,6 +82,7 @@ def model_grads_to_master_grads(
     concatenation of the model grads; a None model grad contributes zeros there, since one flat
     buffer cannot be partly absent. No unscaling happens here: divide by the loss scale after.
     """
+    _check_lists(model_params, master_params, flat_master, "model_grads_to_master_grads")
     if flat_master:
         (master,) = master_params
         flat = torch.cat(
@@ -114,6 +115,7 @@ def master_params_to_model_params(
     With ``flat_master=True`` the single flat master is split into views shaped like the model
     params, in order, and each view is copied into its param.
     """
+    _check_lists(model_params, master_params, flat_master, "master_params_to_model_params")
     if flat_master:
         (master,) = master_params
         sources: Sequence[torch.Tensor] = torch.split(
@@ -123,6 +125,38 @@ def master_params_to_model_params(
         sources = master_params
     for model, source in zip(model_params, sources, strict=True):
         model.copy_(source.reshape(model.shape))
+
+
+def _check_lists(
+    model_params: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    flat_master: bool,
+    caller: str,
+) -> None:
+    """Raises ValueError, before anything is copied, unless ``master_params`` are FP32 masters
+    of ``model_params`` as ``prep_param_lists(model, flat_master)`` made them: one per param of
+    its shape, or one flat master of all their values."""
+    if flat_master:
+        total = sum(p.numel() for p in model_params)
+        if len(master_params) != 1 or master_params[0].numel() != total:
+            raise ValueError(
+                f"{caller}(flat_master=True) needs the one flat master of {total} values that "
+                f"prep_param_lists(model, flat_master=True) returns; got {len(master_params)} "
+                "tensors (was prep_param_lists called with another flat_master?)"
+            )
+        return
+    if len(master_params) != len(model_params):
+        raise ValueError(
+            f"{caller}: {len(model_params)} model params but {len(master_params)} masters "
+            "(was prep_param_lists called with another flat_master, or another model?)"
+        )
+    for i, (model, master) in enumerate(zip(model_params, master_params)):
+        if master.shape != model.shape or master.dtype != torch.float32:
+            raise ValueError(
+                f"{caller}: master_params[{i}] is {master.dtype} of shape {tuple(master.shape)}, "
+                f"not the FP32 master of model_params[{i}] ({tuple(model.shape)}); are the "
+                "arguments swapped?"
+            )
 
 
 def to_python_float(t: Any) -> float:
