@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -65,7 +66,7 @@ def check_scale(name: str, value: float) -> None:
     """Raises ValueError, naming ``name``, unless ``value`` is a number that FP32 holds as a
     positive normal value (a loss scale, or a factor or bound of one)."""
     low, high = _FP32_NORMAL
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
     if not (number and math.isfinite(value) and low <= value <= high):
         raise ValueError(
             f"{name} must be a finite number > 0 that FP32 holds as a normal value "
@@ -102,6 +103,7 @@ class StaticLossScale(_FixedLossScale):
 
     def __post_init__(self) -> None:
         check_scale("scale", self.scale)
+        object.__setattr__(self, "scale", float(self.scale))  # a numpy number saves as one
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         return _state(float(self.scale), device)
@@ -131,6 +133,7 @@ class DynamicLossScale:
     caller, which can check that flag whenever it is willing to sync with the device.
 
     All factors and bounds must be powers of two, so that scaling and unscaling stay exact.
+    The first scale is ``init_scale`` clamped into ``[min_scale, max_scale]``, as in apex.
     """
 
     init_scale: float = 2.0**16
@@ -145,6 +148,7 @@ class DynamicLossScale:
         for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             value = getattr(self, name)
             check_scale(name, value)
+            object.__setattr__(self, name, float(value))  # a numpy number saves as one
             if not is_power_of_two(value):
                 raise ValueError(
                     f"{name} must be a power of two (so that scaling is exact), got {value!r}"
@@ -155,8 +159,9 @@ class DynamicLossScale:
             raise ValueError(f"backoff_factor must be <= 1, got {self.backoff_factor!r}")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
+            if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if not self.min_scale <= self.max_scale:
             raise ValueError(
                 f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from hypothesis import given
@@ -239,3 +241,22 @@ def test_multi_transform_labels_that_do_not_fit_the_params_are_named(labels, err
     opt = fp16fx.multi_transform([fp16fx.sgd(1.0), fp16fx.sgd(0.1)], labels)
     with pytest.raises(error, match=message):
         fp16fx.init({"a": torch.ones(2), "b": torch.ones(2)}, opt)
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    """np.float32 hyperparameters, scales and group indices were refused as "not a number"
+    (torch.optim takes them); they are stored as Python numbers, so a checkpoint still loads
+    with weights_only=True."""
+    import numpy as np  # the test extra brings it (scikit-learn)
+    policy = fp16fx.DynamicLossScale(init_scale=np.float32(1024), growth_interval=np.int64(10))
+    assert (type(policy.init_scale), type(policy.growth_interval)) == (float, int)
+    opt = fp16fx.multi_transform([fp16fx.adam(np.float32(0.5)), fp16fx.sgd(0.1)], [0, 1])
+    state = fp16fx.init([torch.ones(2), torch.ones(2)], opt, policy)
+    state = fp16fx.set_hyperparams(state, group=np.int64(1), lr=np.float64(0.25))
+    assert [g["lr"] for g in fp16fx.get_hyperparams(state)] == [0.5, 0.25]
+    buffer = io.BytesIO()
+    torch.save(fp16fx.state_dict(state), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["policy"]["init_scale"] == 1024.0
+    with pytest.raises(ValueError, match="growth_interval must be an int >= 1, got True"):
+        fp16fx.DynamicLossScale(growth_interval=True)

@@ -22,6 +22,7 @@ such as Adam's bias corrections as precise as torch.optim's host-side math.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -108,7 +109,7 @@ def _number(name: str, value: Any) -> float:
         if value.numel() != 1:
             raise ValueError(f"hyperparameter {name!r} must be a scalar, got shape {value.shape}")
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy's numbers too
         raise TypeError(f"hyperparameter {name!r} must be a number, got {value!r}")
     valid, rule = _VALID[name]
     if not (math.isfinite(value) and valid(value)):

@@ -200,8 +200,10 @@ def replace_hyperparams(
       ValueError, TypeError: a value out of range. Nothing changes when anything is bad.
     """
     groups = hyperparam_groups(state)
-    if group is not None and not (isinstance(group, int) and 0 <= group < len(groups)):
+    index = isinstance(group, numbers.Integral) and not isinstance(group, bool)
+    if group is not None and not (index and 0 <= group < len(groups)):
         raise KeyError(f"no param group {group!r}; this optimizer has {len(groups)}")
+    group = None if group is None else int(group)
     known = set(groups[group] if group is not None else (n for g in groups for n in g))
     unknown = sorted(set(values) - known)
     if unknown:
