@@ -23,6 +23,7 @@ from typing import Any
 import optree
 import torch
 import torch._dynamo
+import torch._inductor
 
 from fp16fx import tree
 from fp16fx.prepare import Prepared, Scratch, finish, prepare
@@ -196,9 +197,21 @@ def compile_step(
 
     The returned callable gives the same numbers as :func:`fp16fx.step`.
     """
+    # Checked here, not at the first step, where torch.compile would raise its own errors.
+    if dynamic not in (None, True, False):
+        raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
+    modes = torch._inductor.list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ValueError(f"unknown mode {mode!r}; torch.compile knows {sorted(modes)}")
+    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(
+            f"unknown backend {backend!r}; torch.compile's include {torch._dynamo.list_backends()}"
+        )
     if cuda_graph:
         if not inplace:
             raise ValueError("cuda_graph=True needs inplace=True: a graph replays fixed addresses")
+        if mode not in (None, "reduce-overhead"):
+            raise ValueError(f"cuda_graph=True is mode='reduce-overhead'; got mode={mode!r} too")
         mode = "reduce-overhead"
     options = {"fullgraph": True, "dynamic": dynamic, "mode": mode, "backend": backend}
     return StepFunction(inplace=inplace, compile_options=options, cuda_graph=cuda_graph)

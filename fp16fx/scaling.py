@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -74,12 +74,20 @@ def check_scale(name: str, value: float) -> None:
         )
 
 
+def _check_finite(finite: Any) -> None:
+    """Raises TypeError unless ``finite`` is what ``adjust`` takes: a 0-d bool tensor (a
+    longer one would broadcast the scale state to its shape)."""
+    if not (isinstance(finite, torch.Tensor) and finite.dtype == torch.bool and finite.ndim == 0):
+        raise TypeError(f"adjust expects finite as a 0-d bool tensor, got {finite!r}")
+
+
 class _FixedLossScale:
     """A scale that never moves: ``adjust`` returns the state as it is, never floored."""
 
     def adjust(
         self, state: LossScaleState, finite: torch.Tensor
     ) -> tuple[LossScaleState, torch.Tensor]:
+        _check_finite(finite)
         return state, torch.zeros_like(finite)
 
 
@@ -174,6 +182,7 @@ class DynamicLossScale:
     def adjust(
         self, state: LossScaleState, finite: torch.Tensor
     ) -> tuple[LossScaleState, torch.Tensor]:
+        _check_finite(finite)
         zero = torch.zeros_like(state.good_steps)
         good_steps = torch.where(finite, state.good_steps + 1, zero)
         overflows = torch.where(finite, state.overflows, state.overflows + 1)
@@ -226,6 +235,13 @@ def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> Che
     squares. Unscaling multiplies by ``1 / scale``, exact when the scale is a power of two.
     Nothing is synced to the host.
     """
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(
+            f"scale must be the loss scale tensor (state.loss_scale.scale), got {scale!r}"
+        )
+    strays = [i for i, g in enumerate(grads) if not isinstance(g, torch.Tensor)]
+    if strays:
+        raise TypeError(f"grads[{strays[0]}] is {grads[strays[0]]!r}, not a tensor")
     inv_scale = torch.reciprocal(scale)
     unscaled = [g.float() * inv_scale for g in grads]
     if not unscaled:

@@ -366,3 +366,18 @@ def test_clip_master_grads_names_a_norm_type_that_is_no_number(path):
     assert opt.path == path  # nothing handed over
     norms = [opt.clip_master_grads(1e3, norm_type=kind) for kind in (2, "inf")]
     assert 0 < norms[1] <= norms[0]
+
+
+def test_compile_step_checks_its_options_when_called_not_at_the_first_step():
+    """A bad mode, backend or dynamic once passed compile_step and failed inside torch.compile
+    at the first step (dynamic="yes": an AssertionError); cuda_graph=True silently replaced
+    the mode given beside it."""
+    for options, message in (
+        ({"dynamic": "yes"}, "dynamic must be None, True or False, got 'yes'"),
+        ({"mode": "fast"}, "unknown mode 'fast'; torch.compile knows"),
+        ({"backend": "nope"}, "unknown backend 'nope'"),
+        ({"cuda_graph": True, "inplace": True, "mode": "max-autotune"}, "is mode='reduce-ov"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=message):
+            fp16fx.compile_step(**options)
+    fp16fx.compile_step(mode="max-autotune-no-cudagraphs", backend="eager", dynamic=None)

@@ -198,3 +198,20 @@ def test_is_power_of_two():
         False,
         False,
     ]
+
+
+def test_adjust_and_unscale_and_check_name_arguments_of_another_kind():
+    """A long or float ``finite`` once failed in torch.where, a 2-element one broadcast the
+    scale state to shape (2,); a None grad or the state in place of its scale failed deep in
+    torch."""
+    policy = DynamicLossScale()
+    state = policy.init()
+    for finite in (torch.tensor(1), torch.tensor([True, False]), True):
+        with pytest.raises(TypeError, match="finite as a 0-d bool tensor"):
+            policy.adjust(state, finite)
+    with pytest.raises(TypeError, match="finite as a 0-d bool tensor"):
+        StaticLossScale(1.0).adjust(StaticLossScale(1.0).init(), torch.tensor(1.0))
+    with pytest.raises(TypeError, match=r"grads\[0\] is None, not a tensor"):
+        unscale_and_check([None, torch.ones(2)], state.scale)
+    with pytest.raises(TypeError, match=r"state.loss_scale.scale"):
+        unscale_and_check([torch.ones(2)], state)

@@ -248,6 +248,7 @@ def test_numpy_numbers_are_taken_as_python_ones():
     (torch.optim takes them); they are stored as Python numbers, so a checkpoint still loads
     with weights_only=True."""
     import numpy as np  # the test extra brings it (scikit-learn)
+
     policy = fp16fx.DynamicLossScale(init_scale=np.float32(1024), growth_interval=np.int64(10))
     assert (type(policy.init_scale), type(policy.growth_interval)) == (float, int)
     opt = fp16fx.multi_transform([fp16fx.adam(np.float32(0.5)), fp16fx.sgd(0.1)], [0, 1])
