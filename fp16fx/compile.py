@@ -205,7 +205,8 @@ def compile_step(
         raise ValueError(f"unknown mode {mode!r}; torch.compile knows {sorted(modes)}")
     if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(
-            f"unknown backend {backend!r}; torch.compile's include {torch._dynamo.list_backends()}"
+            f"unknown backend {backend!r}; torch.compile's backends include "
+            f"{torch._dynamo.list_backends()}"
         )
     if cuda_graph:
         if not inplace:
