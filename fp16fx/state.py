@@ -108,8 +108,10 @@ class MixedPrecisionState:
 
     @property
     def master(self) -> Any:
-        """The FP32 masters, structured as the params (views of the flat masters; decoded
-        anew, not views, in a compensated state)."""
+        """The FP32 masters, structured as the params (views of the flat masters; in a
+        compensated state decoded anew at each read, copies of the values at that moment)."""
+        if self.precision.compensated:  # never cached: in-place steps and loads move them
+            return self._tree(self.decoded_masters())
         if "master" not in self._views:
             self._views["master"] = self._tree(self.decoded_masters())
         return self._views["master"]

@@ -62,6 +62,22 @@ def train(model: nn.Module, opt: FP16_Optimizer, steps: int) -> float:
 
 
 @pytest.mark.parametrize(("master", "moments"), COMPACT)
+def test_a_later_checkpoint_holds_the_masters_of_then(master, moments):
+    """The decoded masters were cached at the first read: every later state_dict() held
+    them, and loading one moved the weights back to that first step."""
+    model = make_model()
+    opt = wrap(model, master, moments)
+    train(model, opt, 1)
+    first = save_and_load(opt.state_dict())
+    train(model, opt, 3)
+    later = save_and_load(opt.state_dict())
+    assert not torch.equal(first["fp32_from_fp16"][0][0], later["fp32_from_fp16"][0][0])
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.load_state_dict(later)
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+
+
+@pytest.mark.parametrize(("master", "moments"), COMPACT)
 def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, moments):
     model = make_model()
     opt = wrap(model, master, moments)

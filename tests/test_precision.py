@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 import fp16fx
 from fp16fx import precision
+from fp16fx.compile import StepFunction
 from fp16fx.distributed import persistent_bytes
 from fp16fx.precision import (
     Precision,
@@ -1063,3 +1064,15 @@ def test_persistent_bytes_per_param_for_adam(master, moments, expected):
     assert per_param == pytest.approx(expected, abs=0.005)
     if master == "compensated" and moments == "int8":
         assert per_param <= 7.2  # issue 13, "What must hold" 3
+
+
+def test_a_compensated_states_masters_are_read_as_they_are_now():
+    """``state.master`` of a compensated state was decoded once and cached on the state
+    object, which in-place steps and loads keep: it went on showing the first read."""
+    state = tail_state("compensated", "int8")
+    step = StepFunction(inplace=True, compile_options=None)  # the core, eagerly, in place
+    first = {k: v.clone() for k, v in state.master.items()}
+    state, _ = step(state, scaled_grads(state, 1))
+    fresh = state.replace()  # a new state object over the same tensors: nothing cached
+    assert all(torch.equal(state.master[k], fresh.master[k]) for k in first)
+    assert not all(torch.equal(state.master[k], first[k]) for k in first)
