@@ -381,3 +381,21 @@ def test_compile_step_checks_its_options_when_called_not_at_the_first_step():
         with pytest.raises((TypeError, ValueError), match=message):
             fp16fx.compile_step(**options)
     fp16fx.compile_step(mode="max-autotune-no-cudagraphs", backend="eager", dynamic=None)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load_not_at_the_next_step(path):
+    """An SGD dict without momentum (no per-param state to tell) loaded into Adam: torch
+    keeps the saved groups whole, and the next step failed with a bare KeyError: 'betas'."""
+    sgd_model, adam_model = make_model(0), make_model(1)
+    sgd = wrap(sgd_model, path, torch.optim.SGD(sgd_model.parameters(), lr=0.1))
+    adam = wrap(adam_model, path)
+    before = [p.detach().clone() for p in adam_model.parameters()]
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\] lacks \['amsgrad', 'betas'"):
+        adam.load_state_dict(sgd.state_dict())
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\] lacks \['dampening', 'mom"):
+        sgd.load_state_dict(adam.state_dict())
+    assert "betas" in adam.param_groups[0] and "betas" not in sgd.param_groups[0]
+    adam.backward(loss_of(adam_model, 0))
+    adam.step()  # unchanged, and usable
+    assert not any(torch.equal(a, p) for a, p in zip(before, adam_model.parameters()))

@@ -34,6 +34,13 @@ _STATE_KEYS: dict[type, tuple[str, ...]] = {
     torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
     torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
 }
+#: The hyperparameters each of these optimizers' groups have held since apex's days (the
+#: newer flags, maximize, foreach..., torch fills in when it loads an older dict).
+_GROUP_KEYS: dict[type, frozenset[str]] = {
+    torch.optim.SGD: frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
+    torch.optim.Adam: frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
+    torch.optim.AdamW: frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
+}
 
 
 def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any]) -> None:
@@ -155,6 +162,7 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
                 f"param group {k} has {n} params in optimizer_state_dict, "
                 f"{len(group['params'])} in this optimizer"
             )
+        _check_group_keys(inner, k, saved)
         entries.update(zip(ids, group["params"]))
         merged.append({**group, **saved, "params": group["params"]})
     state = osd["state"]
@@ -185,6 +193,18 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
                 if field.endswith("exp_avg_sq") and bool((tensor < 0).any()):
                     raise _fail(f"{where} holds negative values: a second moment cannot")
     return merged
+
+
+def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:
+    """Raises unless saved param group ``k`` has the hyperparameters ``inner``'s class steps
+    with: a group saved from another optimizer would load (torch keeps the saved group whole)
+    and the next step fail on the missing key."""
+    missing = sorted(_GROUP_KEYS.get(type(inner), frozenset()) - set(saved))
+    if missing:
+        raise _fail(
+            f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
+            f"another optimizer than torch.optim.{type(inner).__name__}"
+        )
 
 
 def _is_count(value: Any) -> bool:
