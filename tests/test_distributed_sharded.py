@@ -375,6 +375,19 @@ def test_a_checkpoint_missing_a_rank_is_refused(runs):
     assert all(torch.equal(a, b) for a, b in zip(before, state.master_segments))
 
 
+def test_rank_dicts_of_different_steps_are_refused(runs):
+    """Rank files of two checkpoints (one rank's saved later) were joined silently, rank 0's
+    count and scalars winning over slices from another step."""
+    for change, where in (
+        (lambda shard: shard.update(count=shard["count"] + 3), r"\['count'\] = 13, rank 0's 10"),
+        (lambda shard: shard["loss_scale"]["scale"].mul_(2), r"\['loss_scale'\]\['scale'\]"),
+    ):
+        saved = [torch.load(runs["dir"] / f"ckpt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+        change(saved[1]["shard"])
+        with pytest.raises(ValueError, match=f"rank 1's dict has {where}.*different steps"):
+            fdist.consolidate(saved)
+
+
 def test_a_missing_grad_is_refused_before_any_collective(runs):
     for r in runs[2]:
         assert "params['b'] has none" in r["missing_grad"]["message"]

@@ -67,7 +67,8 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
 
     Raises:
       ValueError: not all of this format, a rank missing or twice, or dicts of different
-        layouts (from another run).
+        layouts (from another run) or of different counts, loss scales, hyperparameters or
+        step counts (saved at different steps).
     """
     if not isinstance(shards, Sequence) or not all(isinstance(d, Mapping) for d in shards):
         raise ValueError(f"expected the list of every rank's {FORMAT!r} dict")
@@ -84,7 +85,32 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     for d in shards:
         if d["buckets"] != first["buckets"] or d["leaves"] != first["leaves"]:
             raise ValueError(f"rank {d['rank']}'s dict has another layout than rank 0's")
+    try:
+        ours = _shared_values(first["shard"])
+        for d in shards[1:]:
+            theirs = _shared_values(d["shard"])
+            for where, value in ours.items():
+                if not torch.equal(theirs[where], value):
+                    raise ValueError(
+                        f"rank {d['rank']}'s dict has {where} = {theirs[where].tolist()}, rank "
+                        f"0's {value.tolist()}: the dicts were saved at different steps, or "
+                        "by different runs"
+                    )
+    except (KeyError, AttributeError, TypeError, RuntimeError) as err:
+        raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
     return shards
+
+
+def _shared_values(shard: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Returns what every rank's shard dict holds alike: the count, the loss-scale state, the
+    hyperparameters and each bucket's step counts."""
+    out = {"['count']": shard["count"]}
+    for group in ("loss_scale", "hyperparams"):
+        out.update({f"[{group!r}][{key!r}]": v for key, v in shard[group].items()})
+    for b, entry in shard["params"].items():
+        counts = {k: v for k, v in entry.items() if v.ndim == 0 and not k.endswith(".offset")}
+        out.update({f"['params'][{b!r}][{key!r}]": v for key, v in counts.items()})
+    return out
 
 
 def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
