@@ -254,12 +254,15 @@ def refused_load() -> dict[str, Any]:
     before = optree.tree_map(  # copies, not views of the state
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
     )
-    message = "loaded"
-    try:
-        fdist.load_state_dict(sharded, sd)
-    except saved_format.StateDictError as err:
-        message = str(err)
-    return {"message": message, "unchanged": same_tensors(fdist.state_dict(sharded), before)}
+    messages = []
+    for given in (sd, fdist.state_dict(sharded)):  # the second: this rank's dict alone
+        try:
+            fdist.load_state_dict(sharded, given)
+            messages.append("loaded")
+        except saved_format.StateDictError as err:
+            messages.append(str(err))
+    unchanged = same_tensors(fdist.state_dict(sharded), before)
+    return {"message": messages[0], "one_rank": messages[1], "unchanged": unchanged}
 
 
 def same_tensors(a: Any, b: Any) -> bool:
@@ -443,10 +446,11 @@ def test_compact_sharded_memory_is_4_plus_3_over_d_bytes_per_param(request, worl
     assert per_param == pytest.approx(4 + (3 + 8 / 256) / world, abs=1e-3)
 
 
-def test_a_sharded_state_refuses_a_negative_second_moment_and_changes_nothing(runs):
+def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs):
     for found in runs[2]:
         refused = found["compact"]["refused"]
         assert "['a']['opt[1].nu'] holds negative values" in refused["message"]
+        assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
         assert refused["unchanged"]
 
 

@@ -277,6 +277,10 @@ def test_a_checkpoint_missing_a_rank_is_refused_and_changes_nothing(runs):
     saved = torch.load(runs["dir"] / "opt_rank1.pt", weights_only=True)
     with pytest.raises(ValueError, match="needs all their dicts"):
         opt.load_state_dict([saved])
+    # One rank's dict on its own (not in a list) once got "it has no ['optimizer_state_dict',
+    # 'fp32_from_fp16'] entries ... comes from FP16_Optimizer.state_dict()", which it did.
+    with pytest.raises(ValueError, match="rank 1's dict of a checkpoint saved by 2 ranks: pass"):
+        opt.load_state_dict(saved)
     assert_same_fingerprint(fingerprint(model, opt), before)
 
 

@@ -237,6 +237,11 @@ def load_state_dict(
     check_sharded(state, "fdist.load_state_dict", "fp16fx.load_state_dict")
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
+    elif sd.get("format") == FORMAT:
+        raise saved_format.StateDictError(
+            f"this is rank {sd.get('rank')}'s dict of a checkpoint saved by "
+            f"{sd.get('world_size')} ranks: pass the list of every rank's dicts"
+        )
     saved, precision = saved_format.precision_of(sd), state.shard.precision
     non_negative = checkpoint.non_negative_keys(state.shard.opt_state)
     if saved == precision:

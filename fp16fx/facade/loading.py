@@ -19,7 +19,7 @@ import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
 from fp16fx.distributed import fsdp
-from fp16fx.facade.checkpoint import FLAGS, KEYS, group_numbers
+from fp16fx.facade.checkpoint import FLAGS, KEYS, SHARDED_FORMAT, group_numbers
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec
@@ -259,6 +259,13 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
         raise TypeError(
             "load_state_dict expects a dict (or the list of a sharded optimizer's per-rank "
             f"dicts), got {type(sd).__name__}"
+        )
+    if sd.get("format") == SHARDED_FORMAT:
+        shard = sd.get("shard", {})
+        raise _fail(
+            f"it is rank {shard.get('rank')}'s dict of a checkpoint saved by "
+            f"{shard.get('world_size')} ranks: pass the list of every rank's dicts (any world "
+            "size loads them), or fp16fx.facade.consolidate_state_dict of them"
         )
     missing = [key for key in _REQUIRED if key not in sd]
     if missing:
