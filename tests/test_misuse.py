@@ -399,3 +399,20 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load_not_at_the_n
     adam.backward(loss_of(adam_model, 0))
     adam.step()  # unchanged, and usable
     assert not any(torch.equal(a, p) for a, p in zip(before, adam_model.parameters()))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_closure_that_raises_leaves_the_next_step_starting_afresh(path):
+    """On the generic path apex's first-closure-call flag stayed False after a closure
+    raised, and the next step's first call then refreshed the params as if it were a
+    re-run."""
+    model = make_model()
+    opt = wrap(model, path)
+
+    def broken():
+        raise RuntimeError("the data loader died")
+
+    with pytest.raises(RuntimeError, match="data loader died"):
+        opt.step(broken)
+    assert opt.first_closure_call_this_step
+    assert opt.state_dict()["first_closure_call_this_step"] is True

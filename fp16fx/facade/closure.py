@@ -71,8 +71,10 @@ def generic_step(
                 return loss
             _overflowed(scaler, floored)
 
-    result = engine.optimizer.step(wrapped_closure)
-    phase.first_closure_call = True
+    try:
+        result = engine.optimizer.step(wrapped_closure)
+    finally:  # a closure that raised ends the step too: the next one starts afresh
+        phase.first_closure_call = True
     engine.masters_to_model()
     return result
 
