@@ -517,8 +517,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         Keys: ``optimizer_state_dict`` (the wrapped optimizer's, masters in place of FP16
         params), ``fp32_from_fp16`` (per group, the FP32 masters), ``loss_scaler`` (a plain
         dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
-        ``overflow``, ``first_closure_call_this_step``. Tensors are references to the live
-        state, as in torch.optim: save or copy the dict before stepping again. A sharded
+        ``overflow``, ``first_closure_call_this_step``. Some tensors are references to the
+        live state, as in torch.optim, others copies (step counts; in compact precision the
+        decoded masters and moments): save or copy the dict before stepping again. A sharded
         optimizer returns this rank's shard instead (:mod:`fp16fx.facade.checkpoint`). On an
         FSDP2 model it returns the dict for ``torch.distributed.checkpoint`` (DTensors laid
         out like the params; ``dcp.load`` into it, then pass it to :meth:`load_state_dict`).
