@@ -416,3 +416,16 @@ def test_a_closure_that_raises_leaves_the_next_step_starting_afresh(path):
         opt.step(broken)
     assert opt.first_closure_call_this_step
     assert opt.state_dict()["first_closure_call_this_step"] is True
+
+
+def test_consolidation_and_grad_averaging_name_inputs_of_another_kind():
+    """None and [] once raised TypeError: 'NoneType' object is not iterable, and a message
+    naming the functional format; a list of numbers an AttributeError."""
+    from fp16fx.distributed import average_grads
+    from fp16fx.facade import consolidate_state_dict
+
+    for shards in (None, [], [{}], {"format": "fp16fx.FP16_Optimizer.sharded/2"}):
+        with pytest.raises(ValueError, match=r"the list of every rank's 'fp16fx.FP16_Optimizer"):
+            consolidate_state_dict(shards)
+    with pytest.raises(TypeError, match="a pytree of tensors, got a leaf 1"):
+        average_grads([1, 2])

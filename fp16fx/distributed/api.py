@@ -92,8 +92,9 @@ def average_grads(grads: Any, group: Any = None) -> None:
     """
     by_storage: dict[int, list[torch.Tensor]] = {}
     for g in optree.tree_leaves(grads):
-        if g is not None:
-            by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(g)
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"average_grads expects a pytree of tensors, got a leaf {g!r}")
+        by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(g)
     loose: list[torch.Tensor] = []
     with torch.no_grad():
         for tensors in by_storage.values():

@@ -149,8 +149,15 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
     Raises:
       ValueError: the dicts are not one complete sharded ``FP16_Optimizer`` checkpoint.
     """
-    if not all(isinstance(d, Mapping) and d.get("format") == SHARDED_FORMAT for d in shards):
-        raise ValueError(f"expected the per-rank dicts of an {SHARDED_FORMAT!r} checkpoint")
+    if not (
+        isinstance(shards, Sequence)
+        and len(shards) > 0
+        and all(isinstance(d, Mapping) and d.get("format") == SHARDED_FORMAT for d in shards)
+    ):
+        raise ValueError(
+            f"expected the list of every rank's {SHARDED_FORMAT!r} dict (a sharded "
+            f"FP16_Optimizer's state_dict()), got {type(shards).__name__}"
+        )
     full = fdist.consolidate([d["shard"] for d in shards])
     first = shards[0]
     groups, trainable = first["param_groups"], first["trainable"]
