@@ -32,6 +32,12 @@ from fp16fx.transforms import (
 #: ``max_norm`` meaning "do not clip": the clip coefficient is then exactly 1.
 NO_CLIP = sys.float_info.max
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+#: Per kind, the numbers a saved param group must hold: those torch.optim does not fill in
+#: when it loads a group saved by an older version (it does amsgrad, nesterov, maximize...).
+SAVED_NUMBERS = {
+    "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay"}),
+    "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
+}
 
 
 class Unsupported(Exception):

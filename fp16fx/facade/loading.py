@@ -22,7 +22,14 @@ from fp16fx.distributed import fsdp
 from fp16fx.facade.checkpoint import FLAGS, KEYS, SHARDED_FORMAT, group_numbers
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
-from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, group_spec
+from fp16fx.facade.groups import (
+    SAVED_NUMBERS,
+    GroupSpec,
+    Unsupported,
+    build_transform,
+    fast_kind,
+    group_spec,
+)
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
 from fp16fx.scaling import DynamicLossScale
@@ -33,13 +40,6 @@ _STATE_KEYS: dict[type, tuple[str, ...]] = {
     torch.optim.SGD: ("momentum_buffer",),
     torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
     torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
-#: The hyperparameters each of these optimizers' groups have held since apex's days (the
-#: newer flags, maximize, foreach..., torch fills in when it loads an older dict).
-_GROUP_KEYS: dict[type, frozenset[str]] = {
-    torch.optim.SGD: frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
-    torch.optim.Adam: frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
-    torch.optim.AdamW: frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
 }
 
 
@@ -199,7 +199,8 @@ def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, 
     """Raises unless saved param group ``k`` has the hyperparameters ``inner``'s class steps
     with: a group saved from another optimizer would load (torch keeps the saved group whole)
     and the next step fail on the missing key."""
-    missing = sorted(_GROUP_KEYS.get(type(inner), frozenset()) - set(saved))
+    kind = fast_kind(inner)
+    missing = sorted(SAVED_NUMBERS[kind] - set(saved)) if kind else []
     if missing:
         raise _fail(
             f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
