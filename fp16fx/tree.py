@@ -148,6 +148,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     step past everything the smaller ones span (a stride of 0, an expanded dim, does not).
     Judged by spans, as :func:`check_disjoint` is: a rare strided layout that interleaves
     without sharing an element is refused too."""
+    if t.numel() == 0:  # no elements to share anything
+        return False
     spanned = 0
     for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
         if stride <= spanned:

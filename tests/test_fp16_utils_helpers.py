@@ -148,6 +148,9 @@ def test_fp16_model_casts_named_tuples_packed_sequences_and_dicts():
     pair, mapping = model(*inputs)[:2]
     assert type(pair) is Pair and pair.x.dtype == torch.half and pair.steps == 3
     assert mapping["a"].dtype == torch.half and mapping["ids"].dtype == torch.int64
+    counts = collections.defaultdict(list, a=torch.randn(2))  # rebuilt by its type: no factory
+    mapping = model(None, counts, None)[1]
+    assert mapping.default_factory is list and mapping["a"].dtype == torch.half
 
 
 # --- master params --------------------------------------------------------------------------

@@ -306,6 +306,22 @@ def test_a_tuple_of_grads_fits_a_list_of_params_and_the_reverse():
         fp16fx.step(state, collections.OrderedDict(a=grads[0]))
 
 
+def test_odd_but_trainable_layouts_are_accepted():
+    """The check of params whose elements share memory judges spans: layouts that share
+    nothing pass, an empty expanded one included."""
+    layouts = {
+        "transposed": torch.ones(3, 4).half().t(),
+        "strided": torch.ones(6, 4).half()[::2],
+        "channels_last": torch.ones(2, 3, 4, 5).half().to(memory_format=torch.channels_last),
+        "empty_expanded": torch.zeros(0, 1).half().expand(0, 4),
+        "scalar": torch.tensor(1.0).half(),
+    }
+    state = fp16fx.init(layouts, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+    state, info = fp16fx.step(state, {k: torch.ones_like(v) for k, v in layouts.items()})
+    expected = {k: (v.float() - 0.1).half() for k, v in layouts.items()}  # SGD, grads of 1
+    assert bool(info.finite) and all(torch.equal(state.params[k], expected[k]) for k in layouts)
+
+
 def test_params_made_in_inference_mode_are_refused():
     with torch.inference_mode():
         params = {"w": torch.ones(2).half()}

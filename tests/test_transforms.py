@@ -261,3 +261,25 @@ def test_numpy_numbers_are_taken_as_python_ones():
     assert torch.load(buffer, weights_only=True)["policy"]["init_scale"] == 1024.0
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1, got True"):
         fp16fx.DynamicLossScale(growth_interval=True)
+
+
+def test_multi_transform_labels_are_taken_as_given_when_built():
+    """Review of the labels-by-tree change: a single tensor's [0], a generator, a list the
+    caller changes later, equal labels over an unsorted dict, and two multi_transforms of
+    one chain labelling alike all worked before it, and work again."""
+    sgd = fp16fx.sgd
+    fp16fx.init(torch.ones(3), fp16fx.multi_transform([sgd(0.1)], [0]))
+    fp16fx.init(torch.ones(3), fp16fx.multi_transform([sgd(0.1)], (label for label in [0])))
+    labels = [1, 0]
+    opt = fp16fx.multi_transform([sgd(1.0), sgd(0.5)], labels)
+    labels[0] = 0  # after building: changes nothing
+    state = fp16fx.init([torch.ones(2), torch.ones(2)], opt, fp16fx.NoLossScale())
+    state, _ = fp16fx.step(state, [torch.ones(2), torch.ones(2)])
+    assert [p.tolist() for p in state.params] == [[0.5, 0.5], [0.0, 0.0]]
+    fp16fx.init(
+        {"w": torch.ones(2), "b": torch.ones(2)}, fp16fx.multi_transform([sgd(0.1)], [0, 0])
+    )
+    both = [fp16fx.multi_transform([sgd(0.1), sgd(0.2)], [0, 1]) for _ in range(2)]
+    fp16fx.init([torch.ones(2), torch.ones(2)], fp16fx.chain(*both))
+    with pytest.raises(ValueError, match="must label the params alike"):
+        fp16fx.chain(both[0], fp16fx.multi_transform([sgd(0.1), sgd(0.2)], [1, 0]))

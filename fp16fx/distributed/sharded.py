@@ -25,6 +25,7 @@ their scales 8/256) / d, about 4 + 3/d.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -229,7 +230,9 @@ def init_sharded(
     # The shard's params are a list of slices, one per bucket: its leaf labels are the buckets'.
     bucket_labels = tuple(b.label for b in buckets)
     shard_optimizer = optimizer._replace(
-        param_labels=None if labels is None else lambda slices: bucket_labels
+        param_labels=None
+        if labels is None
+        else dataclasses.replace(optimizer.param_labels, given=bucket_labels)
     )
     shard = init(
         slices,

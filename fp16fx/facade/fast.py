@@ -364,7 +364,8 @@ class FastEngine:
     # -- stepping ------------------------------------------------------------------------
 
     def sync_groups(self) -> None:
-        """Writes the param groups' current numbers into the core's tensors (no sync).
+        """Writes the param groups' current numbers into the core's tensors (no sync, unless
+        a group holds a number as a tensor: reading it syncs).
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported.

@@ -101,7 +101,9 @@ def _to_half(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_half(v) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _to_half(v)) for k, v in value.items())
+        out = value.copy()  # its own type: a defaultdict keeps its factory
+        out.update((k, _to_half(v)) for k, v in value.items())
+        return out
     return value
 
 

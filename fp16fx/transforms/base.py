@@ -40,9 +40,10 @@ class GradientTransformation(NamedTuple):
     """A pure optimizer piece: ``init(params) -> state``, ``update(updates, state, params) ->
     (updates, state)``; neither mutates its inputs.
 
-    ``param_labels`` is None, or a function of the params tree given to ``fp16fx.init``
-    returning a label per flat leaf: leaves with different labels are updated by different
-    transforms (:func:`~fp16fx.transforms.multi_transform`) and so never share a flat buffer.
+    ``param_labels`` is None, or (a :class:`~fp16fx.transforms.groups.ParamLabels`) called
+    with the params tree given to ``fp16fx.init`` it returns a label per flat leaf: leaves
+    with different labels are updated by different transforms
+    (:func:`~fp16fx.transforms.multi_transform`) and so never share a flat buffer.
     """
 
     init: Callable[[Params], State]
@@ -180,9 +181,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for t in transforms:
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain() takes fp16fx transforms, got {t!r}")
-    labelled = {t.param_labels for t in transforms if t.param_labels is not None}
-    if len(labelled) > 1:
-        raise ValueError("a chain can hold one multi_transform, not several")
+    labelled = [t.param_labels for t in transforms if t.param_labels is not None]
+    if any(labels != labelled[0] for labels in labelled[1:]):
+        raise ValueError("the multi_transforms of a chain must label the params alike")
 
     def init(params: Params) -> tuple[State, ...]:
         return tuple(t.init(params) for t in transforms)
@@ -194,7 +195,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, next(iter(labelled), None))
+    return GradientTransformation(init, update, labelled[0] if labelled else None)
 
 
 def labels_of(params: Params) -> tuple[Hashable, ...]:

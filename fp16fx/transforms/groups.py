@@ -10,8 +10,9 @@ step can cut, pick and read segments of the whole state without knowing the rout
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -72,10 +73,10 @@ def multi_transform(
         raise ValueError("multi_transform() cannot hold another multi_transform")
     if labels is None or isinstance(labels, (str, bytes)):
         raise TypeError(f"multi_transform() needs labels, one per param; got {labels!r}")
-
-    def resolve(params: Any) -> tuple[int, ...]:
-        given = labels(params) if callable(labels) else labels
-        return _flat_labels(given, params, len(transforms))
+    if not callable(labels):  # a copy: changing the caller's list later changes nothing
+        flat = isinstance(labels, Iterator) or not isinstance(labels, (Sequence, Mapping))
+        labels = tuple(labels) if flat else optree.tree_map(lambda x: x, labels)
+    resolve = ParamLabels(labels, len(transforms))
 
     def owned(params: Params, k: int) -> list[bool]:
         return [label == k for label in labels_of(params)]
@@ -103,26 +104,50 @@ def multi_transform(
     return GradientTransformation(init, update, resolve)
 
 
+@dataclasses.dataclass(frozen=True, eq=True)
+class ParamLabels:
+    """``multi_transform``'s labels as given -- a tree shaped like the params, a flat
+    sequence, or a function of the params -- and called with the params, one label per flat
+    leaf. Two are equal when given alike (a chain may hold several ``multi_transform``s that
+    route alike)."""
+
+    given: Any
+    n_transforms: int
+
+    __hash__ = None  # type: ignore[assignment]  # given may be a dict
+
+    def __call__(self, params: Any) -> tuple[int, ...]:
+        given = self.given(params) if callable(self.given) else self.given
+        return _flat_labels(given, params, self.n_transforms)
+
+
 def _flat_labels(given: Any, params: Any, n_transforms: int) -> tuple[int, ...]:
     """Returns one label per flat leaf of ``params`` (0 for a None param) from ``given``, a
     tree shaped like ``params`` or a flat sequence; raises naming what does not fit."""
     leaves, treedef = tree.flatten(params)
-    try:
-        flat = treedef.flatten_up_to(given)
-    except (TypeError, ValueError):
-        if not (isinstance(given, Sequence) and len(given) == len(leaves)):
+    containers = (list, tuple, Mapping)
+    if (
+        isinstance(given, (list, tuple))
+        and len(given) == len(leaves)
+        and not any(isinstance(label, containers) for label in given)
+    ):
+        flat = list(given)
+        routed = {label for label, leaf in zip(flat, leaves) if leaf is not None}
+        if len(routed) > 1 and tree.dict_order_differs(params):
+            raise ValueError(
+                "multi_transform's labels are a flat sequence, but the params hold a dict whose "
+                "keys are not in sorted order, the order optree flattens them in: give the "
+                "labels as a dict with the params' keys, or a function of the params"
+            )
+    else:
+        try:
+            flat = treedef.flatten_up_to(given)
+        except (TypeError, ValueError):
             raise ValueError(
                 f"multi_transform's labels have neither the structure of the params "
                 f"({treedef}) nor one label per flat leaf ({len(leaves)}, None leaves "
                 f"included); got {given!r}"
             ) from None
-        if tree.dict_order_differs(params):
-            raise ValueError(
-                "multi_transform's labels are a flat sequence, but the params hold a dict whose "
-                "keys are not in sorted order, the order optree flattens them in: give the "
-                "labels as a dict with the params' keys, or a function of the params"
-            ) from None
-        flat = list(given)
     names = tree.leaf_names(params)
     out = []
     for name, leaf, label in zip(names, leaves, flat):
@@ -259,6 +284,7 @@ def read_hyperparams(state: State) -> list[dict[str, Any]]:
 
 __all__ = [
     "MultiTransformState",
+    "ParamLabels",
     "hyperparam_groups",
     "map_hyperparams",
     "multi_transform",
