@@ -48,7 +48,8 @@ def multi_transform(
     of its transform: as a tree shaped like the params (``{"fc.weight": 0, "fc.bias": 1}``),
     as a function of the params returning one (optax's spelling), or as one label per flat
     leaf in optree's order -- for params in a dict that is sorted by key, so a flat sequence
-    is refused for a dict whose keys are not given sorted (it would route by another order).
+    of different labels is refused for a dict whose keys are not given sorted (it would route
+    by another order). The labels are copied when it is built.
     A ``None`` param needs no label. ``get_hyperparams`` then returns one dict per group, and
     ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
 
