@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import fp16fx.compile
+from tests.processes import run_to_a_clean_exit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -95,10 +96,9 @@ def test_functional_docs_example_runs_and_learns() -> None:
 def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise(precision) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     example = [str(EXAMPLES / "fsdp2_fp16.py"), "--steps", "20", *precision]
-    result = subprocess.run(
+    result = run_to_a_clean_exit(
         [*torchrun, "--nproc-per-node", "2", *example],
-        capture_output=True,
-        text=True,
+        "same: True",
         timeout=300,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )

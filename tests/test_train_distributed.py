@@ -24,6 +24,7 @@ from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.models import to_half
 from fp16fx.train.parallel import Processes
 from fp16fx.train.steppers import make_stepper
+from tests.processes import run_to_a_clean_exit
 from tests.test_train_checkpoint import assert_same_state
 
 APIS = ["functional", "facade"]
@@ -31,9 +32,7 @@ SMALL = ("--limit", "320", "--epochs", "1")  # 5 global batches of 2 x 32
 
 
 def run_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+    done = run_to_a_clean_exit([sys.executable, *argv], "test accuracy", cwd=cwd, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done
 
