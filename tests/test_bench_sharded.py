@@ -91,13 +91,13 @@ def test_compact_sharded_bytes_per_param_at_d2_through_the_cli(capsys) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--world-sizes", "0,2"], "world sizes must be >= 1, got '0,2'"),
+        (["--world-sizes", "0,2"], "world sizes must be integers >= 1, like 2,4; got '0,2'"),
         (["--world-sizes", "2", "--only", "torch-fused"], "--only"),
         (["--world-sizes", "2", "--device", "cuda"], "CPU"),
         (["--moments", "int8"], "--world-sizes"),
         (["--world-sizes", "2", "--masters", "half"], "invalid choice: 'half'"),
         # Not only --world-sizes': torch's own error once named no option; -1 s was taken.
-        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
         (["--time-budget", "-1"], "argument --time-budget: must be a finite number >= 0"),
     ],
 )

@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
         "--threads",
-        type=_threads,
+        type=_at_least(1),
         default=None,
         help="torch intra-op threads (default: torch's current setting); with --world-sizes: "
         "the cores the d processes share (default: all available)",
@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-budget",
-        type=_seconds,
+        type=_at_least(0, float),
         default=DEFAULT_TIME_BUDGET_S,
         metavar="SECONDS",
         help="stop timing a contender after this many seconds of timed steps (at least 5 "
@@ -163,37 +163,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _at_least(low: float, kind: type = int) -> Callable[[str], Any]:
+    """Returns an argparse type reading one ``kind`` number, finite and at least ``low``."""
+
+    what = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"must be {what} >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
 def _world_sizes(text: str) -> list[int]:
     """Parse ``--world-sizes``: comma-separated process counts, each at least 1."""
     try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 2,4, got {text!r}") from None
-    if any(d < 1 for d in sizes):
-        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
-    return sizes
-
-
-def _threads(text: str) -> int:
-    """Parse ``--threads``: a count of at least 1."""
-    try:
-        threads = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if threads < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {threads}")
-    return threads
-
-
-def _seconds(text: str) -> float:
-    """Parse ``--time-budget``: finite seconds, at least 0."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return seconds
+        return [_at_least(1)(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"world sizes must be integers >= 1, like 2,4; got {text!r}"
+        ) from None
 
 
 def _presets(args: argparse.Namespace) -> list[Preset]:
