@@ -169,8 +169,10 @@ def test_unwritable_save_path_fails_before_training(capsys, tmp_path) -> None:
     blocker.write_text("not a directory")
     code, _, err = train_cli(capsys, "--save", str(blocker / "ck.pt"))
     assert_one_line_error(code, err, f"cannot save to {blocker / 'ck.pt'}")
-    code, _, err = train_cli(capsys, "--save", str(tmp_path))
-    assert_one_line_error(code, err, "is a directory")
+    # A directory, also one not made yet: the latter once failed after the first epoch.
+    for directory in (str(tmp_path), str(tmp_path / "not-yet") + "/", ""):
+        code, _, err = train_cli(capsys, "--save", directory)
+        assert_one_line_error(code, err, "it names a directory, not a file")
 
 
 def test_plot_without_matplotlib_fails_before_training(capsys, monkeypatch) -> None:

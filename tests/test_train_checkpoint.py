@@ -238,6 +238,14 @@ def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
     # A resumed run continues the checkpoint's random streams: another seed would be ignored.
     code, _, err = train_cli(capsys, "--api", "functional", "--seed", "5", "--resume", saved)
     assert code == 1 and "was written with --seed 0, this run has 5" in one_line(err)
+    # ...and its loss-scale state: the facade once printed the new scale and ran the old one.
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--loss-scale", "128", "--resume", saved
+    )
+    assert code == 1 and "was written with --loss-scale dynamic, this run has 128" in one_line(err)
+    # An --epochs the checkpoint has done already once ran nothing and saved nothing.
+    code, _, err = train_cli(capsys, "--api", "functional", "--epochs", "1", "--resume", saved)
+    assert code == 1 and "has 1 epochs done: --epochs 1 leaves none to train" in one_line(err)
 
 
 def test_foreign_torch_file_is_refused(capsys, tmp_path) -> None:

@@ -63,8 +63,8 @@ def check_writable(path: str) -> None:
     first epoch. Raises :class:`CheckpointError` naming the problem.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise CheckpointError(f"cannot save to {path}: it is a directory")
+    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
+        raise CheckpointError(f"cannot save to {path!r}: it names a directory, not a file")
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".fp16fx-probe-"):
@@ -145,6 +145,8 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     saved_run = ckpt["run"]
     for key, value in run.items():
+        if key not in saved_run and key not in _IDENTITY_DEFAULTS:
+            continue  # written before the run recorded it (the loss scale): not compared
         saved = saved_run.get(key, _IDENTITY_DEFAULTS.get(key))
         if saved != value:
             flag = f"--{key.replace('_', '-')}"

@@ -93,7 +93,9 @@ class TrainConfig:
         precision (``master``, ``moments``) is not: a checkpoint resumes in another one,
         its optimizer state converted (docs/precision.md, "Checkpoints"), under FSDP2 too,
         where the masters decide the model's dtype (FP32 shards are their own masters,
-        compensated ones FP16). Nor is the number of processes.
+        compensated ones FP16). Nor is the number of processes. The loss scale is one: the
+        checkpoint's loss-scale state continues, so another ``--loss-scale`` would be printed
+        but not used.
         """
         return {
             "model": self.model,
@@ -101,6 +103,7 @@ class TrainConfig:
             "api": self.api,
             "seed": self.seed,
             "fsdp": self.fsdp,
+            "loss_scale": self.loss_scale,
         }
 
     def precision(self) -> dict[str, str]:
@@ -161,8 +164,21 @@ def preflight(config: TrainConfig) -> None:
     process."""
     _check(config)
     resolve_device(config.device)
-    if config.resume is not None:
-        checkpoint.load_checkpoint(config.resume, config.identity())
+    _resumed(config)
+
+
+def _resumed(config: TrainConfig) -> dict[str, Any] | None:
+    """Returns the checkpoint ``--resume`` names (None without one), checked against the run:
+    its settings, and that ``--epochs`` leaves epochs to train."""
+    if config.resume is None:
+        return None
+    ckpt = checkpoint.load_checkpoint(config.resume, config.identity())
+    if ckpt["epoch"] >= _epochs(config):
+        raise SetupError(
+            f"checkpoint {config.resume} has {ckpt['epoch']} epochs done: --epochs "
+            f"{_epochs(config)} leaves none to train (give more)"
+        )
+    return ckpt
 
 
 def _limited(data: TrainTestData, limit: int | None) -> TrainTestData:
@@ -342,9 +358,7 @@ def train(config: TrainConfig) -> TrainResult:
     _check(config)
     device = resolve_device(config.device)
     processes = Processes.current()
-    ckpt = None
-    if config.resume is not None:
-        ckpt = checkpoint.load_checkpoint(config.resume, config.identity())
+    ckpt = _resumed(config)
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
     epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
     global_batch = batch_size * processes.size
