@@ -212,6 +212,14 @@ def test_fp16fx_command_lists_train() -> None:
     assert "train" in cli.build_parser().format_help()
 
 
+def test_python_dash_m_fp16fx_is_the_fp16fx_command() -> None:
+    """It once failed with "No module named fp16fx.__main__"."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fp16fx", "train", "--epochs", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "fp16fx train: error: --epochs must be >= 1" in done.stderr
+
+
 def test_installed_command_fails_cleanly_in_a_subprocess() -> None:
     bad = subprocess.run(
         [sys.executable, "-m", "fp16fx.cli", "train", "--model", "nope"],
