@@ -28,6 +28,7 @@ the step's check pass through DTensor ops against fp16fx's way, on the local sha
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -133,6 +134,10 @@ def main() -> None:
         help="fsdp2: also time the step's check pass through DTensor ops vs on local shards",
     )
     args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error(
+            f"run it under torchrun: torchrun --nproc-per-node 2 examples/compare_sharding.py ..."
+        )
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     model, opt = build(args.mode, args.width, args.depth, args.masters, args.moments)

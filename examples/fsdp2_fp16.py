@@ -90,6 +90,10 @@ def main() -> None:
     parser.add_argument("--masters", choices=MASTERS, default="fp32")
     parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error(
+            f"run it under torchrun: torchrun --nproc-per-node 2 examples/fsdp2_fp16.py ..."
+        )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
