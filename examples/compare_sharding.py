@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error(
-            f"run it under torchrun: torchrun --nproc-per-node 2 examples/compare_sharding.py ..."
+            "run it under torchrun: torchrun --nproc-per-node 2 examples/compare_sharding.py ..."
         )
     dist.init_process_group("gloo")
     world = dist.get_world_size()

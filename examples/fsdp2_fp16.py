@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error(
-            f"run it under torchrun: torchrun --nproc-per-node 2 examples/fsdp2_fp16.py ..."
+            "run it under torchrun: torchrun --nproc-per-node 2 examples/fsdp2_fp16.py ..."
         )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
