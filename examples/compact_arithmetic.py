@@ -143,7 +143,12 @@ def main() -> None:
     parser.add_argument("--sizes", default=f"262144,{RESNET18}", help="values per update")
     parser.add_argument("--rounds", type=int, default=11, help="timed rounds (median)")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if args.rounds < 1 or min(sizes) < 1:
+        parser.error("--rounds and every --sizes value must be >= 1")
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads; ns per value (median of {args.rounds})")
     columns = "".join(f"{n:>14,}" for n in sizes)

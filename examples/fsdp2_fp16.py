@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--masters", choices=MASTERS, default="fp32")
     parser.add_argument("--moments", choices=MOMENTS, default="fp32")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if "RANK" not in os.environ:
         parser.error(
             "run it under torchrun: torchrun --nproc-per-node 2 examples/fsdp2_fp16.py ..."

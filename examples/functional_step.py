@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         help="fused compile_step(inplace=True) (default) or the pure fp16fx.step",
     )
     args = parser.parse_args(argv)
+    for name in ("steps", "batch_size"):  # counts: at least 1
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.manual_seed(0)
 
     x, y = make_task(5120, 32, 4, seed=1)

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     print("static loss scale 128:")
     train({"static_loss_scale": 128.0}, args.steps, "static")
     print("dynamic loss scale (starts at 2**16, halves on overflow):")

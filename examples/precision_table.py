@@ -641,7 +641,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is no device torch knows (cpu or cuda)")
     seeds = list(range(args.seeds))
     logging.getLogger("fp16fx").setLevel(logging.WARNING)  # the runs' own log lines: not shown
 
@@ -665,8 +670,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.only in (None, "lm"):
         lm_setup = QUICK_LM if args.quick else LMSetup()
         if args.steps is not None:
-            if args.steps < 1:
-                parser.error(f"--steps must be >= 1, got {args.steps}")
             lm_setup = dataclasses.replace(
                 lm_setup, steps=args.steps, warmup=min(lm_setup.warmup, args.steps)
             )

@@ -20,6 +20,26 @@ from tests.processes import run_to_a_clean_exit
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("functional_step.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("migrate_from_apex.py", ["--steps", "-1"], "--steps must be >= 1, got -1"),
+        ("resnet18_cifar10.py", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        ("compact_arithmetic.py", ["--sizes", "abc"], "--sizes must be comma-separated"),
+        ("precision_table.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
+        ("fsdp2_fp16.py", [], "run it under torchrun"),
+    ],
+)
+def test_an_example_refuses_a_bad_argument_before_any_work(name, args, message):
+    """Each once ran on (loss nan, "after -1 steps") or failed in a traceback, some only after
+    minutes of work (precision_table.py's --steps, after its digits study)."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and message in result.stderr.splitlines()[-1]
+
+
 def run_example(name: str, *args: str) -> str:
     """Returns the stdout of ``python examples/NAME ARGS`` after checking it exited with 0."""
     result = subprocess.run(
