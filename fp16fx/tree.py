@@ -91,16 +91,28 @@ def check_params(params: PyTree) -> tuple[list[torch.Tensor | None], optree.PyTr
             raise TypeError(
                 f"{name} is a {type(leaf).__name__}; every leaf must be a tensor or None"
             )
-        check_leaf(name, leaf)
-    check_disjoint(names, leaves)
-    named = [(name, leaf) for name, leaf in zip(names, leaves) if leaf is not None]
-    if not named:
+    check_trainable(names, leaves)
+    if all(leaf is None for leaf in leaves):
         raise ValueError("params holds no tensor: there is nothing to train")
-    check_one_device(named)
     return leaves, treedef
 
 
-def check_one_device(
+def check_trainable(
+    names: Sequence[str], leaves: Sequence[torch.Tensor | None], device: torch.device | None = None
+) -> None:
+    """Raises, naming the tensor, unless every tensor of ``leaves`` (None ones skipped) is one
+    fp16fx can train in place (:func:`_check_leaf`), no two share memory
+    (:func:`check_disjoint`), and all live on one device (``device``, if given), not meta.
+    The one check of trainable tensors, for ``init`` and ``FP16_Optimizer`` alike."""
+    named = [(name, leaf) for name, leaf in zip(names, leaves) if leaf is not None]
+    for name, leaf in named:
+        _check_leaf(name, leaf)
+    check_disjoint(names, leaves)
+    if named:
+        _check_one_device(named, device)
+
+
+def _check_one_device(
     named: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None
 ) -> None:
     """Raises ValueError naming the first tensor of ``(name, tensor)`` pairs that lives on
@@ -121,7 +133,7 @@ def check_one_device(
             )
 
 
-def check_leaf(name: str, leaf: torch.Tensor) -> None:
+def _check_leaf(name: str, leaf: torch.Tensor) -> None:
     """Raises, naming ``name``, unless the tensor ``leaf`` is one fp16fx can train in place:
     FP16, BF16 or FP32 (TypeError), made outside ``torch.inference_mode()``, and with no two
     elements in the same memory (ValueError)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fp16fx.tree import check_disjoint, check_leaf, check_one_device
+from fp16fx import tree
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -44,15 +44,11 @@ def check_unique(groups: list[dict[str, Any]], names: dict[int, str], first: int
 def check_trainable(
     params: list[torch.Tensor], names: dict[int, str], device: torch.device | None = None
 ) -> None:
-    """Raises TypeError/ValueError, naming the param, unless every one of ``params`` is one
-    fp16fx can train (:func:`fp16fx.tree.check_leaf`), they all live on one device
-    (``device``, if given), and no two share memory (views of one tensor)."""
-    named = [(names.get(id(p), f"param {i}"), p) for i, p in enumerate(params)]
-    check_disjoint([name for name, _ in named], params)
-    for name, p in named:
-        check_leaf(name, p)
-    if named:
-        check_one_device(named, device)
+    """Raises TypeError/ValueError, naming the param by its place in the param groups, unless
+    ``params`` pass :func:`fp16fx.tree.check_trainable` (on ``device``, if given)."""
+    tree.check_trainable(
+        [names.get(id(p), f"param {i}") for i, p in enumerate(params)], params, device
+    )
 
 
 def replace_params(
