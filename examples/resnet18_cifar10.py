@@ -67,7 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    train_set, test_set = datasets(args)
+    try:
+        train_set, test_set = datasets(args)
+    except RuntimeError:  # torchvision's "Dataset not found or corrupted", which says download
+        parser.error(
+            f"--data-dir {args.data_dir} holds no CIFAR-10 that torchvision can read (its "
+            "cifar-10-batches-py folder); this example downloads nothing"
+        )
     train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
 

@@ -437,3 +437,18 @@ def test_consolidation_and_grad_averaging_name_inputs_of_another_kind():
             consolidate_state_dict(shards)
     with pytest.raises(TypeError, match="a pytree of tensors, got a leaf 1"):
         average_grads([1, 2])
+
+
+def test_persistent_bytes_names_an_input_that_is_no_state():
+    """An FP16_Optimizer, or grads holding a number, once raised AttributeError: ... has no
+    attribute 'untyped_storage'."""
+    from fp16fx.distributed import persistent_bytes
+
+    params = [torch.zeros(4, dtype=torch.half, requires_grad=True)]
+    with pytest.raises(TypeError, match="got FP16_Optimizer"):
+        persistent_bytes(FP16_Optimizer(torch.optim.SGD(params, lr=0.1)))
+    state = fp16fx.init([torch.zeros(4, dtype=torch.half)], fp16fx.sgd(0.1))
+    with pytest.raises(TypeError, match="grads must be a tree of tensors"):
+        persistent_bytes(state, [1])
+    grads = [torch.zeros(4, dtype=torch.half)]
+    assert persistent_bytes(state, grads) == persistent_bytes(state) + grads[0].nbytes

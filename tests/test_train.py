@@ -208,6 +208,15 @@ def test_bad_loss_scale_is_an_argparse_error(capsys) -> None:
     assert "FP32 holds as a normal value" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "7.5"])
+def test_a_seed_torch_cannot_take_is_an_argparse_error(capsys, seed) -> None:
+    """A seed past 2**64 once ended in a traceback ('Overflow when unpacking long long')."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--seed", seed])
+    assert exit_info.value.code == 2
+    assert "argument --seed: " in capsys.readouterr().err
+
+
 def test_fp16fx_command_lists_train() -> None:
     assert "train" in cli.build_parser().format_help()
 

@@ -327,6 +327,14 @@ def sharded_step(
 
 def persistent_bytes(state: ShardedState | MixedPrecisionState, grads: Any = None) -> int:
     """Returns the bytes of every distinct tensor storage the state (and ``grads``) hold."""
+    if not isinstance(state, (ShardedState, MixedPrecisionState)):
+        raise TypeError(
+            "persistent_bytes takes a MixedPrecisionState (fp16fx.init) or a ShardedState "
+            f"(fdist.init), got {type(state).__name__}"
+        )
+    extra = [g for g in optree.tree_leaves(grads) if g is not None]
+    if not all(isinstance(g, torch.Tensor) for g in extra):
+        raise TypeError("persistent_bytes: grads must be a tree of tensors (or None)")
     if isinstance(state, ShardedState):
         found = [
             *state.flat.param_buffers,
@@ -335,6 +343,6 @@ def persistent_bytes(state: ShardedState | MixedPrecisionState, grads: Any = Non
         ]
     else:
         found = optree.tree_leaves(state)
-    found += [g for g in optree.tree_leaves(grads) if g is not None]
+    found += extra
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
     return sum(storages.values())

@@ -87,6 +87,16 @@ def _loss_scale(text: str) -> LossScale:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**63), torch's seeds")
+    return value
+
+
 def _listing(table: dict[str, object]) -> str:
     return "; ".join(f"{name}: {getattr(spec, 'description', '')}" for name, spec in table.items())
 
@@ -124,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cosine",
         help="cosine decay to 0 over the run (default) or constant",
     )
-    how.add_argument("--seed", type=int, default=0, help="model init and batch order (default 0)")
+    how.add_argument("--seed", type=_seed, default=0, help="model init and batch order (default 0)")
     how.add_argument(
         "--loss-scale",
         type=_loss_scale,
