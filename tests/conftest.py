@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from tests.fallbacks import watching
+
 # Two cores: keep torch from oversubscribing them, and hypothesis fast but meaningful.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 settings.register_profile(
@@ -20,3 +22,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fp16fx"))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _compiled_steps_stay_compiled(request):
+    """Fails a test in which an FP16_Optimizer fell back to stepping eagerly because
+    torch.compile failed (``tests/fallbacks.py``). A test that means to fall back is marked
+    ``compile_fallback``."""
+    with watching() as fallbacks:
+        yield fallbacks
+    if fallbacks.messages and request.node.get_closest_marker("compile_fallback") is None:
+        pytest.fail(f"the facade stepped eagerly: {fallbacks.messages[0]}")

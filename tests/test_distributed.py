@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fp16fx
 import fp16fx.distributed as fdist
 from fp16fx.compile import StepFunction, compile_step
+from tests.fallbacks import watching
 
 STEPS = 20
 BATCH = 8  # per rank
@@ -50,7 +51,9 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, arg
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
     try:
-        fn(rank, world, *args)
+        with watching() as fallbacks:
+            fn(rank, world, *args)
+        assert not fallbacks.messages, f"rank {rank} stepped eagerly: {fallbacks.messages[0]}"
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -16,6 +16,7 @@ import torchvision
 from torch import nn
 from torch._dynamo.utils import counters
 
+import fp16fx.compile
 from fp16fx.fp16_utils import FP16_Optimizer, network_to_half
 from fp16fx.transforms import read_hyperparams
 from tests.test_facade_checkpoint import save_and_load
@@ -203,3 +204,25 @@ def test_fast_path_on_cuda_matches_the_generic_path_and_its_checkpoint_loads_on_
     model, cpu_opt = build()
     cpu_opt.load_state_dict(saved)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(masters(cpu_opt), runs["generic"][1]))
+
+
+@pytest.mark.compile_fallback
+def test_a_step_torch_compile_cannot_compile_runs_eagerly_with_one_warning(
+    monkeypatch, _compiled_steps_stay_compiled
+):
+    """Inductor failing (no C++ compiler, a compiler bug) before anything ran: the facade
+    says so once and steps the same core eagerly, to the same bits as an eager optimizer."""
+
+    def fail(*args, **kwargs):
+        raise torch._inductor.exc.InductorError(RuntimeError("no C++ compiler"), None)
+
+    monkeypatch.setattr(fp16fx.compile, "_run_region", fail)
+    model, opt = build()
+    eager_model, eager = build(compiled=False)
+    for i in range(3):
+        train_step(model, opt, i)
+        train_step(eager_model, eager, i)
+    assert "eager" in repr(opt)
+    assert len(_compiled_steps_stay_compiled.messages) == 1
+    assert "no C++ compiler" in _compiled_steps_stay_compiled.messages[0]
+    assert all(torch.equal(a, b) for a, b in zip(masters(opt), masters(eager), strict=True))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fp16fx.fp16_utils import FP16_Optimizer
+from fp16fx.precision import Precision, decode_master
 from fp16fx.train import command
 from tests.test_facade_checkpoint import (
     APEX_SCALERS,
@@ -21,6 +22,7 @@ from tests.test_facade_checkpoint import (
 from tests.test_facade_checkpoint import INNER as APEX_INNER
 from tests.test_facade_checkpoint import make_model as apex_model
 from tests.test_facade_checkpoint import run as apex_run
+from tests.test_precision import differing, stored
 
 #: Every compact mode the facade offers (FP32 masters and moments is the default).
 COMPACT = [
@@ -193,13 +195,29 @@ def test_int8_moments_pad_the_flat_buffers_to_whole_blocks():
     assert last < first
 
 
-def test_compiled_compact_facade_trains_like_the_eager_one():
-    losses = {}
+def test_compiled_compact_facade_keeps_the_numbers_of_the_eager_one():
+    """After five AdamW steps the compiled facade holds the eager one's compact state: every
+    int8 code, block scale and count bitwise, the masters (param plus correction) a few units
+    apart in under 1% of the values. Inductor's square root is correctly rounded and eager's
+    on x86 is not (test_precision.py compares the functional step alike); the differences
+    reach the next forward pass and grow by a unit or so a step."""
+    states = {}
     for compiled in (False, True):
         model = make_model()
         opt = wrap(model, "compensated", "int8", compiled=compiled)
-        losses[compiled] = train(model, opt, 5)
-    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+        train(model, opt, 5)
+        assert opt._engine.state.precision == Precision("compensated", "int8")
+        states[compiled] = stored(opt._engine.state)
+    eager, compiled = states[False], states[True]
+    masters = [k.removesuffix(".param") for k in eager if k.endswith(".param")]
+    rest = [k for k in eager if not k.endswith((".param", ".correction"))]
+    assert len(rest) > 20 and differing(*({k: s[k] for k in rest} for s in states.values())) == []
+    for key in masters:
+        mine, theirs = (
+            decode_master(s[f"{key}.param"], s[f"{key}.correction"]) for s in (compiled, eager)
+        )
+        torch.testing.assert_close(mine, theirs, rtol=2.0**-16, atol=0.0)
+        assert (mine != theirs).float().mean().item() <= 0.01, key
 
 
 @pytest.mark.parametrize(("master", "moments"), [("fp32", "fp32"), ("compensated", "int8")])
