@@ -119,10 +119,17 @@ def ulp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def unit(p: torch.Tensor) -> torch.Tensor:
-    """Returns the correction's unit for params ``p`` (FP64), as ``fp16fx.precision`` defines
-    it (``_unit`` returns the unit, or ``(unit, 1 / unit)``)."""
-    found = precision._unit(p)
-    return (found[0] if isinstance(found, tuple) else found).double()
+    """Returns the correction's unit for params ``p`` (FP64) as docs/precision.md defines it,
+    from ``p``'s binary exponent ``e`` (``2**e <= |p| < 2**(e + 1)``), independently of
+    ``fp16fx.precision``'s bit manipulation: FP16's ulp ``2**(e - 10)`` (``2**-24`` for its
+    subnormals and zero) over ``2**8``; BF16's ulp ``2**(e - 7)`` over ``2**16``, and
+    ``2**-126`` (FP32's smallest normal) below ``2**-103``."""
+    a = p.double().abs()
+    e = torch.frexp(a).exponent.double() - 1
+    if p.dtype == torch.float16:
+        return torch.where(a >= 2.0**-14, 2.0 ** (e - 10), 2.0**-24) / 2**8
+    assert p.dtype == torch.bfloat16
+    return torch.where(a >= 2.0**-103, 2.0 ** (e - 7 - 16), 2.0**-126)
 
 
 def next_up(p: torch.Tensor) -> torch.Tensor:
@@ -259,6 +266,19 @@ def _check_rounding(p, c, u64, noise, half):
     )
     err64 = (y.double() - x64).abs()
     assert (err64 <= half * q + slack + ulp32(x32) + ulp32(decode_master(p, c))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_correction_unit_of_every_finite_param_is_its_ulp_below_8_or_16_bits(dtype):
+    """``precision._unit`` reads the unit from the exponent bits; the reference above from
+    the value. Every finite FP16 and BF16 value, subnormals, zeros and the largest
+    included."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    p = bits.view(dtype)
+    p = p[torch.isfinite(p)]
+    found, inverse = precision._unit(p)
+    assert torch.equal(found.double(), unit(p))
+    assert torch.equal(inverse.double(), 1 / unit(p))
 
 
 @settings(max_examples=200, deadline=None)
