@@ -146,6 +146,41 @@ def test_weights_written_after_wrapping_are_kept_not_undone(path, how):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("then", ["state_dict, resume", "add_param_group", "momentum on"])
+def test_weights_written_before_a_checkpoint_or_a_rebuild_stay_written(path, then):
+    """The step adopts a written weight; a checkpoint, a new param group or a structural
+    change before that step once saved or rebuilt the fast path's state from the old FP32
+    masters and set the weights back to them (a resumed run lost a WGAN clamp)."""
+
+    def sgd(model):
+        return wrap(model, path, torch.optim.SGD(model.parameters(), lr=1e-2))
+
+    model = make_model()
+    opt = sgd(model)
+    for i in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model, i))
+        opt.step()
+    written = make_model(seed=7).state_dict()
+    model.load_state_dict(written)
+    if then == "state_dict, resume":
+        sd = opt.state_dict()
+        model = make_model(seed=3)
+        model.load_state_dict(written)
+        opt = sgd(model)
+        opt.load_state_dict(sd)
+    elif then == "add_param_group":
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.half, requires_grad=True)]})
+    else:  # the fast path rebuilds its state at the next step
+        opt.param_groups[0]["momentum"] = 0.9
+    opt.param_groups[0]["lr"] = 0.0  # a step that moves nothing: the weights stay written
+    opt.zero_grad()
+    opt.backward(loss_of(model, 5))
+    opt.step()
+    assert all(torch.equal(p, written[k]) for k, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_model_whose_params_were_replaced_is_refused_by_name(path):
     model = make_model()
     opt = wrap(model, path)

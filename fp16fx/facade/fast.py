@@ -40,7 +40,7 @@ from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
-from fp16fx.step import StepInfo
+from fp16fx.step import StepInfo, adopt_written
 from fp16fx.transforms import replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
@@ -159,6 +159,20 @@ class FastEngine:
         entries, or in a compensated state the masters decoded (new tensors)."""
         pairs = zip(self.flat.params, tree.flatten(self.state.master)[0])
         return {id(p): master for p, master in pairs if p.dtype != torch.float32}
+
+    def resync_masters(self) -> None:
+        """Makes each FP32 master take its param's value where the param was written since
+        the last step (``step.adopt_written``), in place, before the masters are saved or the
+        state rebuilt from them: the step adopts a written param itself, but a checkpoint or
+        a new param group taken before it would carry the old master and undo the write on
+        loading. (Compensated masters are read from their params; sharded and FSDP2 ones
+        are saved beside the params, and the step adopts those.)"""
+        if self.sharded is not None or self.fsdp or self.state.precision.compensated:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.state.flat_params(), self.state.master_segments):
+                if p.dtype != torch.float32:
+                    m.copy_(adopt_written(p, m))
 
     def _make_entries(self) -> dict[int, torch.Tensor]:
         if self.groups_hold_params:
@@ -297,6 +311,7 @@ class FastEngine:
         """Rebuilds the transform for new group ``specs`` and loads ``per_param``; masters and
         the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
         self.check_state(per_param, specs)
+        self.resync_masters()
         segments = self.segment_marks()
         self.set_specs(specs)
         self.load(per_param, {}, self.state.policy, segments)
@@ -343,6 +358,7 @@ class FastEngine:
         specs = [*self.specs, spec]
         labels = [*self.labels, *[len(groups) - 1] * len(params)]
         transform = build_transform(specs, groups, labels)
+        self.resync_masters()
         saved = self.export()
         segments = self.segment_marks()
         segments = torch.cat([segments, segments.new_full((len(params),), -1)])  # new buckets

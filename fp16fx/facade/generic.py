@@ -19,6 +19,7 @@ from fp16fx import dtensors
 from fp16fx.facade.policy import Scaler
 from fp16fx.precision import require_rounding_casts
 from fp16fx.scaling import unscale_and_check
+from fp16fx.step import adopt_written
 
 
 def _version(grad: torch.Tensor) -> tuple[int, int]:
@@ -114,7 +115,7 @@ class GenericEngine:
             require_rounding_casts()
         with torch.no_grad():
             for p, master in rounded:
-                master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
+                master.copy_(adopt_written(p, master))
 
     def masters_to_model(self) -> None:
         """Copies every master into its FP16/BF16 model param."""
