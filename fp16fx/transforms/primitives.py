@@ -99,7 +99,9 @@ def trace(
     """Returns SGD's momentum transform, as ``torch.optim.SGD`` applies it.
 
     ``b <- u`` on a param's first step, else ``b <- momentum * b + (1 - dampening) * u``;
-    then ``u <- u + momentum * b`` with Nesterov, else ``u <- b``.
+    then ``u <- u + momentum * b`` with Nesterov, else ``u <- b``. A momentum set to 0 later
+    (``set_hyperparams``) leaves ``u`` and the buffer as they are, and its steps are no
+    param's first: torch.optim.SGD's ``momentum == 0`` branch, which keeps no buffer.
     """
     check_hyperparam("momentum", momentum)
     check_hyperparam("dampening", dampening)
@@ -116,14 +118,18 @@ def trace(
     def update(updates: Updates, state: TraceState, params: Params) -> tuple[Updates, TraceState]:
         mom = state.hyperparams["momentum"].float()
         keep = (1 - state.hyperparams["dampening"]).float()
+        on = mom != 0
         buffers = _map(
-            lambda u, count, b: torch.where(count == 0, u, mom * b + keep * u),
+            lambda u, count, b: torch.where(on, torch.where(count == 0, u, mom * b + keep * u), b),
             updates,
             state.count,
             state.momentum_buffer,
         )
-        new_updates = _map(lambda u, b: u + mom * b, updates, buffers) if nesterov else buffers
-        counts = _map(lambda count: count + 1, state.count)
+        if nesterov:
+            new_updates = _map(lambda u, b: u + mom * b, updates, buffers)
+        else:
+            new_updates = _map(lambda u, b: torch.where(on, b, u), updates, buffers)
+        counts = _map(lambda count: torch.where(on, count + 1, count), state.count)
         return new_updates, state._replace(count=counts, momentum_buffer=buffers)
 
     return GradientTransformation(init, update)
