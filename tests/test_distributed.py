@@ -132,13 +132,11 @@ def train_facade(
         if average:  # data parallel without DDP
             fdist.average_grads([p.grad for p in params])
         opt.update_master_grads()
+        flat = getattr(opt._engine, "flat", None)  # the generic path has none
         views.append(  # after backward: are the grads still the facade's flat views?
-            all(
-                p.grad is v
-                for flat in [getattr(opt._engine, "flat", None)]  # the generic path has none
-                if flat is not None
-                for p, v in zip(flat.params, flat.grad_views)
-            )
+            flat is not None
+            and len(flat.params) > 0
+            and all(p.grad is v for p, v in zip(flat.params, flat.grad_views))
         )
         opt.step()
         scales.append(opt.loss_scale)
@@ -148,6 +146,7 @@ def train_facade(
         "scales": torch.tensor(scales),
         "skipped": opt.skipped_steps,
         "grads_are_views": views[1:],  # step 0 creates the grads; the facade then binds them
+        "path": opt.path,
     }
 
 
@@ -313,6 +312,7 @@ def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     """inf_after_ddp runs the facade's compiled step (the consensus is traced into it);
     inf_after_ddp_generic the generic path (torch's Adam on the masters)."""
     r0, r1 = (r[name] for r in replicated)
+    assert r0["path"] == r1["path"] == ("generic" if name.endswith("generic") else "fast")
     assert r0["skipped"] == r1["skipped"] == 1
     assert torch.equal(r0["scales"], r1["scales"])
     assert r0["scales"][5] == r0["scales"][4] / 2

@@ -146,7 +146,12 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--model", "vgg16"], ["unknown model 'vgg16'", "cnn, resnet18"]),
         (["--dataset", "mnist"], ["unknown dataset 'mnist'", "digits, cifar10, fake"]),
         (["--dataset", "cifar10"], ["--data-dir", "nothing is downloaded"]),
-        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], [""]),
+        (["--device", "tpu"], ["unknown device 'tpu'", "use cpu or cuda"]),
+        pytest.param(
+            ["--device", "cuda"],
+            ["CUDA is not available here", "use --device cpu"],
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
         (["--epochs", "0"], ["--epochs must be >= 1"]),
         (["--lr", "inf"], ["--lr must be a finite number > 0, got inf"]),
         (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
