@@ -203,6 +203,14 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
                 f"param's is {wanted}"
             )
     for key, value in entry.items():
+        per_value = key == "correction" or key.endswith(".codes")
+        moment = key.startswith("opt") and value.ndim and value.is_floating_point()
+        if (per_value or moment and not key.endswith(".scales")) and value.shape != param.shape:
+            raise _NotStored(
+                f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has "
+                f"{tuple(param.shape)}"
+            )
+    for key, value in entry.items():
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
             offset, scales = entry[f"{name}.offset"], entry[f"{name}.scales"]

@@ -908,11 +908,24 @@ def _mismatches():
             negative_full_moment,
             r"\['w'\]\['opt\[1\].nu'\] holds negative values",
         ),
-        "other shapes": (other_shapes, r"\['c'\].*shape"),
-        "another optimizer": (lambda: saved(fp16fx.sgd(0.1, momentum=0.9)), "lacks|has"),
-        "an unknown precision": (bad_precision, "precision"),
-        "truncated int8 scales": (truncated_scales, "malformed|scales"),
-        "a correction of another shape": (wrong_corrections, r"\['w'\]"),
+        "other shapes": (other_shapes, r"\['c'\]\['param'\] has shape \(600,\), this state's"),
+        "another optimizer": (
+            lambda: saved(fp16fx.sgd(0.1, momentum=0.9)),
+            r"\['hyperparams'\] lacks .*betas.*another optimizer",
+        ),
+        "an unknown precision": (bad_precision, r"\['precision'\] is .*master must be one of"),
+        "truncated int8 scales": (
+            truncated_scales,
+            r"\['c'\]\['opt\[1\].mu.scales'\] is torch.float32 of shape \(2,\); its codes need 3",
+        ),
+        "codes of another shape": (
+            changed("opt[1].mu.codes", lambda t: t.reshape(-1)),
+            r"\['w'\]\['opt\[1\].mu.codes'\] has shape \(600,\); its \['param'\] has \(30, 20\)",
+        ),
+        "a correction of another shape": (
+            wrong_corrections,
+            r"\['w'\]\['correction'\] has shape \(30, 10\); its \['param'\] has \(30, 20\)",
+        ),
     }
 
 
