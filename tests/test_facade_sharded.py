@@ -15,7 +15,7 @@ from torch import nn
 
 import fp16fx.distributed as fdist
 from fp16fx.facade import FP16_Optimizer, consolidate_state_dict
-from tests.test_distributed import results, spawn
+from tests.test_distributed import assert_nearly_bitwise, results, spawn
 from tests.test_facade_checkpoint import assert_same_fingerprint, fingerprint
 
 STEPS, SAVE_AT, INF_AT, BATCH = 20, 10, 7, 4
@@ -244,8 +244,8 @@ def test_an_inf_on_one_rank_skips_every_rank(runs):
 def test_compiled_sharded_step_matches_eager(runs):
     for r in runs[2]:
         assert r["compiled"]["scales"] == r["adam"]["scales"]
-        for a, b in zip(r["compiled"]["params"], r["adam"]["params"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        for compiled, eager in zip(r["compiled"]["params"], r["adam"]["params"], strict=True):
+            assert_nearly_bitwise(compiled, eager)
 
 
 def test_checkpoint_saved_at_2_loads_at_4_and_unsharded(runs_4):
@@ -315,8 +315,8 @@ def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(run
         for ours, resumed, rank0 in zip(r["compact"]["run"], r["compact"]["resumed"], first["run"]):
             assert torch.equal(ours, rank0)
             assert torch.equal(ours, resumed)
-    for ours, theirs in zip(first["run"], unsharded):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
+    for ours, theirs in zip(first["run"], unsharded, strict=True):
+        assert_nearly_bitwise(ours, theirs)
 
 
 def test_a_compact_sharded_checkpoint_consolidates_into_an_unsharded_compact_optimizer(runs):
