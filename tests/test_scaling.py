@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import fp16fx
 from fp16fx.scaling import (
     DynamicLossScale,
-    LossScaleState,
     NoLossScale,
     StaticLossScale,
     is_power_of_two,
@@ -149,15 +149,33 @@ def test_static_scale_must_be_positive():
     assert edges.init().scale.item() == 2.0**127  # FP32's range itself is accepted
 
 
-@given(st.sampled_from([NoLossScale(), StaticLossScale(8.0), DynamicLossScale(min_scale=0.5)]))
-def test_state_survives_flatten_unflatten_with_its_configuration(policy):
-    # jmp's DynamicLossScale lost min_loss_scale when flattened; ours keeps config static.
-    state = policy.init()
+@given(
+    init_exp=st.integers(0, 20),
+    floor_exp=st.integers(-8, 0),
+    hysteresis=st.integers(1, 3),
+    growth_interval=st.integers(1, 100),
+)
+def test_a_flattened_state_keeps_its_policy_down_to_the_floor(
+    init_exp, floor_exp, hysteresis, growth_interval
+):
+    """jmp's DynamicLossScale lost min_loss_scale when flattened: a state rebuilt from its
+    leaves then backed off below the floor. fp16fx keeps the policy in the tree's static
+    part: the rebuilt state's policy is the one given, and overflows stop at its floor."""
+    policy = DynamicLossScale(
+        init_scale=2.0**init_exp,
+        min_scale=2.0**floor_exp,
+        hysteresis=hysteresis,
+        growth_interval=growth_interval,
+    )
+    state = fp16fx.init({"w": torch.ones(3).half()}, fp16fx.sgd(0.1), policy)
     leaves, treedef = optree.tree_flatten(state)
     assert all(isinstance(x, torch.Tensor) for x in leaves)
     rebuilt = optree.tree_unflatten(treedef, leaves)
-    assert isinstance(rebuilt, LossScaleState)
-    assert all(a is b for a, b in zip(rebuilt, state))
+    assert rebuilt.policy == policy
+    for _ in range((init_exp - floor_exp + 2) * hysteresis):
+        rebuilt, info = fp16fx.step(rebuilt, {"w": torch.full((3,), math.inf).half()})
+        assert not info["finite"].item()
+    assert rebuilt.loss_scale.scale.item() == 2.0**floor_exp
 
 
 @given(
