@@ -322,7 +322,7 @@ def reference_scales(init, factor, window, overflows):
     init=st.sampled_from([1.0, 2.0, 3.0, 2.0**10, 2.0**32]),
     factor=st.sampled_from([2.0, 1.5, 4.0]),
     window=st.integers(1, 6),
-    overflows=st.lists(st.booleans(), max_size=40),
+    overflows=st.lists(st.booleans(), min_size=1, max_size=40),
 )
 def test_dynamic_loss_scaler_follows_apex_rule(init, factor, window, overflows):
     scaler = DynamicLossScaler(init_scale=init, scale_factor=factor, scale_window=window)

@@ -23,26 +23,50 @@ LAYERS = [
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
 
 
+#: ``import fp16fx`` itself: the package's ``__init__`` imports every layer, the bottom one's
+#: clients included, so only the bottom layer may import it whole.
+WHOLE = "fp16fx.__init__"
+
+
 def _layer_of(module: str) -> int:
     """Returns the row of ``fp16fx.<top>...``'s layer."""
+    if module == WHOLE:
+        return len(LAYERS) - 1
     top = module.split(".")[1]
     if top not in RANK:
         raise AssertionError(f"fp16fx.{top} is in no layer of docs/design.md's table")
     return RANK[top]
 
 
-def _fp16fx_imports(path: Path) -> set[str]:
-    """Returns the ``fp16fx.*`` modules ``path`` imports, at the top or inside functions."""
+def _fp16fx_imports(source: str, name: str) -> set[str]:
+    """Returns the ``fp16fx.*`` modules that module ``name`` (its text ``source``) imports, at
+    the top or inside functions: absolute, relative, or the package whole (:data:`WHOLE`)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("fp16fx.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "fp16fx":  # from fp16fx import tree, buckets
+            for alias in node.names:
+                if alias.name == "fp16fx":
+                    found.add(WHOLE)
+                elif alias.name.startswith("fp16fx."):
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # from . import x, from ..y import z: resolved against the package
+                package = name.split(".")[: -node.level]
+                module = ".".join([*package, module] if module else package)
+            if module == "fp16fx":  # from fp16fx import tree, buckets
                 found |= {f"fp16fx.{a.name}" for a in node.names}
-            elif node.module.startswith("fp16fx."):
-                found.add(node.module)
+            elif module.startswith("fp16fx."):
+                found.add(module)
     return found
+
+
+def test_relative_and_whole_package_imports_are_seen():
+    """A relative import, or ``import fp16fx`` in a layer above the bottom one, would
+    otherwise slip past the table."""
+    source = "import fp16fx\nfrom . import flat\nfrom ..transforms import chain\n"
+    found = _fp16fx_imports(source, "fp16fx.facade.fast")
+    assert found == {WHOLE, "fp16fx.facade", "fp16fx.transforms"}
 
 
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
@@ -52,7 +76,7 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py
 def test_no_module_imports_from_a_layer_below_it(path):
     name = "fp16fx." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
     own = _layer_of(name)
-    upward = sorted(m for m in _fp16fx_imports(path) if _layer_of(m) > own)
+    upward = sorted(m for m in _fp16fx_imports(path.read_text(), name) if _layer_of(m) > own)
     assert not upward, f"{name} ({LAYERS[own][0]}) imports from a lower layer: {upward}"
 
 
