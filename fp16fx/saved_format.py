@@ -203,12 +203,13 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
                 f"param's is {wanted}"
             )
     for key, value in entry.items():
+        # One value per param value: the correction, int8 codes, FP32/BF16 moments (not the
+        # scales of int8 blocks, nor 0-d step counts).
         per_value = key == "correction" or key.endswith(".codes")
         moment = key.startswith("opt") and value.ndim and value.is_floating_point()
-        if (per_value or moment and not key.endswith(".scales")) and value.shape != param.shape:
+        if (per_value or (moment and not key.endswith(".scales"))) and value.shape != param.shape:
             raise _NotStored(
-                f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has "
-                f"{tuple(param.shape)}"
+                f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has {tuple(param.shape)}"
             )
     for key, value in entry.items():
         if key.endswith(".codes"):

@@ -13,22 +13,24 @@ from collections.abc import Iterator
 
 
 class CompileFallbacks(logging.Handler):
-    """Collects the fallback warnings of the ``fp16fx`` logger while installed."""
+    """Collects the fallback warnings of the ``fp16fx`` loggers while installed."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "torch.compile failed" in record.getMessage():
+        if record.name.startswith("fp16fx") and "torch.compile failed" in record.getMessage():
             self.messages.append(record.getMessage())
 
 
 @contextlib.contextmanager
 def watching() -> Iterator[CompileFallbacks]:
-    """Yields a :class:`CompileFallbacks` installed on the ``fp16fx`` logger."""
+    """Yields a :class:`CompileFallbacks` installed on the root logger, which the ``fp16fx``
+    logger's records reach. (Not on that logger itself: ``fp16fx train`` adds its own
+    handler there only if it has none, and would take this one for the program's.)"""
     handler = CompileFallbacks()
-    logger = logging.getLogger("fp16fx")
+    logger = logging.getLogger()
     logger.addHandler(handler)
     try:
         yield handler
