@@ -196,7 +196,7 @@ def require_rounding_casts() -> None:
     """Refuses to be traced by ``torch.compile`` unless Inductor keeps FP16/BF16 rounding.
 
     Called by code whose FP32 arithmetic reads rounded values: the check that a param is its
-    master rounded (``p != m.to(p.dtype)``, in the step and in the facade's generic path) and
+    master rounded (``p != m.to(p.dtype)``: ``step.adopt_written``, in the step and the facade) and
     the rest of a compensated master (``master - master.to(dtype)``). Inductor's default
     fuses such a cast away and computes on in FP32: the check then fails for every param,
     each master restarts from its FP16 param every step, and an update below half an ulp is

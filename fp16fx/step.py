@@ -163,8 +163,9 @@ def apply_updates(
             if p is not None:
                 # Adopted after the update, not before: fed into the update, the check made
                 # the CPU's fused Adam step take 1.5x as long (6.6 -> 10.1 ms on resnet18's
-                # 11.7M values). So a weight decay in the step after a write is computed
-                # from the master as it was: lr * wd * (written - master) off, once per write.
+                # 11.7M values). So the step after a write decays the master as it was:
+                # decoupled decay (AdamW) is lr * wd * (written - old) off, once; L2 decay
+                # (SGD's, Adam's) puts wd * old into the grad, and momentum carries it on.
                 master = adopt_written(p, m)
             new_master = keep_if_skipped(master + u, master)
             new_params.append(new_master.to(g.dtype))
@@ -197,6 +198,7 @@ def adopt_written(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     longer the master rounded -- someone wrote it (a clamp, the model's ``load_state_dict``)
     -- and then the written value, which is the truth. Exact; the one definition for the
     step (which applies the update to it) and the facade (before it saves or rebuilds)."""
+    require_rounding_casts()
     return torch.where(param != master.to(param.dtype), param.float(), master)
 
 

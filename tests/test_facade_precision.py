@@ -199,8 +199,10 @@ def test_compiled_compact_facade_keeps_the_numbers_of_the_eager_one():
     """After five AdamW steps the compiled facade holds the eager one's compact state: every
     int8 code, block scale and count bitwise, the masters (param plus correction) a few units
     apart in under 1% of the values. Inductor's square root is correctly rounded and eager's
-    on x86 is not (test_precision.py compares the functional step alike); the differences
-    reach the next forward pass and grow by a unit or so a step."""
+    on x86 is not (test_precision.py compares the functional step alike): a correction
+    differs by a unit where the two round apart, and a unit or so more a step. No FP16 param
+    moves in these five steps for it, so the forward passes, grads and moments stay the same;
+    a torch whose rounding moved one would need the moments compared to within a code."""
     states = {}
     for compiled in (False, True):
         model = make_model()

@@ -140,6 +140,19 @@ def prestepped_run(rank: int, world: int, shard: bool) -> list[torch.Tensor]:
     return train(model, opt, range(5), "same", 1)["params"]
 
 
+def written_then_saved(rank: int, world: int, out: Path) -> list[torch.Tensor]:
+    """Trains 3 steps, writes the weights (halves them), saves this rank's dict before any
+    further step; returns the written weights."""
+    model = Net()
+    opt = make_optimizer(model, "sgd", shard=True)
+    train(model, opt, range(3), "same", 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    torch.save(opt.state_dict(), out / f"written_rank{rank}.pt")
+    return params_of(model)
+
+
 def kept_bytes(opt: FP16_Optimizer) -> int:
     """Returns the bytes of every tensor the facade keeps between steps."""
     engine = opt._engine
@@ -189,6 +202,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["refusals"] = refusals(rank, world)
         found["compact"] = compact_run(rank, world, Path(out))
         found["prestepped"] = prestepped_run(rank, world, shard=True)
+        found["written"] = written_then_saved(rank, world, Path(out))
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -354,3 +368,18 @@ def test_a_sharded_facade_takes_the_state_its_optimizer_already_holds(runs):
     for r in runs[2]:
         for a, b in zip(r["prestepped"], expected):
             assert torch.equal(a, b)
+
+
+def test_weights_written_before_a_sharded_checkpoint_are_saved_as_written(runs):
+    """Each rank adopts its slices of the written params into its masters before saving:
+    the consolidated masters are the written weights (they were the old masters, and loading
+    the checkpoint set the weights back)."""
+    written = runs[2][0]["written"]
+    shards = [torch.load(runs["dir"] / f"written_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    model = Net()
+    opt = make_optimizer(model, "sgd", process_group=None)
+    opt.load_state_dict(consolidate_state_dict(shards))
+    pairs = [
+        (p, w) for p, w in zip(model.parameters(), written, strict=True) if w.dtype == torch.float16
+    ]
+    assert len(pairs) == 4 and all(torch.equal(p, w) for p, w in pairs)

@@ -98,6 +98,7 @@ def state_dict(
             "param_groups": [group_numbers(g) for g in inner.param_groups],
             **{key: flags[key] for key in FLAGS},
         }
+    engine.resync_masters()  # a param written since the last step is saved as written
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
         trainable = [
@@ -112,7 +113,6 @@ def state_dict(
             **scaler_entries(scaler, flags),
         }
     steps: dict[str, Any] = {}
-    engine.resync_masters()  # a param written since the last step is saved as written
     if isinstance(engine, FastEngine):
         extra, fp32 = engine.export(), engine.fp32_masters()
         masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]

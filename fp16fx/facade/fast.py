@@ -34,6 +34,7 @@ from fp16fx.facade.groups import (
     fast_kind,
     group_spec,
     group_values,
+    kept_structure,
 )
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
@@ -165,9 +166,10 @@ class FastEngine:
         the last step (``step.adopt_written``), in place, before the masters are saved or the
         state rebuilt from them: the step adopts a written param itself, but a checkpoint or
         a new param group taken before it would carry the old master and undo the write on
-        loading. (Compensated masters are read from their params; sharded and FSDP2 ones
-        are saved beside the params, and the step adopts those.)"""
-        if self.sharded is not None or self.fsdp or self.state.precision.compensated:
+        loading. Sharded, each rank adopts its slices (no collective). (A compensated master
+        is read from its param; an FSDP2 checkpoint saves the param beside its master, and
+        the step adopts it after loading.)"""
+        if self.fsdp or self.state.precision.compensated:
             return
         with torch.no_grad():
             for p, m in zip(self.state.flat_params(), self.state.master_segments):
@@ -393,6 +395,7 @@ class FastEngine:
             if self.sharded is None and not self.fsdp:
                 raise
             raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
+        specs = [kept_structure(built, wanted) for built, wanted in zip(self.specs, specs)]
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
             if self.fsdp:

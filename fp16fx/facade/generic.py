@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
 from fp16fx.facade.policy import Scaler
-from fp16fx.precision import require_rounding_casts
 from fp16fx.scaling import unscale_and_check
 from fp16fx.step import adopt_written
 
@@ -110,12 +109,10 @@ class GenericEngine:
     def resync_masters(self) -> None:
         """Makes each master take its param's value where the param no longer is the master
         rounded (written since the last step: ``load_state_dict``, a clamp); exact."""
-        rounded = [(p, master) for p, master in self.pairs if master is not p]
-        if rounded:
-            require_rounding_casts()
         with torch.no_grad():
-            for p, master in rounded:
-                master.copy_(adopt_written(p, master))
+            for p, master in self.pairs:
+                if master is not p:
+                    master.copy_(adopt_written(p, master))
 
     def masters_to_model(self) -> None:
         """Copies every master into its FP16/BF16 model param."""
