@@ -29,7 +29,9 @@ import fp16fx
 from fp16fx.fp16_utils import network_to_half
 
 
-def datasets(args: argparse.Namespace) -> tuple[torch.utils.data.Dataset, ...]:
+def datasets(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[torch.utils.data.Dataset, ...]:
     """Returns (train, test) data sets: CIFAR-10 from ``--data-dir``, else small FakeData."""
     normalize = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
     # Fixed: Compose takes a list -- the original read ``transforms.Compose[...]``.
@@ -44,8 +46,14 @@ def datasets(args: argparse.Namespace) -> tuple[torch.utils.data.Dataset, ...]:
     test_tf = transforms.Compose([transforms.ToTensor(), normalize])
     if args.data_dir is not None:
         # download=False: fp16fx examples never fetch anything.
-        train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf)
-        test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf)
+        try:
+            train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf)
+            test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf)
+        except RuntimeError:  # torchvision's "Dataset not found or corrupted": says download
+            parser.error(
+                f"--data-dir {args.data_dir} holds no CIFAR-10 that torchvision can read (its "
+                "cifar-10-batches-py folder); this example downloads nothing"
+            )
         return train, test
     fake = torchvision.datasets.FakeData
     train = fake(args.fake_size, (3, 32, 32), 10, transform=train_tf, random_offset=0)
@@ -67,13 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    try:
-        train_set, test_set = datasets(args)
-    except RuntimeError:  # torchvision's "Dataset not found or corrupted", which says download
-        parser.error(
-            f"--data-dir {args.data_dir} holds no CIFAR-10 that torchvision can read (its "
-            "cifar-10-batches-py folder); this example downloads nothing"
-        )
+    train_set, test_set = datasets(args, parser)
     train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
 

@@ -135,11 +135,16 @@ def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: b
 
 
 def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
-    """Returns a saved leaf's per-param scalars (step counts), in key order (one sync each)."""
+    """Returns a saved leaf's per-param scalars (step counts: the 0-d integer tensors of its
+    optimizer state; a 0-d param's moments are 0-d too, but floating), in key order (one sync
+    each)."""
     return tuple(
         float(v)
         for k, v in sorted(entry.items())
-        if k.startswith("opt") and not k.endswith(".offset") and v.ndim == 0
+        if k.startswith("opt")
+        and not k.endswith(".offset")
+        and v.ndim == 0
+        and not v.is_floating_point()
     )
 
 
@@ -172,7 +177,7 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
             name = key[: -len(".codes")]
             out[name] = _decode_leaf(value, entry[f"{name}.scales"], entry[f"{name}.offset"], block)
         else:
-            out[key] = value.float() if value.ndim else value
+            out[key] = value.float() if value.is_floating_point() else value  # counts stay
     return out
 
 

@@ -2,14 +2,19 @@
 
 When ``torch.compile`` fails, ``FP16_Optimizer`` logs "torch.compile failed ...; stepping
 eagerly" and carries on, so a test of its compiled step would pass on the eager one. The
-suite's fixture (``conftest.py``) and its spawned ranks (``test_distributed._entry``) fail on
-that warning instead."""
+suite's fixture (``conftest.py``), its spawned ranks (``test_distributed._entry``) and its
+subprocesses (``processes.run_to_a_clean_exit``, ``test_examples.run_example``) fail on that
+warning instead."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+
+#: What the facade's warning says; a subprocess test finds it on the child's stderr (Python's
+#: last-resort handler, or ``fp16fx train``'s own, prints it there).
+FALLBACK = "torch.compile failed"
 
 
 class CompileFallbacks(logging.Handler):
@@ -20,7 +25,7 @@ class CompileFallbacks(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith("fp16fx") and "torch.compile failed" in record.getMessage():
+        if record.name.startswith("fp16fx") and FALLBACK in record.getMessage():
             self.messages.append(record.getMessage())
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import fp16fx.compile
+from tests.fallbacks import FALLBACK
 from tests.processes import run_to_a_clean_exit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -51,6 +52,7 @@ def run_example(name: str, *args: str) -> str:
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert FALLBACK not in result.stderr, result.stderr[-3000:]  # a compiled step ran eagerly
     return result.stdout
 
 

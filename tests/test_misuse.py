@@ -483,7 +483,7 @@ def test_persistent_bytes_names_an_input_that_is_no_state():
     with pytest.raises(TypeError, match="got FP16_Optimizer"):
         persistent_bytes(FP16_Optimizer(torch.optim.SGD(params, lr=0.1)))
     state = fp16fx.init([torch.zeros(4, dtype=torch.half)], fp16fx.sgd(0.1))
-    with pytest.raises(TypeError, match="grads must be a tree of tensors"):
+    with pytest.raises(TypeError, match="grads must be a tree of tensors, got a leaf 1"):
         persistent_bytes(state, [1])
     grads = [torch.zeros(4, dtype=torch.half)]
     assert persistent_bytes(state, grads) == persistent_bytes(state) + grads[0].nbytes

@@ -1032,6 +1032,28 @@ def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
         assert same_bits(full[name], decoded[: full[name].numel()]), name
 
 
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_a_0d_params_short_moments_load_into_full_ones(moments):
+    """A 0-d param's moments are 0-d: they were read as step counts, and BF16 ones stayed
+    BF16 (the load refused them: "has dtype torch.bfloat16, this state's torch.float32")."""
+
+    def state(moments: str):
+        params = {"s": torch.tensor(0.5).half(), "w": tail_params(0)["w"]}
+        return fp16fx.init(params, adam(), POLICY, buckets=True, moments=moments)
+
+    source = state(moments)
+    for i in range(2):
+        source, _ = fp16fx.step(source, scaled_grads(source, i))
+    target = fp16fx.load_state_dict(state("fp32"), save_and_load(fp16fx.state_dict(source)))
+    saved = fp16fx.state_dict(source)["params"]["s"]
+    for name in ("opt[1].mu", "opt[1].nu"):
+        key = name if moments == "bf16" else f"{name}.codes"
+        loaded = fp16fx.state_dict(target)["params"]["s"][name]
+        assert saved[key].ndim == 0 and loaded.dtype == torch.float32
+        if moments == "bf16":
+            assert same_bits(loaded, saved[key].float())
+
+
 def _state_over(dtype: torch.dtype, master: str, moments: str):
     params = {k: v.to(dtype) for k, v in tail_params(9).items()}
     return fp16fx.init(params, adam(), POLICY, buckets=True, master=master, moments=moments)

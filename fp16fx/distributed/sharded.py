@@ -333,8 +333,9 @@ def persistent_bytes(state: ShardedState | MixedPrecisionState, grads: Any = Non
             f"(fdist.init), got {type(state).__name__}"
         )
     extra = [g for g in optree.tree_leaves(grads) if g is not None]
-    if not all(isinstance(g, torch.Tensor) for g in extra):
-        raise TypeError("persistent_bytes: grads must be a tree of tensors (or None)")
+    for g in extra:
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"persistent_bytes: grads must be a tree of tensors, got a leaf {g!r}")
     if isinstance(state, ShardedState):
         found = [
             *state.flat.param_buffers,

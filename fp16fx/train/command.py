@@ -92,8 +92,8 @@ def _seed(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**63), torch's seeds")
+    if not -(2**63) <= value < 2**64:  # what torch.manual_seed takes
+        raise argparse.ArgumentTypeError(f"{value} is outside torch's seeds, [-2**63, 2**64)")
     return value
 
 

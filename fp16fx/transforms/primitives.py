@@ -116,9 +116,9 @@ def trace(
         )
 
     def update(updates: Updates, state: TraceState, params: Params) -> tuple[Updates, TraceState]:
+        on = state.hyperparams["momentum"] != 0  # before the cast: 1e-300 is on, as in torch
         mom = state.hyperparams["momentum"].float()
         keep = (1 - state.hyperparams["dampening"]).float()
-        on = mom != 0
         buffers = _map(
             lambda u, count, b: torch.where(on, torch.where(count == 0, u, mom * b + keep * u), b),
             updates,
