@@ -385,7 +385,7 @@ class FastEngine:
         """Writes the param groups' current numbers into the core's tensors (no sync, unless
         a group holds a number as a tensor: reading it syncs).
 
-        A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
+        A changed structural option (momentum on, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported.
         """
         groups = self.optimizer.param_groups
