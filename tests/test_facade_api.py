@@ -612,3 +612,24 @@ def test_momentum_turned_off_and_on_keeps_its_buffer_as_torch_does():
         masters[path] = snapshot(opt)
     close(buffers["fast"], buffers["generic"])
     close(masters["fast"], masters["generic"])
+
+
+@pytest.mark.parametrize("how", ["set later", "in an added group"])
+def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
+    """torch.optim.SGD refuses nesterov with dampening only when built, and steps it when a
+    group gets it later. The fast path's momentum refuses it always: it once raised at a
+    later, unrelated rebuild, and refused such an add_param_group. torch's path takes it."""
+    masters = {}
+    for path in PATHS:
+        model = TwoHeads()
+        inner = torch.optim.SGD(model.trunk.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        opt = wrap(model, path, inner)
+        if how == "in an added group":
+            opt.add_param_group({"params": list(model.a.parameters()), "dampening": 0.3})
+        train(model, opt, 2)
+        if how == "set later":
+            opt.param_groups[0]["dampening"] = 0.5
+        train(model, opt, 2)
+        assert opt.path == "generic"
+        masters[path] = snapshot(opt)
+    close(masters["fast"], masters["generic"])

@@ -70,7 +70,13 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
             raise Unsupported(f"param group {index} has {flag}=True")
     if kind == "sgd":
         momentum = group["momentum"] != 0
-        return GroupSpec("sgd", momentum=momentum, nesterov=momentum and bool(group["nesterov"]))
+        nesterov = momentum and bool(group["nesterov"])
+        dampening = group["dampening"]
+        if nesterov and isinstance(dampening, (int, float)) and dampening != 0:
+            # torch.optim.SGD refuses this only when built; set later, or in a group added
+            # later, it steps it. The core's momentum refuses it always: torch's path takes it.
+            raise Unsupported(f"param group {index} has nesterov=True with dampening={dampening}")
+        return GroupSpec("sgd", momentum=momentum, nesterov=nesterov)
     name = "adamw" if group.get("decoupled_weight_decay") else "adam"
     return GroupSpec(name, amsgrad=bool(group["amsgrad"]))
 
