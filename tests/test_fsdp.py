@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -231,6 +232,66 @@ def compact(rank: int, world: int, where: Path) -> dict[str, Any]:
     return {**out, "resumed": resume("compact", **COMPACT)}
 
 
+def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
+    """A DCP checkpoint's edges (FP16 shards, FP32 masters): a weight written before saving
+    is saved as written; a load that does not fit (a param frozen since) is refused with
+    nothing changed, although ``dcp.load`` filled its dict; after a load, an lr set back to
+    the value last written before it is stepped with; the generic path refuses to save."""
+    model = sharded(half=True)
+    opt = facade(model, compiled=False)
+    train(model, opt, range(2), rank, world)
+    with torch.no_grad():
+        for p in model.parameters():
+            dtensors.local(p).mul_(0.5)  # written between steps
+    written = shards(model)
+    saved = opt.state_dict()
+    masters = [e["master"] for e in saved["state"]["params"].values()]
+    out = {
+        "written_saved": all(
+            torch.equal(dtensors.local(m).half(), w) for m, w in zip(masters, written, strict=True)
+        )
+    }
+    save(model, opt, where / "care")
+
+    model = sharded(half=True)
+    model[2].bias.requires_grad_(False)  # frozen since: the checkpoint trained it
+    opt = facade(model, compiled=False)
+    train(model, opt, range(1), rank, world)
+    before = [t.clone() for t in shards(model)]
+    core = [t.clone() for t in optimizer_leaves(opt)]
+    try:
+        load(model, opt, where / "care")
+    except ValueError as err:
+        out["refused"] = str(err)
+    model_after = shards(model)  # set_model_state_dict loaded the model: the user's own call
+    out["optimizer_unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(core, optimizer_leaves(opt), strict=True)
+    ) and not all(map(torch.equal, before, model_after))
+
+    model = sharded(half=True)
+    opt = facade(model, compiled=False)  # lr LR, as the checkpoint's groups had
+    opt.param_groups[0]["lr"] = 3 * LR  # written into the core at the first step
+    train(model, opt, range(1), rank, world)
+    load(model, opt, where / "care")  # the checkpoint's lr LR wins
+    opt.param_groups[0]["lr"] = 3 * LR  # the value last written before the load
+    train(model, opt, range(1), rank, world)
+    out["lr_after_load"] = fp16fx.get_hyperparams(opt._engine.state)["lr"]
+
+    generic = facade(sharded(), torch.optim.RMSprop(sharded().parameters()), compiled=False)
+    try:
+        generic.state_dict()
+    except RuntimeError as err:
+        out["generic"] = str(err)
+    return out
+
+
+def optimizer_leaves(opt: fp16fx.FP16_Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer keeps beside the params: masters, moments, counts, scale."""
+    state = opt._engine.state
+    kept = (state.master_segments, state.opt_state, state.loss_scale, state.count)
+    return [t for t in optree.tree_leaves(kept) if isinstance(t, torch.Tensor)]
+
+
 def torch_reference(rank: int, world: int) -> dict[str, Any]:
     """(1)'s independent reference: torch's own AdamW and clip_grad_norm_ on the FSDP2 model,
     on the unscaled loss."""
@@ -417,6 +478,7 @@ def worker(rank: int, world: int, out: str) -> None:
             "consensus_generic": lambda: consensus(rank, world, compiled=False, generic=True),
             "no_sync": lambda: no_sync(rank, world),
             "refusals": lambda: refusals(rank, world),
+            "checkpoint_care": lambda: checkpoint_care(rank, world, where),
             "hang": lambda: hang(rank, world),
             "die": lambda: die(rank, world),  # last: it breaks the group
         }
@@ -580,3 +642,13 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
         assert "not made from DTensor params" in r["dtensor_grads_to_plain_state"]
         assert "2.bias" in r["partial_grad"] and "Partial" in r["partial_grad"]
         assert r["unchanged"] == "True"
+
+
+def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(jobs):
+    for r in ranks(jobs, 2, "checkpoint_care"):
+        assert r["written_saved"]
+        assert "trained the params at [[0, 1, 2, 3]]" in r["refused"]
+        assert "those at [[0, 1, 2]]" in r["refused"]
+        assert r["optimizer_unchanged"]
+        assert r["lr_after_load"] == pytest.approx(3 * LR)
+        assert "generic path" in r["generic"] and "RMSprop" in r["generic"]

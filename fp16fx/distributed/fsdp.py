@@ -14,7 +14,7 @@ gradient norm over the mesh in one all-reduce. This module adds what a stateful 
     dcp.save({"model": get_model_state_dict(model),
               "optim": fsdp.state_dict(state, params)}, checkpoint_id=path)
 
-    # any world size: a fresh state is the template DCP loads into (in place), then checked
+    # any world size: a fresh state's dict (copies) is the template DCP loads into, then checked
     sd = {"model": get_model_state_dict(model), "optim": fsdp.state_dict(state, params)}
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
@@ -132,9 +132,9 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     as they are: they are equal on every rank, and DCP keeps one copy.
 
     ``params``: the DTensor params given to ``init`` (e.g. ``dict(model.named_parameters())``).
-    A state with FP32 masters and moments gives DTensors that share its storage: ``dcp.load``
-    into this dict writes into the live state, whose :func:`load_state_dict` then checks and
-    completes the load.
+    Every tensor is a copy: ``dcp.load`` into this dict writes nothing live, and
+    :func:`load_state_dict` checks it all before it loads anything (a dict that does not fit
+    leaves the state and the params as they were). Saving costs one copy of this rank's state.
 
     A compact state (docs/precision.md) gives its entries in FP32 terms, as copies
     (:func:`fp16fx.saved_format.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
@@ -145,7 +145,11 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     (Int8 moments could not be saved as stored anyway: their block scales are cut where each
     rank's shard starts, which moves with the world size.)
     """
-    sd = checkpoint.state_dict(state)
+    sd = optree.tree_map(
+        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+        checkpoint.state_dict(state),
+        none_is_leaf=True,
+    )
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block
         decoded = {path: saved_format.canonical(e, block) for path, e in sd["params"].items()}

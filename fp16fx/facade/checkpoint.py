@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import fp16fx.distributed as fdist
 from fp16fx import saved_format
@@ -83,6 +84,12 @@ def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     }
 
 
+def trained_positions(inner: torch.optim.Optimizer) -> list[list[int]]:
+    """Returns, per param group, the positions of its trained params (``requires_grad``):
+    an FSDP2 checkpoint keys their state by position among them."""
+    return [[i for i, p in enumerate(g["params"]) if p.requires_grad] for g in inner.param_groups]
+
+
 def state_dict(
     inner: torch.optim.Optimizer,
     engine: Engine,
@@ -91,14 +98,23 @@ def state_dict(
     flags: Mapping[str, bool],
 ) -> dict[str, Any]:
     """Returns the checkpoint dict (see the module docstring); one sync."""
+    engine.resync_masters()  # a param written since the last step is saved as written
     if isinstance(engine, FastEngine) and engine.fsdp:
         return {
             "format": FSDP_FORMAT,
             "state": fsdp.state_dict(engine.state, engine.flat.params),
             "param_groups": [group_numbers(g) for g in inner.param_groups],
+            "trainable": trained_positions(inner),
             **{key: flags[key] for key in FLAGS},
         }
-    engine.resync_masters()  # a param written since the last step is saved as written
+    if any(isinstance(p, DTensor) for ps in params.trainable for p in ps):
+        raise RuntimeError(
+            f"state_dict() of an FP16_Optimizer on the generic path (the wrapped "
+            f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its "
+            "state is the wrapped optimizer's, which a fresh optimizer's dict has no room "
+            "for, so a DCP load would drop it silently. On FSDP2, checkpoint SGD, Adam or "
+            "AdamW (the fast path; docs/distributed.md)"
+        )
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
         trainable = [

@@ -166,15 +166,22 @@ class FastEngine:
         the last step (``step.adopt_written``), in place, before the masters are saved or the
         state rebuilt from them: the step adopts a written param itself, but a checkpoint or
         a new param group taken before it would carry the old master and undo the write on
-        loading. Sharded, each rank adopts its slices (no collective). (A compensated master
-        is read from its param; an FSDP2 checkpoint saves the param beside its master, and
-        the step adopts it after loading.)"""
-        if self.fsdp or self.state.precision.compensated:
+        loading. Sharded or on FSDP2 shards, each rank adopts its own slices (no collective).
+        (A compensated master is read from its param.)"""
+        if self.state.precision.compensated:
             return
+        params, masters = tree.flatten(self.state.params)[0], tree.flatten(self.state.master)[0]
         with torch.no_grad():
-            for p, m in zip(self.state.flat_params(), self.state.master_segments):
-                if p.dtype != torch.float32:
+            for p, m in zip(params, masters):
+                if p is not None and p.dtype != torch.float32:
                     m.copy_(adopt_written(p, m))
+
+    def forget_written(self) -> None:
+        """Makes the next step write every param group number and the clipping threshold into
+        the core, after a load wrote the checkpoint's into it: a number then set back to the
+        value last written before the load would otherwise be taken as written already."""
+        self._written = [{} for _ in self._written]
+        self._clip_written = None
 
     def _make_entries(self) -> dict[int, torch.Tensor]:
         if self.groups_hold_params:
@@ -403,7 +410,7 @@ class FastEngine:
             self.restructure(specs, self.export() if self.sharded is None else {})
         for k, (spec, group) in enumerate(zip(self.specs, groups)):
             values, written = group_values(spec, group, k), self._written[k]
-            changed = {name: v for name, v in values.items() if written[name] != v}
+            changed = {n: v for n, v in values.items() if n not in written or written[n] != v}
             if changed:
                 replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)
                 written.update(changed)

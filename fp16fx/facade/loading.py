@@ -19,7 +19,13 @@ import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
 from fp16fx.distributed import fsdp
-from fp16fx.facade.checkpoint import FLAGS, KEYS, SHARDED_FORMAT, group_numbers
+from fp16fx.facade.checkpoint import (
+    FLAGS,
+    KEYS,
+    SHARDED_FORMAT,
+    group_numbers,
+    trained_positions,
+)
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.groups import (
@@ -58,6 +64,15 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         if set(saved) != set(group_numbers(group)):
             raise _fail(f"param_groups[{k}] has keys {sorted(saved)}, this optimizer's "
                         f"{sorted(group_numbers(group))}")  # fmt: skip
+    trainable = trained_positions(inner)
+    if "trainable" not in sd:
+        raise _fail("it does not say which params it trained (saved by an older fp16fx)")
+    if sd["trainable"] != trainable:
+        raise _fail(
+            f"it trained the params at {sd['trainable']} of its groups' params, this "
+            f"optimizer those at {trainable}: its state is saved by position among them, and "
+            "would load into other params (freeze and unfreeze as when it was saved)"
+        )
     engine.check_structure(
         [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
          enumerate(zip(groups, inner.param_groups))]
@@ -74,6 +89,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
     engine.scaler.policy = policy
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
+    engine.forget_written()
 
 
 def _saved_policy(policy: Any, sd: Any) -> Any:
