@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, closure, loading
@@ -590,11 +591,18 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Raises: the loss just backpropagated reached none of the params trained here."""
         trained = [p for ps in self._params.trainable for p in ps]
         first = self._params.names.get(id(trained[0]), "a param") if trained else "none"
+        fsdp = (
+            " On FSDP2, model.set_requires_gradient_sync(False) also writes no gradient until "
+            "the synced backward: for the micro-batches before it, backpropagate "
+            "(loss.float() * optimizer.loss_scale) yourself, and optimizer.backward the last."
+            if any(isinstance(p, DTensor) for p in trained)
+            else ""
+        )
         raise RuntimeError(
             f"optimizer.backward(loss): the loss reached none of the {len(trained)} params this "
             f"FP16_Optimizer trains ({first}, ...). Were the model's params replaced after it "
             "was built -- load_state_dict(..., assign=True), model.to(...), a new module? "
-            "Build the FP16_Optimizer after that, or load weights with assign=False."
+            "Build the FP16_Optimizer after that, or load weights with assign=False." + fsdp
         )
 
     def _check_frozen(self) -> None:
