@@ -302,7 +302,8 @@ def scale_loss(state: MixedPrecisionState, loss: torch.Tensor) -> torch.Tensor:
 
 def get_hyperparams(state: MixedPrecisionState) -> dict[str, Any] | list[dict[str, Any]]:
     """Returns the hyperparameters by name, e.g. ``{"lr": 1e-3, "betas": (0.9, 0.999), ...}``
-    (one sync); with ``multi_transform``, a list of such dicts, one per param group."""
+    (one sync); with ``multi_transform`` of several param groups, a list of such dicts, one
+    per group."""
     check_state(state, "get_hyperparams")
     groups = read_hyperparams(state.opt_state)
     return groups[0] if len(groups) == 1 else groups

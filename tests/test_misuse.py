@@ -302,6 +302,8 @@ def test_misused_arguments_get_errors_that_name_them():
     state = fp16fx.init(params, fp16fx.sgd(0.1))
     with pytest.raises(TypeError, match=r"scale_loss expects the loss as a tensor, got 1\.0"):
         fp16fx.scale_loss(state, 1.0)
+    with pytest.raises(ValueError, match="'lr' must be >= 0, got an integer of 401 digits"):
+        fp16fx.set_hyperparams(state, lr=10**400)  # once a bare OverflowError
     sparse = torch.ones(4).half().to_sparse()
     with pytest.raises(TypeError, match=r"grads\['w'\] is a torch.sparse_coo tensor"):
         fp16fx.step(state, {"w": sparse})

@@ -113,8 +113,15 @@ def _number(name: str, value: Any) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy's numbers too
         raise TypeError(f"hyperparameter {name!r} must be a number, got {value!r}")
     valid, rule = _VALID[name]
-    if not (math.isfinite(value) and valid(value)):
-        raise ValueError(f"hyperparameter {name!r} must be {rule}, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        finite = False
+    if not (finite and valid(value)):
+        shown = (
+            repr(value) if len(repr(value)) <= 40 else f"an integer of {len(repr(value))} digits"
+        )
+        raise ValueError(f"hyperparameter {name!r} must be {rule}, got {shown}")
     return float(value)
 
 
