@@ -285,6 +285,36 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     return out
 
 
+def accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Two micro-batches a step: reduced at each (``optimizer.backward`` both), or only at the
+    last (FSDP2's ``set_requires_gradient_sync(False)`` before it: the first backpropagated
+    scaled by hand, as docs/distributed.md says, since FSDP2 writes no gradient for it)."""
+    runs: dict[str, Any] = {}
+    for how in ("synced", "unsynced"):
+        model = sharded()
+        opt = facade(model, compiled=False)
+        for step in range(3):
+            opt.zero_grad()
+            model.set_requires_gradient_sync(how == "synced")
+            first = loss_of(model, 10 * step, rank, world) / 2
+            if how == "synced":
+                opt.backward(first)
+            else:
+                (first.float() * opt.loss_scale).backward()
+            model.set_requires_gradient_sync(True)
+            opt.backward(loss_of(model, 10 * step + 1, rank, world) / 2)
+            opt.step()
+        runs[how] = full(model)
+    model = sharded()
+    opt = facade(model, compiled=False)
+    model.set_requires_gradient_sync(False)
+    try:
+        opt.backward(loss_of(model, 0, rank, world))
+    except RuntimeError as err:
+        runs["message"] = str(err)
+    return runs
+
+
 def optimizer_leaves(opt: fp16fx.FP16_Optimizer) -> list[torch.Tensor]:
     """The tensors the optimizer keeps beside the params: masters, moments, counts, scale."""
     state = opt._engine.state
@@ -479,6 +509,7 @@ def worker(rank: int, world: int, out: str) -> None:
             "no_sync": lambda: no_sync(rank, world),
             "refusals": lambda: refusals(rank, world),
             "checkpoint_care": lambda: checkpoint_care(rank, world, where),
+            "accumulation": lambda: accumulation(rank, world),
             "hang": lambda: hang(rank, world),
             "die": lambda: die(rank, world),  # last: it breaks the group
         }
@@ -652,3 +683,10 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert r["optimizer_unchanged"]
         assert r["lr_after_load"] == pytest.approx(3 * LR)
         assert "generic path" in r["generic"] and "RMSprop" in r["generic"]
+
+
+def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs):
+    for r in ranks(jobs, 2, "accumulation"):
+        assert "set_requires_gradient_sync(False)" in r["message"]
+        assert r["synced"].keys() == r["unsynced"].keys()
+        assert all(torch.equal(r["synced"][k], r["unsynced"][k]) for k in r["synced"])
