@@ -17,6 +17,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from fp16fx.tree import is_finite
+
 
 class LossScaleState(NamedTuple):
     """The mutable part of every loss-scale policy, as 0-d tensors.
@@ -67,7 +69,7 @@ def check_scale(name: str, value: float) -> None:
     positive normal value (a loss scale, or a factor or bound of one)."""
     low, high = _FP32_NORMAL
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
-    if not (number and math.isfinite(value) and low <= value <= high):
+    if not (number and is_finite(value) and low <= value <= high):
         raise ValueError(
             f"{name} must be a finite number > 0 that FP32 holds as a normal value "
             f"({low:g} to {high:g}), got {value!r}"

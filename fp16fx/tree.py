@@ -10,6 +10,7 @@ params, masters, grads and optimizer state stay aligned index by index.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,15 @@ _LAYOUT = operator.attrgetter("layout")
 
 #: Parameter dtypes fp16fx trains. FP64 is refused: its master would be less precise than it.
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_finite(value: Any) -> bool:
+    """``math.isfinite(value)`` for a real number, False (not OverflowError) for an integer
+    beyond any float (``10**400``): the one check of user numbers for finiteness."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -595,25 +595,6 @@ def test_changing_a_structural_option_rebuilds_or_hands_over_and_stays_correct(c
     close(masters["fast"], masters["generic"], rtol=1e-4, atol=1e-5)
 
 
-def test_momentum_turned_off_and_on_keeps_its_buffer_as_torch_does():
-    """torch.optim.SGD at momentum 0 steps the plain gradient and keeps ``momentum_buffer``;
-    turned back on, it continues from it. The fast path once rebuilt without momentum, and
-    with it again: the buffer started afresh, and the masters left torch's by ~7e-2."""
-    masters, buffers = {}, {}
-    for path in PATHS:
-        model = TwoHeads()
-        opt = wrap(model, path, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        for momentum in (0.9, 0.9, 0.0, 0.0, 0.9, 0.9):
-            opt.param_groups[0]["momentum"] = momentum
-            train(model, opt, 1)
-            if momentum == 0.0:
-                state = opt.state_dict()["optimizer_state_dict"]["state"]
-                buffers[path] = [s["momentum_buffer"].clone() for s in state.values()]
-        masters[path] = snapshot(opt)
-    close(buffers["fast"], buffers["generic"])
-    close(masters["fast"], masters["generic"])
-
-
 @pytest.mark.parametrize("how", ["set later", "in an added group"])
 def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
     """torch.optim.SGD refuses nesterov with dampening only when built, and steps it when a

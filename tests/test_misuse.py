@@ -302,8 +302,13 @@ def test_misused_arguments_get_errors_that_name_them():
     state = fp16fx.init(params, fp16fx.sgd(0.1))
     with pytest.raises(TypeError, match=r"scale_loss expects the loss as a tensor, got 1\.0"):
         fp16fx.scale_loss(state, 1.0)
-    with pytest.raises(ValueError, match="'lr' must be >= 0, got an integer of 401 digits"):
-        fp16fx.set_hyperparams(state, lr=10**400)  # once a bare OverflowError
+    # An integer beyond any float once raised a bare OverflowError from math.isfinite.
+    with pytest.raises(ValueError, match="'lr' must be >= 0, got a number too large for a"):
+        fp16fx.set_hyperparams(state, lr=10**400)
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        wrap(make_model(), "fast").clip_master_grads(10**400)
+    with pytest.raises(ValueError, match="init_scale"):
+        fp16fx.DynamicLossScale(init_scale=10**400)
     sparse = torch.ones(4).half().to_sparse()
     with pytest.raises(TypeError, match=r"grads\['w'\] is a torch.sparse_coo tensor"):
         fp16fx.step(state, {"w": sparse})

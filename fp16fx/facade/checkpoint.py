@@ -84,10 +84,12 @@ def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     }
 
 
-def trained_positions(inner: torch.optim.Optimizer) -> list[list[int]]:
-    """Returns, per param group, the positions of its trained params (``requires_grad``):
-    an FSDP2 checkpoint keys their state by position among them."""
-    return [[i for i, p in enumerate(g["params"]) if p.requires_grad] for g in inner.param_groups]
+def trained_positions(inner: torch.optim.Optimizer, engine: FastEngine) -> list[list[int]]:
+    """Returns, per param group, the positions of the params ``engine`` trains: those it was
+    built over (``requires_grad`` then, whatever it is now), among which a sharded or FSDP2
+    checkpoint keys their state by position."""
+    trained = {id(engine.entry(p)) for p in engine.flat.params}
+    return [[i for i, e in enumerate(g["params"]) if id(e) in trained] for g in inner.param_groups]
 
 
 def state_dict(
@@ -104,7 +106,7 @@ def state_dict(
             "format": FSDP_FORMAT,
             "state": fsdp.state_dict(engine.state, engine.flat.params),
             "param_groups": [group_numbers(g) for g in inner.param_groups],
-            "trainable": trained_positions(inner),
+            "trainable": trained_positions(inner, engine),
             **{key: flags[key] for key in FLAGS},
         }
     if any(isinstance(p, DTensor) for ps in params.trainable for p in ps):
@@ -112,15 +114,14 @@ def state_dict(
             f"state_dict() of an FP16_Optimizer on the generic path (the wrapped "
             f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its "
             "state is the wrapped optimizer's, which a fresh optimizer's dict has no room "
-            "for, so a DCP load would drop it silently. On FSDP2, checkpoint SGD, Adam or "
-            "AdamW (the fast path; docs/distributed.md)"
+            "for, so a DCP load would drop it silently. On FSDP2, checkpoint through the fast "
+            "path: SGD, Adam or AdamW without maximize, path 'auto' or 'fast' "
+            "(docs/distributed.md)"
         )
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
-        trainable = [
-            [pid for pid, p in zip(g["params"], group["params"]) if p.requires_grad]
-            for g, group in zip(groups, inner.param_groups)
-        ]
+        positions = trained_positions(inner, engine)
+        trainable = [[g["params"][i] for i in at] for g, at in zip(groups, positions)]
         return {
             "format": SHARDED_FORMAT,
             "shard": fdist.state_dict(engine.sharded),

@@ -34,7 +34,6 @@ from fp16fx.facade.groups import (
     fast_kind,
     group_spec,
     group_values,
-    kept_structure,
 )
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
@@ -392,7 +391,7 @@ class FastEngine:
         """Writes the param groups' current numbers into the core's tensors (no sync, unless
         a group holds a number as a tensor: reading it syncs).
 
-        A changed structural option (momentum on, nesterov, amsgrad) rebuilds the
+        A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported.
         """
         groups = self.optimizer.param_groups
@@ -402,7 +401,6 @@ class FastEngine:
             if self.sharded is None and not self.fsdp:
                 raise
             raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
-        specs = [kept_structure(built, wanted) for built, wanted in zip(self.specs, specs)]
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
             if self.fsdp:

@@ -81,16 +81,6 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
     return GroupSpec(name, amsgrad=bool(group["amsgrad"]))
 
 
-def kept_structure(built: GroupSpec, wanted: GroupSpec) -> GroupSpec:
-    """Returns ``wanted``, or ``built`` where only SGD's momentum went to 0: the built
-    momentum then stays, and steps the plain gradient at momentum 0 while keeping its buffer,
-    as torch.optim.SGD keeps ``momentum_buffer`` (turning momentum back on continues from
-    it; dropping it would start afresh, and rebuild twice)."""
-    if built.name == wanted.name == "sgd" and built.momentum and not wanted.momentum:
-        return built
-    return wanted
-
-
 def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str, Any]:
     """Returns the core's hyperparameters for param group ``index`` (tensors, e.g. a tensor
     lr, as floats); raises TypeError/ValueError naming the group and the value that is not a

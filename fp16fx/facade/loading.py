@@ -11,7 +11,6 @@ the entry and leaves the optimizer exactly as it was.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from fp16fx.facade.groups import (
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
 from fp16fx.scaling import DynamicLossScale
+from fp16fx.tree import is_finite
 
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
 #: Per-param state keys of the optimizers whose states are checked entry by entry.
@@ -64,19 +64,21 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         if set(saved) != set(group_numbers(group)):
             raise _fail(f"param_groups[{k}] has keys {sorted(saved)}, this optimizer's "
                         f"{sorted(group_numbers(group))}")  # fmt: skip
-    trainable = trained_positions(inner)
     if "trainable" not in sd:
         raise _fail("it does not say which params it trained (saved by an older fp16fx)")
-    if sd["trainable"] != trainable:
-        raise _fail(
-            f"it trained the params at {sd['trainable']} of its groups' params, this "
-            f"optimizer those at {trainable}: its state is saved by position among them, and "
-            "would load into other params (freeze and unfreeze as when it was saved)"
-        )
-    engine.check_structure(
-        [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
-         enumerate(zip(groups, inner.param_groups))]
-    )  # fmt: skip
+    for k, (theirs, mine) in enumerate(zip(sd["trainable"], trained_positions(inner, engine))):
+        if theirs != mine:
+            raise _fail(
+                f"it trained the params at {theirs} of param group {k}, this optimizer those "
+                f"at {mine}: the state is saved by position among them, and would load into "
+                "other params (freeze and unfreeze as when it was saved)"
+            )
+    try:
+        specs = [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
+                 enumerate(zip(groups, inner.param_groups))]  # fmt: skip
+    except Unsupported as err:
+        raise _fail(f"an FSDP2 FP16_Optimizer cannot run its groups: {err}") from None
+    engine.check_structure(specs)
     policy = _saved_policy(engine.scaler.policy, sd["state"])
     state = engine.state
     try:
@@ -230,7 +232,7 @@ def _is_count(value: Any) -> bool:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return math.isfinite(value) and value >= 0 and value == int(value)
+    return is_finite(value) and value >= 0 and value == int(value)
 
 
 def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -36,6 +36,7 @@ from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
+from fp16fx.tree import is_finite
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -413,7 +414,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         itself is folded into the next ``step()``, which reuses its own norm: no extra pass.
         A ``norm_type`` other than 2 moves the optimizer to the generic path.
         """
-        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+        if not (isinstance(max_norm, (int, float)) and is_finite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
         try:
             order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too

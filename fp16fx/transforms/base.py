@@ -21,7 +21,6 @@ such as Adam's bias corrections as precise as torch.optim's host-side math.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -30,6 +29,7 @@ import optree
 import torch
 
 from fp16fx.segments import Segments
+from fp16fx.tree import is_finite
 
 Params = Any
 Updates = Any
@@ -113,14 +113,8 @@ def _number(name: str, value: Any) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy's numbers too
         raise TypeError(f"hyperparameter {name!r} must be a number, got {value!r}")
     valid, rule = _VALID[name]
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int beyond any float (10**400)
-        finite = False
-    if not (finite and valid(value)):
-        shown = (
-            repr(value) if len(repr(value)) <= 40 else f"an integer of {len(repr(value))} digits"
-        )
+    if not (is_finite(value) and valid(value)):
+        shown = repr(value) if len(repr(value)) <= 40 else "a number too large for a float"
         raise ValueError(f"hyperparameter {name!r} must be {rule}, got {shown}")
     return float(value)
 
