@@ -341,12 +341,17 @@ class FastEngine:
         self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
         self._clip_written = NO_CLIP
 
+    @property
+    def whose(self) -> str:
+        """Names the optimizer in errors of a sharded or FSDP2 engine."""
+        return "an FSDP2 model's FP16_Optimizer" if self.fsdp else "a sharded FP16_Optimizer"
+
     def check_structure(self, specs: list[GroupSpec]) -> None:
         """Raises ValueError if a sharded engine's groups change structure."""
         if specs != self.specs:
             raise ValueError(
-                "a sharded FP16_Optimizer cannot change a param group's structure (momentum "
-                "on/off, nesterov, amsgrad, Adam/AdamW) after it was built; build a new one"
+                f"{self.whose} cannot change a param group's structure (momentum on/off, "
+                "nesterov, amsgrad, Adam/AdamW) after it was built; build a new one"
             )
 
     def add_group(self, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -358,8 +363,8 @@ class FastEngine:
         """
         if self.sharded is not None or self.fsdp:
             raise ValueError(
-                "a sharded FP16_Optimizer cannot add a param group; give every group to the "
-                "wrapped optimizer before building the FP16_Optimizer"
+                f"{self.whose} cannot add a param group; give every group to the wrapped "
+                "optimizer before building the FP16_Optimizer"
             )
         groups = self.optimizer.param_groups
         spec = group_spec(self.kind, groups[-1], len(groups) - 1)
@@ -400,7 +405,7 @@ class FastEngine:
         except Unsupported as err:
             if self.sharded is None and not self.fsdp:
                 raise
-            raise ValueError(f"a sharded FP16_Optimizer cannot run this: {err}") from None
+            raise ValueError(f"{self.whose} cannot run this: {err}") from None
         if specs != self.specs:
             logger.info("fp16fx: a param group's structure changed; rebuilding the fast path")
             if self.fsdp:

@@ -77,7 +77,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         specs = [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
                  enumerate(zip(groups, inner.param_groups))]  # fmt: skip
     except Unsupported as err:
-        raise _fail(f"an FSDP2 FP16_Optimizer cannot run its groups: {err}") from None
+        raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs)
     policy = _saved_policy(engine.scaler.policy, sd["state"])
     state = engine.state

@@ -430,7 +430,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._engine.max_norm = float(max_norm)
                 return float(norm)
             if self.sharded or self._engine.fsdp:
-                raise ValueError("a sharded FP16_Optimizer clips by the L2 norm (norm_type=2) only")
+                raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
