@@ -377,6 +377,11 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_within_its_round(monkeyp
     assert rows["torch-fused"].fraction_of_roofline == pytest.approx(u / 2)
     report = format_report(result)
     assert "3 rounds in alternating order" in report and "the median of 3 rounds' copies" in report
+    assert "median of the rounds' medians" in report
+    # With --interleave the loop's times replace the rounds': the header once said both.
+    both = format_report(dataclasses.replace(result, interleaved=True))
+    assert "every time and ratio is the interleaved loop's" in both
+    assert "median of the rounds' medians" not in both
     # The median of the rounds' ratios, not the ratio of the medians (20 / 5 = 4).
     assert harness._median_ratio([10.0, 20.0, 30.0], [5.0, 5.0, 30.0]) == 2.0
 

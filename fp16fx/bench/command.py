@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure every contender this many times, in alternating order, and the copy "
         "bandwidth at the start of each round; report the median of the rounds' medians and "
         "of their speed-ups and fractions of the roofline (default 1; 3 or more on a machine "
-        "with other work)",
+        "with other work; with --interleave, the interleaved loop's times replace them)",
     )
     parser.add_argument(
         "--interleave",

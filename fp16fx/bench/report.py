@@ -169,7 +169,12 @@ def format_report(bench: BenchResult) -> str:
             "\ntimed interleaved: every contender's step i in one loop iteration, states alive "
             "at once; roof, ×torch and ×apex are medians of same-iteration ratios"
         )
-    if bench.rounds > 1:
+    if bench.rounds > 1 and bench.interleaved:
+        intro += (
+            f"\n{bench.rounds} rounds in alternating order before it gave the compile times and "
+            "peak memory; every time and ratio is the interleaved loop's"
+        )
+    elif bench.rounds > 1:
         intro += (
             f"\n{bench.rounds} rounds in alternating order: ms/step is the median of the rounds' "
             "medians, roof, ×torch and ×apex the median of the rounds' ratios"
