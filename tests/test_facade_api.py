@@ -614,3 +614,27 @@ def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
         assert opt.path == "generic"
         masters[path] = snapshot(opt)
     close(masters["fast"], masters["generic"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_apex_group_attributes_name_the_live_params_and_masters(path):
+    """apex's fp16_groups / fp32_from_fp16_groups / fp32_from_fp32_groups, which apex-era
+    checkpoint code reads: the model's FP16 params, the FP32 masters the groups hold for them
+    (live: they follow a step and an add_param_group), the FP32 params."""
+    model, gain = TwoHeads(), torch.ones(3, requires_grad=True)  # FP32: its own master
+    opt = wrap(model, path, torch.optim.SGD(model.trunk.parameters(), lr=0.1))
+    opt.add_param_group({"params": [*model.a.parameters(), gain]})
+    train(model, opt, 2)
+    assert [[id(p) for p in g] for g in opt.fp16_groups] == [
+        [id(p) for p in model.trunk.parameters()],
+        [id(p) for p in model.a.parameters()],
+    ]
+    assert [[id(p) for p in g] for g in opt.fp32_from_fp32_groups] == [[], [id(gain)]]
+    groups = zip(opt.param_groups, opt.fp16_groups, opt.fp32_from_fp16_groups, strict=True)
+    for group, fp16, masters in groups:
+        assert all(any(m is e for e in group["params"]) for m in masters)
+        assert all(m.dtype == torch.float32 for m in masters)
+        assert all(torch.equal(m.half(), p) for m, p in zip(masters, fp16, strict=True))
+    compact = wrap(TwoHeads(), "fast", master="compensated")
+    with pytest.raises(RuntimeError, match="holds no FP32 master tensors"):
+        _ = compact.fp32_from_fp16_groups

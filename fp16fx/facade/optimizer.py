@@ -307,6 +307,29 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """The number of steps skipped for inf/NaN gradients so far (reading it syncs)."""
         return self._reporter.skipped_total + int(self._scaler.stats[0])
 
+    @property
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
+        """apex's: per param group, its trained FP16/BF16 model params."""
+        return [[p for p in ps if p.dtype != torch.float32] for ps in self._params.trainable]
+
+    @property
+    def fp32_from_fp16_groups(self) -> list[list[torch.Tensor]]:
+        """apex's: per param group, the FP32 masters of :attr:`fp16_groups` (the tensors the
+        groups hold for them, live). Raises where there are none to hold: compensated masters
+        and sharded ones are read whole from ``state_dict()["fp32_from_fp16"]``."""
+        pairs = list(zip(self._params.trainable, self._params.masters))
+        if any(m is p for ps, ms in pairs for p, m in zip(ps, ms) if p.dtype != torch.float32):
+            raise RuntimeError(
+                "this FP16_Optimizer holds no FP32 master tensors (master='compensated', or "
+                "sharded): read the masters from state_dict()['fp32_from_fp16']"
+            )
+        return [[m for p, m in zip(ps, ms) if p.dtype != torch.float32] for ps, ms in pairs]
+
+    @property
+    def fp32_from_fp32_groups(self) -> list[list[torch.Tensor]]:
+        """apex's: per param group, its trained FP32 params (their own masters)."""
+        return [[p for p in ps if p.dtype == torch.float32] for ps in self._params.trainable]
+
     def __getstate__(self) -> Any:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
 
