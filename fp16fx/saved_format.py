@@ -134,18 +134,22 @@ def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: b
         raise misfit(f"{where} is {float(value):g}, a step count below 0")
 
 
-def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
-    """Returns a saved leaf's per-param scalars (step counts: the 0-d integer tensors of its
-    optimizer state; a 0-d param's moments are 0-d too, but floating), in key order (one sync
-    each)."""
-    return tuple(
-        float(v)
-        for k, v in sorted(entry.items())
-        if k.startswith("opt")
-        and not k.endswith(".offset")
-        and v.ndim == 0
-        and not v.is_floating_point()
+def is_step_count(key: str, value: torch.Tensor) -> bool:
+    """Whether a saved leaf's entry ``key`` is one of its optimizer state's step counts: a 0-d
+    integer tensor (not an int8 block's offset; a 0-d param's moments are 0-d too, but
+    floating)."""
+    return (
+        key.startswith("opt")
+        and not key.endswith(".offset")
+        and value.ndim == 0
+        and not value.is_floating_point()
     )
+
+
+def leaf_scalars(entry: Mapping[str, torch.Tensor]) -> tuple[float, ...]:
+    """Returns a saved leaf's step counts (:func:`is_step_count`), in key order (one sync
+    each)."""
+    return tuple(float(v) for k, v in sorted(entry.items()) if is_step_count(k, v))
 
 
 def precision_of(sd: Mapping[str, Any]) -> Precision:

@@ -108,7 +108,7 @@ def _shared_values(shard: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     for group in ("loss_scale", "hyperparams"):
         out.update({f"[{group!r}][{key!r}]": v for key, v in shard[group].items()})
     for b, entry in shard["params"].items():
-        counts = {k: v for k, v in entry.items() if v.ndim == 0 and not k.endswith(".offset")}
+        counts = {k: v for k, v in entry.items() if saved_format.is_step_count(k, v)}
         out.update({f"['params'][{b!r}][{key!r}]": v for key, v in counts.items()})
     return out
 

@@ -34,10 +34,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 import fp16fx.distributed as fdist
-from fp16fx import saved_format
+from fp16fx import dtensors, saved_format
 from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
@@ -109,7 +108,7 @@ def state_dict(
             "trainable": trained_positions(inner, engine),
             **{key: flags[key] for key in FLAGS},
         }
-    if any(isinstance(p, DTensor) for ps in params.trainable for p in ps):
+    if dtensors.has_dtensors([p for ps in params.trainable for p in ps]):
         raise RuntimeError(
             f"state_dict() of an FP16_Optimizer on the generic path (the wrapped "
             f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its "

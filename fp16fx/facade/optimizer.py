@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from fp16fx import dtensors
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
@@ -619,7 +619,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             " On FSDP2, model.set_requires_gradient_sync(False) also writes no gradient until "
             "the synced backward: for the micro-batches before it, backpropagate "
             "(loss.float() * optimizer.loss_scale) yourself, and optimizer.backward the last."
-            if any(isinstance(p, DTensor) for p in trained)
+            if dtensors.has_dtensors(trained)
             else ""
         )
         raise RuntimeError(
