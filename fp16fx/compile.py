@@ -141,8 +141,8 @@ class StepFunction:
         )
         return _run_region(key, fn, self.compile_options, args)
 
-    def _prepare(self, state: MixedPrecisionState, grads: Any) -> Prepared:
-        prepared = prepare(state, grads, self._scratch if self.inplace else None)
+    def _prepare(self, state: MixedPrecisionState, grads: Any, gather: bool = True) -> Prepared:
+        prepared = prepare(state, grads, self._scratch if self.inplace else None, gather=gather)
         if self.inplace:
             _refuse_aliases(prepared, grads)
         if self.cuda_graph:
@@ -164,7 +164,7 @@ class StepFunction:
     def check(self, state: MixedPrecisionState, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find; nothing moves
         (the state's segments may be cut, as the step would cut them)."""
-        prepared = self._prepare(state, grads)
+        prepared = self._prepare(state, grads, gather=False)
         with torch.no_grad():
             return self._run(
                 check, prepared, state.consensus, prepared.grads, state.loss_scale.scale

@@ -1,6 +1,6 @@
 """Found-inf consensus: every process skips or applies a step together, decided on the device.
 
-Layer: ``step`` (DESIGN.md), beside the step that calls it: both the functional state and the
+Layer: ``step`` (docs/design.md), beside the step that calls it: both the functional state and the
 facade hold one, so it sits below both (the ``distributed`` layer re-exports it). The
 transport is ``torch.distributed`` alone; this module depends on nothing else of fp16fx.
 

@@ -20,8 +20,9 @@ from fp16fx.scaling import LossScaleState
 from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
 
-#: Per bucket, a flat buffer that grads are packed into, and its views (reused every step).
-Scratch = dict[flat.Bucket, tuple[torch.Tensor, list[torch.Tensor]]]
+#: Flat buffers reused every step, with their views: per bucket, one that grads are packed
+#: into; per segment whose params are not one flat tensor, one they are packed into.
+Scratch = dict[flat.Bucket | flat.Segment, tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 class Trained(NamedTuple):
@@ -83,6 +84,8 @@ def prepare(
     state: MixedPrecisionState,
     grads: Any,
     scratch: Scratch | None = None,
+    *,
+    gather: bool = True,
 ) -> Prepared:
     """Returns the step's inputs after checking ``grads`` against ``state``'s params.
 
@@ -91,6 +94,9 @@ def prepare(
     leaf, and are packed into one flat buffer per bucket (``scratch``'s, reused from step to
     step, when given). A leaf whose grad is None, in a segment whose other leaves have one,
     gets a segment of its own (the state is cut; one recompile for a compiled step).
+
+    Params that are not one flat tensor are gathered into one (:func:`_core_params`), unless
+    ``gather`` is False (a check, which reads only the grads).
 
     Raises:
       TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
@@ -116,18 +122,60 @@ def prepare(
         _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
     ]
     written = tuple(t is not None for t in targets)
-    params = Segments(
-        [None if t is None or t.dtype == torch.float32 else t for t in targets],
-        state.param_segments.labels,
-    )
+    params, masters = _core_params(state, active, targets, scratch, gather)
     trained = Trained(
-        params=select(params, active),
-        masters=select(state.master_segments, active),
+        params=params,
+        masters=masters,
         opt_state=select(state.opt_state, active),
         loss_scale=state.loss_scale,
         count=state.count,
     )
     return Prepared(state, active, written, seg_grads, trained)
+
+
+def _core_params(
+    state: MixedPrecisionState,
+    active: tuple[bool, ...],
+    targets: list[torch.Tensor | None],
+    scratch: Scratch | None,
+    gather: bool,
+) -> tuple[Segments, Segments]:
+    """Returns the params and masters the core reads, one per active segment.
+
+    A segment whose params are one flat tensor gives it (None where it is FP32: its own
+    master). The leaves of any other are packed, so that the core adopts a value written
+    into them since the last step (docs/design.md, step 3) as it does a flat param's, and a
+    pure step compiles one graph, not a second one for the flat params it returns: FP16/BF16
+    leaves into a flat buffer (``scratch``'s, reused, in place), which the core writes the new
+    params into and :func:`finish` copies to the leaves; FP32 leaves, their own masters, into
+    their master (in place) or a copy of it (pure).
+    """
+    layout = state.layout
+    params, masters = [], []
+    for seg, on, target, given, master in zip(
+        layout.segments, active, targets, state.param_segments, state.master_segments
+    ):
+        if not on:
+            continue
+        bucket = layout.buckets[seg.bucket]
+        if target is None and gather:
+            if bucket.dtype == torch.float32:
+                out = master if scratch is not None else torch.empty_like(master)
+            elif scratch is None:
+                out = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
+            else:
+                if seg not in scratch:
+                    buffer = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
+                    scratch[seg] = (buffer, flat.views(bucket, buffer, seg.lo, seg.hi))
+                out = scratch[seg][0]
+            with torch.no_grad():
+                flat.copy_all(flat.views(bucket, out, seg.lo, seg.hi), given)
+            target = out
+        fp32 = bucket.dtype == torch.float32
+        params.append(None if target is None or fp32 else target)
+        masters.append(target if fp32 and target is not None else master)
+    labels = [s.label for s, on in zip(layout.segments, active) if on]
+    return Segments(params, labels), Segments(masters, labels)
 
 
 def _local_grads(state: MixedPrecisionState, grads: Any) -> Any:
@@ -221,21 +269,20 @@ def _pack(
 def finish(prepared: Prepared, new: Trained | None) -> MixedPrecisionState:
     """Returns the state after the step: ``new``'s values merged into a new state (pure), or,
     with ``new=None`` (the core wrote in place), the prepared state after copying the new
-    masters into params that are not one flat tensor."""
+    params into params that are not one flat tensor, from the flat ones the core wrote
+    (:func:`_core_params`)."""
     state, active = prepared.state, prepared.active
     if new is None:
         layout = state.layout
+        segments = [k for k, on in enumerate(active) if on]
+        core = zip(segments, prepared.trained.params, prepared.trained.masters)
         with torch.no_grad():
-            for seg, on, done, params, master in zip(
-                layout.segments,
-                active,
-                prepared.written,
-                state.param_segments,
-                state.master_segments,
-            ):
-                if on and not done:  # one more pass over them
-                    bucket = layout.buckets[seg.bucket]
-                    flat.copy_all(params, flat.views(bucket, master, seg.lo, seg.hi))
+            for k, written, master in core:
+                if not prepared.written[k]:  # one more pass over them
+                    seg = layout.segments[k]
+                    source = master if written is None else written
+                    views = flat.views(layout.buckets[seg.bucket], source, seg.lo, seg.hi)
+                    flat.copy_all(state.param_segments[k], views)
         return state
     params = Segments(
         [m if p is None else p for p, m in zip(new.params, new.masters)], new.params.labels

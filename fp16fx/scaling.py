@@ -1,6 +1,6 @@
 """Loss scaling: policies, their state, and the one definition of "unscale and check".
 
-Layer: ``scaling`` (DESIGN.md). Pure functions on tensors; never touches params.
+Layer: ``scaling`` (docs/design.md). Pure functions on tensors; never touches params.
 
 A policy is a frozen (hashable) dataclass holding configuration only. Its mutable part is a
 :class:`LossScaleState` of 0-d tensors that travels inside the training state, so changing the

@@ -235,8 +235,9 @@ def init(
         label) and re-point each given tensor at its view (``tensor.data = view``), so that a
         module built on them keeps training in place and the step writes the params in its
         fused pass. Pass the module's own parameters, not detached copies. Without it, the
-        masters and moments are flat all the same, and an in-place step copies the new
-        values into the given tensors after its fused pass (one more pass over the params).
+        masters and moments are flat all the same, and an in-place step packs the given
+        tensors into a flat buffer before its fused pass and copies the new values back
+        after it (two more passes over the params).
       consensus: agree "finite" and the gradient norm with other processes every step
         (``fp16fx.distributed.init`` sets it; see :class:`fp16fx.consensus.Consensus`).
       master: ``"fp32"`` (an FP32 master per FP16/BF16 param) or ``"compensated"`` (none: the

@@ -1,6 +1,6 @@
 """Pytree helpers: flattening with ``None`` kept in place, leaf names, and input validation.
 
-Layer: ``tree`` (DESIGN.md). Knows nothing about optimizers or loss scales.
+Layer: ``tree`` (docs/design.md). Knows nothing about optimizers or loss scales.
 
 Every tree in fp16fx is flattened with ``none_is_leaf=True`` so that a ``None`` leaf ("not
 trained" in params, "no gradient this step" in grads) keeps its position and the flat lists of

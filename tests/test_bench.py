@@ -21,7 +21,13 @@ from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFu
 from fp16fx.bench.fp16fx_runners import Fp16fxEagerRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.report import format_report, to_json
-from fp16fx.bench.runner import BenchConfig, Runner, register_runner, storage_bytes
+from fp16fx.bench.runner import (
+    BenchConfig,
+    Runner,
+    register_runner,
+    runner_classes,
+    storage_bytes,
+)
 
 TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
 COMPACT = "fp16fx-compensated-int8"
@@ -256,6 +262,17 @@ def test_unknown_contender_is_rejected_with_the_choices() -> None:
 def test_fp16fx_runners_are_registered() -> None:
     names = {cls.name for cls in select_runners(None)}
     assert {"fp16fx-compiled", "fp16fx-facade", "fp16fx-eager"} <= names
+
+
+def test_list_names_every_registered_contender_and_marks_the_opt_in_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert command.main(["--list"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(rows) == {"roofline", *(cls.name for cls in runner_classes())}
+    for cls in runner_classes():
+        assert ("[not in the default set]" in rows[cls.name]) == (not cls.default)
+    assert "[not in the default set]" in rows["fp16fx-compiled-leaves"]
 
 
 def test_fp16fx_eager_runner_takes_real_steps() -> None:

@@ -10,6 +10,7 @@ import torch
 import torch._dynamo
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 import fp16fx
 from fp16fx.precision import decode_master
@@ -88,7 +89,10 @@ def test_inplace_step_writes_into_the_states_own_tensors():
 
 @pytest.mark.parametrize("inplace", [True, False])
 def test_fifty_steps_with_changing_lr_scale_and_overflows_compile_once(inplace):
+    """One graph, whose regions never recompile: also pure, where the state's params are the
+    leaves as given in the first step and flat ones after (gathered alike, ``prepare``)."""
     torch._dynamo.reset()
+    counters.clear()
     params = {"w": torch.randn(32, 16).half(), "b": torch.randn(16).half(), "f": torch.randn(4)}
     policy = fp16fx.DynamicLossScale(init_scale=2.0**8, growth_interval=3, hysteresis=2)
     state = fp16fx.init(
@@ -109,6 +113,7 @@ def test_fifty_steps_with_changing_lr_scale_and_overflows_compile_once(inplace):
                 skipped.append(i)
     # Every injected NaN skips; the scale grows until real FP16 overflows back it off.
     assert {7, 14, 21, 28, 35, 42, 49} <= set(skipped) and len(scales) > 2
+    assert counters["stats"]["unique_graphs"] == 1
     assert fp16fx.get_hyperparams(state)["lr"] == pytest.approx(1e-3 / 50)
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
+from fp16fx.bench.harness import BenchOptions, run_bench
 from fp16fx.bench.measure import ROOFLINE_BYTES_PER_PARAM
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
 from fp16fx.bench.report import format_report, to_json
-from fp16fx.bench.runner import BenchConfig, Runner
+from fp16fx.bench.runner import BenchConfig, Runner, runner_classes
 from fp16fx.bench.sharded import (
     ShardedOptions,
     format_sharded_report,
@@ -217,7 +217,10 @@ def _listed(cls: type[Runner]) -> str:
 
 def _list_contenders() -> str:
     rows = [("roofline", "30 B/param / measured copy bandwidth (always reported)")]
-    rows += [(cls.name, _listed(cls)) for cls in select_runners(None)]
+    rows += [
+        (cls.name, _listed(cls) + ("" if cls.default else " [not in the default set]"))
+        for cls in runner_classes()
+    ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {label}" for name, label in rows)
 

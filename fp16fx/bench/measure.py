@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: Bytes an Adam step on FP16 params with FP32 master and moments must move per parameter
-#: (DESIGN.md, "Performance model"): read grad 2 + master 4 + m 4 + v 4, write master 4 +
+#: (docs/design.md, "The step's data flow"): read grad 2 + master 4 + m 4 + v 4, write master 4 +
 #: m 4 + v 4 + FP16 param 2 = 28, plus one read pass over the FP16 grads (2) to learn "all
 #: finite" and the global norm before any state may change.
 ROOFLINE_BYTES_PER_PARAM = 30

@@ -1,6 +1,6 @@
 """fp16fx on ``torch.distributed``: found-inf consensus, DDP, sharded (ZeRO-1 style) state.
 
-Layer: ``distributed`` (DESIGN.md). The transport is ``torch.distributed`` alone (gloo, NCCL).
+Layer: ``distributed`` (docs/design.md). The transport is ``torch.distributed`` alone (gloo, NCCL).
 
     import fp16fx.distributed as fdist
     state = fdist.init(params, fp16fx.adam(1e-3))               # replicated, with consensus

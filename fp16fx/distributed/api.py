@@ -1,7 +1,7 @@
 """``init``: the functional state, replicated (with consensus) or sharded; ``average_grads``:
 data parallelism without DDP, one all-reduce per flat grad buffer.
 
-Layer: ``distributed`` (DESIGN.md).
+Layer: ``distributed`` (docs/design.md).
 """
 
 from __future__ import annotations

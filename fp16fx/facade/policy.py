@@ -1,8 +1,9 @@
 """Loss-scale configuration: apex's arguments and checkpoint dicts <-> fp16fx policies.
 
-Layer: ``facade`` (DESIGN.md). The only loss-scale implementation is :mod:`fp16fx.scaling`; this
-module only translates apex's spelling of a scaler (constructor arguments, pickled scalers turned
-into plain dicts by :func:`fp16fx.apex_checkpoint.load_apex_checkpoint`) into a
+Layer: ``facade`` (docs/design.md). The only loss-scale implementation is
+:mod:`fp16fx.scaling`; this module only translates apex's spelling of a scaler (constructor
+arguments, pickled scalers turned into plain dicts by
+:func:`fp16fx.apex_checkpoint.load_apex_checkpoint`) into a
 :class:`~fp16fx.scaling.DynamicLossScale` or :class:`~fp16fx.scaling.StaticLossScale` plus the
 values of its :class:`~fp16fx.scaling.LossScaleState`, and back.
 

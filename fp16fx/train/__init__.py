@@ -1,6 +1,6 @@
 """``fp16fx train``: a real model learning a real task in FP16, through fp16fx's public APIs.
 
-Layer: ``cli`` (DESIGN.md). This package holds no library logic: it trains with the
+Layer: ``cli`` (docs/design.md). This package holds no library logic: it trains with the
 apex-compatible ``fp16fx.FP16_Optimizer`` or the functional ``fp16fx.step``, and adds data
 sets, models, a loop with progress and history, checkpoints and reports around them.
 

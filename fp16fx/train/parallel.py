@@ -1,6 +1,6 @@
 """Data-parallel ``fp16fx train``: which process this is, its process group, and the launcher.
 
-Layer: ``cli`` (DESIGN.md). The transport is ``torch.distributed`` and the launcher is torch's
+Layer: ``cli`` (docs/design.md). The transport is ``torch.distributed`` and the launcher is torch's
 own (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun`` runs); this module
 only wires them to the training session:
 
