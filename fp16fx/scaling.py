@@ -119,6 +119,10 @@ class StaticLossScale(_FixedLossScale):
         return _state(float(self.scale), device)
 
 
+#: The largest count ``LossScaleState``'s int32 counters hold.
+_COUNTER_MAX = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """A loss scale that backs off on overflow and grows after a run of finite steps.
@@ -171,6 +175,12 @@ class DynamicLossScale:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if value > _COUNTER_MAX:  # a larger one would wrap in the comparison: always met
+                hint = "; to never grow, set max_scale to init_scale" * (name == "growth_interval")
+                raise ValueError(
+                    f"{name} must be at most 2**31 - 1, what its int32 counter holds{hint}; "
+                    f"got {value!r}"
+                )
             object.__setattr__(self, name, int(value))
         if not self.min_scale <= self.max_scale:
             raise ValueError(

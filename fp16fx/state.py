@@ -335,7 +335,8 @@ def _padded(layout: Layout) -> list[flat.Bucket]:
 
 def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
     """Raises ValueError unless a compensated state can hold ``leaves``: FP16/BF16 params (an
-    FP32 param is its own master), one flat tensor per segment (the fused pass writes it)."""
+    FP32 param is its own master), one flat tensor per segment (the fused pass writes it; an
+    FP32 one is then its own master too, the state keeps no FP32 copy of any param)."""
     low = [s for s in layout.segments if layout.buckets[s.bucket].dtype != torch.float32]
     if not low:
         raise ValueError(
@@ -343,11 +344,13 @@ def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None
             "these params are all FP32, their own masters: use master='fp32'"
         )
     if not buckets and any(
-        flat.flat_view(layout.buckets[s.bucket], leaves, s.lo, s.hi) is None for s in low
+        flat.flat_view(layout.buckets[s.bucket], leaves, s.lo, s.hi) is None
+        for s in layout.segments
     ):
         raise ValueError(
             "master='compensated' keeps no FP32 copy, so the step must write the params in "
-            "its fused pass: pass buckets=True (or params that are views of one flat buffer)"
+            "its fused pass: pass buckets=True (or params that are views of one flat buffer "
+            "per dtype, FP32 ones included)"
         )
 
 

@@ -145,8 +145,13 @@ def _check_one_device(
 
 def _check_leaf(name: str, leaf: torch.Tensor) -> None:
     """Raises, naming ``name``, unless the tensor ``leaf`` is one fp16fx can train in place:
-    FP16, BF16 or FP32 (TypeError), made outside ``torch.inference_mode()``, and with no two
-    elements in the same memory (ValueError)."""
+    dense (TypeError), FP16, BF16 or FP32 (TypeError), made outside ``torch.inference_mode()``,
+    and with no two elements in the same memory (ValueError)."""
+    if leaf.layout != torch.strided:
+        raise TypeError(
+            f"{name} is a {leaf.layout} tensor; fp16fx trains dense (strided) params: pass "
+            "it dense (.to_dense()), or leave it out"
+        )
     if leaf.dtype not in MODEL_DTYPES:
         raise TypeError(
             f"{name} has dtype {leaf.dtype}; fp16fx trains float16, bfloat16 and float32 "

@@ -767,8 +767,13 @@ def test_compensated_fp32_params_are_refused():
         fp16fx.init({"w": torch.ones(4), "b": torch.ones(2)}, adam(), master="compensated")
 
 
-def test_compensated_params_that_are_not_flat_need_buckets():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_compensated_params_that_are_not_flat_need_buckets(dtype):
+    """FP16 ones, or FP32 ones (a norm layer's) beside a flat FP16 param: the step writes
+    every param in its fused pass (once an AssertionError deep in ``init``)."""
     params = {"w": torch.ones(4, 3).half()[:, :2], "b": torch.ones(2).half()}
+    if dtype == torch.float32:
+        params = {"w": torch.ones(8).half(), "ln.w": torch.ones(3), "ln.b": torch.zeros(3)}
     with pytest.raises(ValueError, match="buckets=True"):
         fp16fx.init(params, adam(), master="compensated")
     fp16fx.init(params, adam(), master="compensated", buckets=True)  # fine with buckets

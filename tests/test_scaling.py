@@ -128,6 +128,9 @@ def test_fixed_policies_never_move(policy):
         ({"growth_factor": 0.5}, "growth_factor must be >= 1"),
         ({"growth_interval": 0}, "growth_interval must be an int >= 1"),
         ({"hysteresis": 1.5}, "hysteresis must be an int >= 1"),
+        # An int32 counter would wrap in the comparison: growth after every step.
+        ({"growth_interval": 2**31}, r"growth_interval must be at most 2\*\*31 - 1.*max_scale"),
+        ({"hysteresis": 2**31}, r"hysteresis must be at most 2\*\*31 - 1"),
         ({"min_scale": 4.0, "max_scale": 2.0}, "must not exceed max_scale"),
         # Powers of two beyond FP32's normal range: the state's scale would be inf, or 0.
         ({"max_scale": 2.0**128}, "max_scale must be .* FP32 holds as a normal value"),
@@ -137,6 +140,20 @@ def test_fixed_policies_never_move(policy):
 def test_bad_configuration_is_refused_with_a_clear_message(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScale(**kwargs)
+
+
+def test_the_largest_interval_and_hysteresis_are_counted_in_full():
+    top = 2**31 - 1
+    policy = DynamicLossScale(init_scale=2.0**10, growth_interval=top, hysteresis=top)
+    state = policy.init()
+    state.good_steps.fill_(top - 2)
+    finite, overflow = torch.tensor(True), torch.tensor(False)
+    state, _ = policy.adjust(state, finite)
+    assert state.scale.item() == 2.0**10 and state.good_steps.item() == top - 1
+    grown, _ = policy.adjust(state, finite)
+    assert grown.scale.item() == 2.0**11 and grown.good_steps.item() == 0
+    kept, _ = policy.adjust(state, overflow)  # one overflow of 2**31 - 1 tolerated
+    assert kept.scale.item() == 2.0**10 and kept.overflows.item() == 1
 
 
 def test_static_scale_must_be_positive():

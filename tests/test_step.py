@@ -363,6 +363,15 @@ def test_params_made_in_inference_mode_are_refused():
         fp16fx.init(params, fp16fx.sgd(0.1))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr])
+def test_sparse_params_are_refused_by_name(sparse):
+    """Once a stride question about shared memory, or torch's own error (CSR)."""
+    params = {"b": torch.ones(2).half(), "w": sparse(torch.eye(3).half())}
+    with pytest.raises(TypeError, match=r"params\['w'\] is a torch.sparse_c.. tensor.*dense"):
+        fp16fx.init(params, fp16fx.sgd(0.1))
+
+
 def test_params_on_several_devices_are_refused():
     with pytest.raises(ValueError, match=r"params\[1\] is on meta, the others on cpu"):
         fp16fx.init([torch.ones(1), torch.ones(1, device="meta")], fp16fx.sgd(0.1))
