@@ -281,8 +281,9 @@ def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tenso
     if view.storage_offset() != start or view.untyped_storage().nbytes() != bucket.padded * size:
         return None
     extended = view.as_strided((bucket.padded - start,), (1,), start)
-    with torch.no_grad():
-        extended[bucket.numel - start :].zero_()
+    # Through .data: the padding is no gradient's, so no version counter moves (the facade
+    # reads them to tell whether the gradients changed since it last saw them).
+    extended.data[bucket.numel - start :].zero_()
     return extended
 
 
@@ -393,14 +394,6 @@ class FlatParams:
         """Returns, per param, its grad view (None where the param has no gradient)."""
         return [view if has else None for view, has in zip(self.grad_views, self.collect_grads())]
 
-    def grad_versions(self) -> tuple[Any, ...]:
-        """Returns what changes when autograd writes any param's gradient: the buffers'
-        version counters (their views share them), and each other gradient's."""
-        return (
-            tuple(buffer._version for buffer in self.grad_buffers),
-            tuple(map(_version_of, self.params, self.grad_views)),
-        )
-
     def zero_grads(self, set_to_none: bool) -> None:
         """Zeroes every grad in place (one kernel per bucket), or sets every ``p.grad`` to None.
 
@@ -415,13 +408,6 @@ class FlatParams:
                 p.grad = None
             elif p.grad is not None and p.grad is not view:
                 p.grad = view
-
-
-def _version_of(p: torch.Tensor, view: torch.Tensor) -> int | None:
-    """Returns a gradient's version counter: None without one, 0 for the buffer's own view
-    (its buffer's counter says it)."""
-    grad = p.grad
-    return None if grad is None else 0 if grad is view else grad._version
 
 
 def shard_slice(bucket: Bucket, rank: int, world_size: int) -> slice:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -21,16 +22,18 @@ from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
 
 #: Flat buffers reused every step, with their views: per bucket, one that grads are packed
-#: into; per segment whose params are not one flat tensor, one they are packed into.
-Scratch = dict[flat.Bucket | flat.Segment, tuple[torch.Tensor, list[torch.Tensor]]]
+#: into; per (bucket, segment, device) whose params are not one flat tensor, one they are
+#: packed into.
+Scratch = dict[Hashable, tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 class Trained(NamedTuple):
     """The tensors a step reads and writes, one entry per segment that has a gradient.
 
     Attributes:
-      params: the flat FP16/BF16 params to check against their masters and to write; None
-        where the param is its own master (FP32) or is not one flat tensor (written after).
+      params: the flat FP16/BF16 params to check against their masters and to write (for
+        leaves that are not one flat tensor, a flat copy: :func:`_core_params`); None where
+        the param is its own master (FP32), or when not gathered (a check).
       masters, opt_state, loss_scale, count: as in :class:`~fp16fx.state.MixedPrecisionState`
         (a compensated state's masters are its params' corrections: :mod:`fp16fx.precision`).
     """
@@ -50,7 +53,8 @@ class Prepared(NamedTuple):
         leaves (the given state when no cut was needed).
       active: per segment of ``state``, whether it has gradients this step.
       written: per segment, whether its params are one flat tensor the step writes itself
-        (for FP32 params: the master itself); the others are copied from the master after.
+        (for FP32 params: the master itself); an in-place step copies the others' new values
+        into them after (:func:`finish`).
       grads: the active segments' flat gradients.
       trained: the active segments' tensors.
     """
@@ -164,10 +168,11 @@ def _core_params(
             elif scratch is None:
                 out = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
             else:
-                if seg not in scratch:
+                key = (bucket, seg, master.device)  # a Segment alone names no dtype
+                if key not in scratch:
                     buffer = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
-                    scratch[seg] = (buffer, flat.views(bucket, buffer, seg.lo, seg.hi))
-                out = scratch[seg][0]
+                    scratch[key] = (buffer, flat.views(bucket, buffer, seg.lo, seg.hi))
+                out = scratch[key][0]
             with torch.no_grad():
                 flat.copy_all(flat.views(bucket, out, seg.lo, seg.hi), given)
             target = out

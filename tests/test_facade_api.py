@@ -417,6 +417,27 @@ def test_step_hooks_run_and_schedulers_accept_it(path):
     assert calls == [True] and opt.param_groups[0]["lr"] == 5e-3
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_state_dict_hooks_run_as_in_torch_optim(path):
+    """Registered through torch.optim.Optimizer's methods, once ignored by the overrides."""
+    model = TwoHeads()
+    opt = wrap(model, path)
+    train(model, opt, 1)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save, before"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 3})
+    saved = opt.state_dict()
+    assert calls == ["save, before"] and saved["epoch"] == 3
+
+    def drop_epoch(o, sd):
+        calls.append(sd.pop("epoch"))  # a shallow copy: the caller's dict keeps its key
+
+    opt.register_load_state_dict_pre_hook(drop_epoch)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(o is opt))
+    opt.load_state_dict(saved)  # refuses keys apex's dict lacks, unless a hook drops them
+    assert calls == ["save, before", 3, True] and saved["epoch"] == 3
+
+
 def test_cannot_be_pickled_as_in_apex():
     with pytest.raises(RuntimeError, match="state_dict"):
         pickle.dumps(wrap(TwoHeads(), "fast"))

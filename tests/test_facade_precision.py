@@ -195,6 +195,34 @@ def test_int8_moments_pad_the_flat_buffers_to_whole_blocks():
     assert last < first
 
 
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_steps_again_and_clips_through_checks_with_int8_moments_as_with_fp32_ones(moments):
+    """Each check zeroes the padding of the int8 blocks' grad buffers; counted as a write to
+    the gradients, it made a clip lost at a later check, and a repeated step unscale the
+    stepped grads by the grown scale."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(6, 3).half(), torch.randn(8, 6).half(), torch.randn(8, 3)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
+        compiled=False,
+        moments=moments,
+    )
+    opt.backward(((model(x).float() - y) ** 2).mean())
+    assert opt.clip_master_grads(1e-3) > 0.1
+    moves = []
+    for _ in range(2):
+        assert opt.inspect_master_grad_data() is not None  # a check, and the int8 padding
+        masters = [m for group in opt.param_groups for m in group["params"]]  # FP32
+        before = [m.detach().clone() for m in masters]
+        opt.step()
+        step = torch.cat([(m.detach() - b).flatten() for m, b in zip(masters, before, strict=True)])
+        moves.append(float(torch.linalg.vector_norm(step)))
+    assert moves[0] == pytest.approx(0.05 * 1e-3, rel=1e-3)  # clipped
+    assert moves[1] / moves[0] == pytest.approx(1.9, rel=1e-2)  # momentum (int8: rounded)
+
+
 def test_compiled_compact_facade_keeps_the_numbers_of_the_eager_one():
     """After five AdamW steps the compiled facade holds the eager one's compact state: every
     int8 code, block scale and count bitwise, the masters (param plus correction) a few units

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,6 +191,22 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
             getattr(opt, what)() if what != "state" else opt.state
         except RuntimeError as err:
             found[what] = str(err)
+    opt.backward(F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 3)))
+    opt.step()
+
+    def everything() -> list[Any]:
+        saved = [t.clone() for t in optree.tree_leaves(opt.state_dict()) if torch.is_tensor(t)]
+        return [opt.loss_scale, *params_of(model), *saved]
+
+    stepped = everything()
+    try:  # the reduce-scatter averaged the grads in place: a second step would again
+        opt.step()
+    except RuntimeError as err:
+        found["again"] = str(err)
+    found["again_unchanged"] = all(
+        torch.equal(a, b) if torch.is_tensor(a) else a == b
+        for a, b in zip(everything(), stepped, strict=True)
+    )
     return found
 
 
@@ -315,6 +332,7 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert found["untouched"]
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
+    assert "steps each gradient once" in found["again"] and found["again_unchanged"]
 
 
 def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(runs):

@@ -360,6 +360,114 @@ def test_clip_master_grads_returns_the_unscaled_norm_and_clips(path):
     assert opt.clip_master_grads(0.05) == -1
 
 
+@pytest.mark.parametrize("then", ["zero_grad, backward", "backward"])
+def test_a_clip_is_forgotten_when_new_gradients_replace_the_clipped_ones(then):
+    """apex clipped the masters' grads, which the next backward rebuilt: the fast path, which
+    folds the clip into the step, once kept it and clipped the new gradients too. Until
+    then inspect_master_grad_data shows the grads clipped, as apex's masters held them."""
+    (x, y), (x2, y2) = make_data(2)
+    moved = {}
+    for path in PATHS:
+        opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
+        before = masters_of(opt)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        norm = opt.clip_master_grads(1e-3)
+        clipped = [g for group in opt.inspect_master_grad_data() for g in group]
+        total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in clipped]))
+        assert norm > 0.1 and math.isclose(total.item(), 1e-3, rel_tol=1e-4)
+        if then == "zero_grad, backward":  # a batch thrown away, another one instead
+            opt.zero_grad()
+        opt.backward(loss_fn(model, x2, y2))
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before, strict=True)]
+    assert_close_engines(moved["fast"], moved["generic"])
+    step = torch.linalg.vector_norm(torch.cat([d.flatten() for d in moved["fast"]]))
+    assert step > 100 * 0.05 * 1e-3  # lr times the clipped norm: far more, not clipped
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_second_step_without_backward_steps_the_same_unscaled_grads_on_both_paths(clip):
+    """As apex (and torch.optim) step the same grads again. The generic path once unscaled
+    an FP32 param's grad (its own master's, unscaled in place) again: an update 1/64 the
+    size. The fast path, which reads the scaled grads at each step, once unscaled them by
+    the scale the first step had grown: an update half the size."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
+        opt = wrap(
+            model,
+            lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+            path,
+            dynamic_loss_scale=True,
+            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
+        )
+        opt.zero_grad()
+        out = model[1](torch.tanh(model[0](x.float())).half()).float()
+        opt.backward(((out - y) ** 2).mean())
+        if clip is not None:
+            opt.clip_master_grads(clip)
+        steps = []
+        for _ in range(2):
+            before = masters_of(opt)
+            opt.step()
+            steps.append([a - b for a, b in zip(masters_of(opt), before, strict=True)])
+        moved[path] = steps
+    for path in PATHS:
+        first, second = moved[path]
+        for a, b in zip(first, second, strict=True):  # momentum 0.9: 1.9 times the first
+            torch.testing.assert_close(b, 1.9 * a, rtol=1e-4, atol=1e-7)
+    assert_close_engines(moved["fast"][1], moved["generic"][1])
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_new_gradients_are_told_from_stepped_ones_however_they_are_zeroed(zero):
+    """model.zero_grad() frees the grads, and autograd's new ones have version 0, as the
+    fast path's own buffer views once counted: new grads were taken for the stepped ones
+    (rescaled by the grown scale, clipped by the last clip). The grads are also kept alive,
+    which once made the generic path compare them elementwise (an error)."""
+    data, moved, kept = make_data(3), {}, []
+    for path in PATHS:
+        opt = wrap(
+            model := make_model(),
+            sgd,
+            path,
+            dynamic_loss_scale=True,
+            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
+        )
+        moved[path] = []
+        for i, (x, y) in enumerate(data):
+            (opt if zero == "optimizer" else model).zero_grad()
+            opt.backward(loss_fn(model, x, y))
+            kept.append([p.grad for p in model.parameters()])
+            if i == 0:
+                opt.clip_master_grads(1e-3)  # this batch only
+            before = masters_of(opt)
+            opt.step()
+            moved[path].append([a - b for a, b in zip(masters_of(opt), before, strict=True)])
+    for fast, generic in zip(moved["fast"], moved["generic"], strict=True):
+        assert_close_engines(fast, generic)
+    later = torch.linalg.vector_norm(torch.cat([d.flatten() for d in moved["fast"][1]]))
+    assert later > 100 * 0.05 * 1e-3  # not clipped
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_clip_holds_across_add_param_group(path):
+    """add_param_group moves the fast path's grads into new buffers: still the clipped ones."""
+    x, y = make_data(1)[0]
+    opt = wrap(model := make_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), path)
+    opt.zero_grad()
+    opt.backward(loss_fn(model, x, y))
+    assert opt.clip_master_grads(1e-3) > 0.1
+    opt.add_param_group({"params": list(nn.Linear(2, 2).half().parameters())})
+    before = masters_of(opt)[:4]
+    opt.step()
+    step = torch.cat([(a - b).flatten() for a, b in zip(masters_of(opt), before)])
+    assert torch.linalg.vector_norm(step) == pytest.approx(0.1 * 1e-3, rel=1e-3)
+
+
 def test_clip_with_another_norm_type_hands_the_fast_path_over_and_stays_correct():
     data = make_data(4)
     results = {}

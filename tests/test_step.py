@@ -149,6 +149,27 @@ def test_a_param_written_between_steps_keeps_its_written_value(
         assert bitwise_equal(state.master, masters)
 
 
+def test_one_in_place_step_function_steps_states_of_two_dtypes_as_their_own_would():
+    """Its buffers for params that are not one flat tensor are its own per dtype (keyed by a
+    segment's place alone, a BF16 state once got an FP16 one's and lost its updates)."""
+
+    def make(dtype):
+        params = {"w": torch.randn(4, 3).to(dtype), "b": torch.randn(3).to(dtype)}
+        return fp16fx.init(params, fp16fx.sgd(1e-4), fp16fx.StaticLossScale(1.0))
+
+    torch.manual_seed(0)
+    fp16, bf16 = make(torch.float16), make(torch.bfloat16)
+    torch.manual_seed(0)
+    make(torch.float16)  # the same draws again: the BF16 state alike
+    alone = make(torch.bfloat16)
+    shared, own = (StepFunction(inplace=True, compile_options=None) for _ in range(2))
+    shared(fp16, optree.tree_map(torch.zeros_like, fp16.params))
+    for _ in range(3):
+        bf16, _ = shared(bf16, optree.tree_map(torch.ones_like, bf16.params))
+        alone, _ = own(alone, optree.tree_map(torch.ones_like, alone.params))
+    assert bitwise_equal(bf16.master, alone.master) and bitwise_equal(bf16.params, alone.params)
+
+
 @given(params=pytrees(allow_none=False), seed=st.integers(0, 2**16), data=st.data())
 def test_a_none_grad_leaves_its_param_and_optimizer_state_untouched(params, seed, data):
     leaves, treedef = optree.tree_flatten(params)

@@ -90,13 +90,6 @@ class FSDPParams:
         """The local shards of the gradients that exist."""
         return [g for g in self.grads() if g is not None]
 
-    def grad_versions(self) -> tuple[Any, ...]:
-        """Returns what changes when autograd (FSDP) writes any param's gradient."""
-        return tuple(
-            None if p.grad is None else (id(p.grad), dtensors.local(p.grad)._version)
-            for p in self.params
-        )
-
     def moved(self) -> int | None:
         """Returns the index of the first param whose local shard is no longer where it was
         (the model was moved or re-sharded after the optimizer was built), else None."""

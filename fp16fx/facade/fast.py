@@ -14,8 +14,9 @@ format.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from fp16fx.facade.groups import (
     group_spec,
     group_values,
 )
+from fp16fx.facade.params import GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
@@ -78,6 +80,8 @@ class FastEngine:
         kind = fast_kind(optimizer)
         if kind is None:
             raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
+        if not any(trainable):
+            raise Unsupported("no param requires grad, so there is nothing to put in buffers")
         groups = optimizer.param_groups
         specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
         self.labels = [k for k, params in enumerate(trainable) for _ in params]
@@ -111,9 +115,12 @@ class FastEngine:
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
         self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
-        self.max_norm = NO_CLIP  # clip_master_grads' request for the next step
+        # clip_master_grads' max_norm, and the grads it clips
+        self._clip: tuple[float, GradStamp] | None = None
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
+        # The grads the last step left, and the loss scale they were made with
+        self._made_at: tuple[GradStamp, torch.Tensor] | None = None
         self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         self._entries = self._make_entries()
@@ -376,6 +383,7 @@ class FastEngine:
         segments = self.segment_marks()
         segments = torch.cat([segments, segments.new_full((len(params),), -1)])  # new buckets
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
+        clip, made_at = self.clip_norm(), self._carried_scale()
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
         self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
@@ -388,6 +396,7 @@ class FastEngine:
         self.load(
             {moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, segments
         )
+        self._still_these_grads(clip, made_at)  # moved into the new buffers, the same grads
         return moved
 
     # -- stepping ------------------------------------------------------------------------
@@ -417,9 +426,10 @@ class FastEngine:
             if changed:
                 replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)
                 written.update(changed)
-        if self.max_norm != self._clip_written:
-            replace_hyperparams(self.state.opt_state, {"max_norm": self.max_norm}, inplace=True)
-            self._clip_written = self.max_norm
+        max_norm = self.clip_norm()
+        if max_norm != self._clip_written:
+            replace_hyperparams(self.state.opt_state, {"max_norm": max_norm}, inplace=True)
+            self._clip_written = max_norm
 
     def grads(self) -> list[torch.Tensor | None]:
         """Returns each trained param's grad, a view of its flat buffer (None: it has none).
@@ -457,26 +467,99 @@ class FastEngine:
             return run()
 
     def step(self) -> StepInfo:
-        """Runs the core on the current grads (skipped exactly on inf/NaN); returns its info."""
-        self.sync_groups()
-        if self.sharded is None:
-            grads = self.grads()
-            self.state, info = self._compiling(lambda: self.step_fn(self.state, grads))
-        else:
-            shards = self._scatter()
-            info = self._compiling(lambda: fdist.step_shards(self.sharded, shards, self.step_fn))
+        """Runs the core on the current grads (skipped exactly on inf/NaN); returns its info.
+
+        Grads that nothing wrote since the last step are stepped again, as apex stepped its
+        masters' grads again (:meth:`at_current_scale`).
+        """
+        made_at = self._carried_scale()
+        with self.at_current_scale():
+            self.sync_groups()
+            clip = self.clip_norm()
+            if self.sharded is None:
+                grads = self.grads()
+                self.state, info = self._compiling(lambda: self.step_fn(self.state, grads))
+            else:
+                shards = self._scatter()
+                step = self.step_fn
+                info = self._compiling(lambda: fdist.step_shards(self.sharded, shards, step))
         stats = self.scaler.stats
         stats.add_(torch.stack([~info.finite, info.loss_scale_floored]).to(stats.dtype))
         self.last_info, self._checked, self._scattered = info, None, None
-        self.max_norm = NO_CLIP
+        self._still_these_grads(clip, info.loss_scale if made_at is None else made_at)
         return info
+
+    def grad_stamp(self) -> GradStamp:
+        """Returns the trained params' gradients now, to tell later whether any changed."""
+        return GradStamp(self.flat.params)
+
+    def clip_current_grads(self, max_norm: float) -> None:
+        """Makes the steps clip the current grads to ``max_norm`` (``clip_master_grads``) for
+        as long as they are these grads: apex clipped its masters' grads, which kept the clip
+        until a backward or ``zero_grad`` replaced them."""
+        self._clip = (max_norm, self.grad_stamp())
+
+    def clip_norm(self) -> float:
+        """Returns the max_norm a step now clips to: :meth:`clip_current_grads`' while the
+        grads are the ones it saw, else ``NO_CLIP``."""
+        if self._clip is not None and self._clip[1].unchanged():
+            return self._clip[0]
+        return NO_CLIP
+
+    @contextlib.contextmanager
+    def at_current_scale(self) -> Iterator[None]:
+        """Within it, grads that nothing wrote since the last step carry the current loss
+        scale rather than the one they were made with; after it, theirs again (the model's
+        grads stay as their backward left them, as apex left them).
+
+        The factor is a power of two after a step that grew the scale: exact unless a grad
+        overflows FP16 at the new scale, as its backward would have (the step then skips);
+        after a step that backed off, the grads were not finite and stay so. Sharded, raises
+        RuntimeError, before anything changed: the reduce-scatter averaged them in place.
+        """
+        made_at = self._carried_scale()
+        if made_at is None:
+            yield
+            return
+        if self.sharded is not None:
+            raise RuntimeError(
+                "a sharded FP16_Optimizer steps each gradient once (its reduce-scatter averaged "
+                "them in place): call backward() or zero_grad() before step() again"
+            )
+        clip, grads = self.clip_norm(), [g for g in self.grads() if g is not None]
+        ratio = self.scaler.state.scale / made_at
+        if grads:
+            torch._foreach_mul_(grads, ratio)
+        self._still_these_grads(clip, None)
+        try:
+            yield
+        finally:
+            if grads:
+                torch._foreach_div_(grads, ratio)
+            self._still_these_grads(clip, made_at)
+
+    def _carried_scale(self) -> torch.Tensor | None:
+        """Returns the loss scale the grads were made with, if they are the ones the last step
+        left (nothing wrote them since), else None."""
+        if self._made_at is not None and self._made_at[0].unchanged():
+            return self._made_at[1]
+        return None
+
+    def _still_these_grads(self, clip: float, made_at: torch.Tensor | None) -> None:
+        """Records the current grads, after this engine's own writes to them (a step, a
+        rescale, new buffers), as the ones ``clip`` still applies to (``NO_CLIP``: none) and
+        that carry the loss scale ``made_at`` (None: they need no rescaling)."""
+        stamp = self.grad_stamp()
+        self._clip = None if clip == NO_CLIP else (clip, stamp)
+        self._made_at = None if made_at is None else (stamp, made_at)
 
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
         sharded, of the mean grads (a collective: every rank calls it)."""
         if self._checked is None:
-            grads = self.grads() if self.sharded is None else self._scatter()
-            self._checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
+            with self.at_current_scale():
+                grads = self.grads() if self.sharded is None else self._scatter()
+                self._checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
         return self._checked
 
     def local_finite(self) -> bool:
@@ -503,18 +586,20 @@ class FastEngine:
         self._checked = None
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad."""
+        """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
+        clipped as the next step clips them if ``clip_master_grads`` asked for it."""
         self._require_unsharded("inspect_master_grad_data()")
         inv_scale = torch.reciprocal(self.scaler.state.scale)
-        return {
-            self.entry(p): g.float() * inv_scale
-            for p, g in zip(self.flat.params, self.grads())
-            if g is not None
-        }
-
-    def grad_versions(self) -> tuple[Any, ...]:
-        """Returns what changes when autograd writes any trained param's gradient."""
-        return self.flat.grad_versions()
+        coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
+        if max_norm != NO_CLIP:  # clip_by_global_norm's rule, on the step's norm
+            norm = self.check()[1].double()
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
+        with self.at_current_scale():
+            return {
+                self.entry(p): g.float() * inv_scale * coef
+                for p, g in zip(self.flat.params, self.grads())
+                if g is not None
+            }
 
     def check_params(self, names: Mapping[int, str]) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""

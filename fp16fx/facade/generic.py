@@ -16,16 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
+from fp16fx.facade.params import GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import unscale_and_check
 from fp16fx.step import adopt_written
-
-
-def _version(grad: torch.Tensor) -> tuple[int, int]:
-    """Returns what identifies a gradient's contents now: FSDP2 writes a DTensor gradient's
-    local shard in place, which moves that shard's version counter, not the DTensor's."""
-    local = dtensors.local(grad) if isinstance(grad, DTensor) else grad
-    return id(grad), local._version
 
 
 class GenericEngine:
@@ -48,6 +42,7 @@ class GenericEngine:
             self.add_group(params, group_masters)
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
+        self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
 
     @staticmethod
     def make_masters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,13 +54,19 @@ class GenericEngine:
 
     def add_group(self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
         self.pairs.extend(zip(params, masters, strict=True))
+        self._unscaled = None  # its grads were never unscaled
 
     def update_master_grads(self) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
 
         A param without a grad gives its master a None grad, so the wrapped optimizer leaves it
-        and its state alone (apex left the previous step's master grad there).
+        and its state alone (apex left the previous step's master grad there). Grads unscaled
+        here already, which nothing wrote since, are left as they are: an FP32 param's is
+        unscaled in place (it is its own master), and a second ``step()`` without a new
+        ``backward`` would divide it again.
         """
+        if self._unscaled is not None and self._unscaled.unchanged():
+            return
         with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
         # FSDP2's DTensor grads: their local shards (the consensus spans the mesh)
         grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
@@ -83,11 +84,11 @@ class GenericEngine:
                 if p.grad is None and master is not p:
                     master.grad = None
         self._finite, self._norm = finite, norm
+        self._unscaled = self.grad_stamp()
 
-    def grad_versions(self) -> tuple[tuple[int, int] | None, ...]:
-        """Returns each param's gradient's version counter (None without one): autograd
-        writing any of them changes it."""
-        return tuple(None if p.grad is None else _version(p.grad) for p, _ in self.pairs)
+    def grad_stamp(self) -> GradStamp:
+        """Returns the trained params' gradients now, to tell later whether any changed."""
+        return GradStamp([p for p, _ in self.pairs])
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
@@ -139,14 +140,16 @@ class GenericEngine:
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]
         if not any(isinstance(m, DTensor) for m in masters):
-            return float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
-        if float(norm_type) != 2.0 or self._norm is None:
+            norm = float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
+        elif float(norm_type) != 2.0 or self._norm is None:
             raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
-        # FSDP2: the global norm is the one the consensus agreed; scale the local shards
-        coef = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
-        with torch.no_grad():
-            torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
-        return float(self._norm)
+        else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
+            coef = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
+            with torch.no_grad():
+                torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
+            norm = float(self._norm)
+        self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
+        return norm
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zeroes (or sets to None) the grads of the model params and of the masters."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import OrderedDict
+import numbers
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import Unsupported
+from fp16fx.facade.groups import NO_CLIP, Unsupported
 from fp16fx.facade.params import (
     ParamSet,
     check_trainable,
@@ -132,6 +133,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         no floor (2**-126, see :mod:`fp16fx.facade.policy`).
       verbose: log skipped steps (rate-limited, logger ``fp16fx``); False silences them.
       path: ``"auto"`` (fast when possible), ``"fast"`` (error if not possible), ``"generic"``.
+        An optimizer built with no param that requires grad takes the generic path, and
+        keeps it when ``add_param_group`` adds some.
       compiled: run the fast path's step through ``torch.compile`` (False: the same core,
         eagerly; for debugging).
       report_interval: read the device-side overflow counters and log every this many steps.
@@ -247,8 +250,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         of the live buffers); on the generic path the wrapped optimizer's own ``state``.
         A sharded optimizer raises RuntimeError: each rank holds 1/d of every bucket's state.
         """
-        if isinstance(self._engine, FastEngine):
-            return {**self.optimizer.state, **self._engine.export()}
+        if isinstance(self._engine, FastEngine):  # a defaultdict, as torch.optim's
+            return defaultdict(dict, {**self.optimizer.state, **self._engine.export()})
         return self.optimizer.state
 
     @property
@@ -353,9 +356,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
             raise TypeError(f"backward expects the loss as a one-element tensor, got {what!r}")
         if isinstance(self._engine, FastEngine):
             self._engine.forget_check()
-        before = self._engine.grad_versions()
+        before = self._engine.grad_stamp()
         (loss.float() * self._scaler.state.scale).backward(retain_graph=retain_graph)
-        if self._engine.grad_versions() == before:
+        if before.unchanged():
             self._reached_nothing()
         self._phase.new_grads()
         if update_master_grads:
@@ -435,9 +438,13 @@ class FP16_Optimizer(torch.optim.Optimizer):
         and grads are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returning a
         Python float syncs with the device (inherent to the API). On the fast path the clipping
         itself is folded into the next ``step()``, which reuses its own norm: no extra pass.
-        A ``norm_type`` other than 2 moves the optimizer to the generic path.
+        A ``norm_type`` other than 2 moves the optimizer to the generic path. ``max_norm`` may
+        be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes.
         """
-        if not (isinstance(max_norm, (int, float)) and is_finite(max_norm) and max_norm > 0):
+        if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+            max_norm = max_norm.item()
+        real = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
+        if not (real and is_finite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
         try:
             order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too
@@ -450,7 +457,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 finite, norm = self._engine.check()
                 if not bool(finite):
                     return -1.0
-                self._engine.max_norm = float(max_norm)
+                self._engine.clip_current_grads(float(max_norm))
                 return float(norm)
             if self.sharded or self._engine.fsdp:
                 raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
@@ -549,13 +556,19 @@ class FP16_Optimizer(torch.optim.Optimizer):
         FSDP2 model it returns the dict for ``torch.distributed.checkpoint`` (DTensors laid
         out like the params; ``dcp.load`` into it, then pass it to :meth:`load_state_dict`).
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim
+            pre_hook(self)
         flags = {
             "overflow": self.overflow,
             "first_closure_call_this_step": self._phase.first_closure_call,
         }
-        return checkpoint.state_dict(
+        state_dict = checkpoint.state_dict(
             self.optimizer, self._engine, self._params, self._scaler, flags
         )
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Loads a dict from :meth:`state_dict`, from apex's ``FP16_Optimizer.state_dict()``
@@ -565,8 +578,21 @@ class FP16_Optimizer(torch.optim.Optimizer):
         On an FSDP2 model: the DCP dict, filled by ``dcp.load``, or gathered whole by
         ``fp16fx.distributed.fsdp.full_state_dict`` (each rank takes its shard).
 
-        The FP16/BF16 model params are set from the loaded masters.
+        The FP16/BF16 model params are set from the loaded masters. The load hooks run as in
+        torch.optim (``register_load_state_dict_pre_hook``'s get a shallow copy of the dict,
+        and may return another).
         """
+        # A shallow copy, as torch.optim takes: a hook may edit it, not the caller's dict.
+        if isinstance(state_dict, (Mapping, list, tuple)):
+            state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else list(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        self._load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         if isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT:
             loading.load_fsdp(self.optimizer, self._engine, state_dict)
             self._phase = Phase(
@@ -605,10 +631,17 @@ class FP16_Optimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if keep_state:
             self.optimizer.state.update(fast.export())
-        self._engine = GenericEngine(
+        self._engine = generic = GenericEngine(
             self.optimizer, self._params.trainable, self._params.masters, self._scaler
         )
-        if self._phase.grads == "unscaled":
+        if keep_state:  # the masters' grads as the fast step would have read them, and clipped
+            max_norm = fast.clip_norm()
+            with fast.at_current_scale():
+                generic.update_master_grads()
+            if max_norm != NO_CLIP:
+                generic.clip(max_norm, 2.0)
+            self._phase.grads = "unscaled"
+        elif self._phase.grads == "unscaled":
             self._phase.grads = "fresh"
 
     def _reached_nothing(self) -> None:

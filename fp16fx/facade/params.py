@@ -6,11 +6,14 @@ Layer: ``facade`` (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from fp16fx import tree
+from fp16fx import dtensors, tree
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -105,3 +108,34 @@ class ParamSet:
     def master_of(self) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): its master}`` over every group."""
         return {id(p): m for ps, ms in zip(self.trainable, self.masters) for p, m in zip(ps, ms)}
+
+
+class GradStamp:
+    """The gradients of some params at one moment, to tell later whether any has changed.
+
+    Each grad is held weakly and compared by identity -- a new tensor is never taken for a
+    freed one whose ``id`` it reuses -- with its version counter, which a write in place
+    moves (a DTensor's: its local shard's, which FSDP2 writes).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._params = list(params)
+        self._seen = [_seen(p.grad) for p in self._params]
+
+    def unchanged(self) -> bool:
+        """Whether every param has the gradient it had then, unwritten since."""
+        return all(map(_same, self._seen, (p.grad for p in self._params)))
+
+
+def _seen(grad: torch.Tensor | None) -> tuple[weakref.ref[torch.Tensor], int] | None:
+    return None if grad is None else (weakref.ref(grad), _version(grad))
+
+
+def _same(seen: tuple[weakref.ref[torch.Tensor], int] | None, grad: torch.Tensor | None) -> bool:
+    if seen is None or grad is None:
+        return seen is None and grad is None
+    return seen[0]() is grad and seen[1] == _version(grad)
+
+
+def _version(grad: torch.Tensor) -> int:
+    return (dtensors.local(grad) if isinstance(grad, DTensor) else grad)._version

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -125,7 +126,8 @@ def dynamic_fields(args: Mapping[str, Any]) -> dict[str, Any]:
 
     for key, value in args.items():
         if key == "scale_factor":
-            if not (isinstance(value, (int, float)) and value > 1):
+            real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (real and value > 1):
                 raise ValueError(
                     f"dynamic_loss_args['scale_factor'] must be a number > 1, got {value!r}"
                 )
