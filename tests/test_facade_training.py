@@ -468,6 +468,67 @@ def test_a_clip_holds_across_add_param_group(path):
     assert torch.linalg.vector_norm(step) == pytest.approx(0.1 * 1e-3, rel=1e-3)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_repeated_step_near_fp16s_largest_value_steps_and_grows_the_scale(path):
+    """The fast path once brought stepped grads to the grown scale in place: 40 * 2048 is
+    past FP16's range, so the grad became inf for good and every later step skipped."""
+    model = nn.Linear(1, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = wrap(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=1e-3),
+        path,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 1024.0, "scale_window": 1},
+    )
+    opt.backward(model(torch.full((1, 1), 40.0).half()).float().sum())  # grad 40 * 1024
+    for k in range(1, 4):
+        opt.step()
+        assert opt.loss_scale == 1024.0 * 2**k and not opt.overflow
+    assert model.weight.grad.item() == 40.0 * 1024  # the model's grad, as backward left it
+    assert model.weight.item() == pytest.approx(1.0 - 3 * 40e-3, abs=1e-3)
+
+
+@pytest.mark.parametrize("then", ["maximize: to the generic path", "add_param_group"])
+def test_stepped_grads_step_again_alike_after_a_handover_or_a_new_group(then):
+    """Handed over, the generic path once unscaled them by the grown scale (and an FP32
+    param's grad twice); after add_param_group, the generic path unscaled them anew."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
+        opt = wrap(
+            model,
+            lambda ps: torch.optim.SGD(ps, lr=0.05),
+            path,
+            dynamic_loss_scale=True,
+            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
+        )
+        opt.backward(((model[1](torch.tanh(model[0](x.float())).half()).float() - y) ** 2).mean())
+        opt.step()
+        if then == "add_param_group":
+            opt.add_param_group({"params": list(nn.Linear(2, 2).half().parameters())})
+        else:
+            opt.param_groups[0]["maximize"] = True
+        before = masters_of(opt)[:4]
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
+    assert_close_engines(moved["fast"], moved["generic"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_check_is_redone_for_grads_written_without_the_optimizer(path):
+    """The fast path's cached norm once outlived a loss.backward() made without it."""
+    x, y = make_data(1)[0]
+    opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
+    opt.backward(loss_fn(model, x, y))
+    norm = opt.clip_master_grads(0.05)
+    (loss_fn(model, x, y) * 64.0).backward()  # the same grads again: twice the norm
+    assert opt.clip_master_grads(0.05) == pytest.approx(2 * norm, rel=1e-5)
+
+
 def test_clip_with_another_norm_type_hands_the_fast_path_over_and_stays_correct():
     data = make_data(4)
     results = {}

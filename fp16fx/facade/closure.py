@@ -64,8 +64,7 @@ def generic_step(
             engine.masters_to_model()
         while True:
             loss = closure()
-            if phase.grads != "unscaled":
-                engine.update_master_grads()
+            engine.update_master_grads()  # unless these grads were
             floored = engine.adjust_scale()
             if engine.finite():
                 return loss

@@ -41,6 +41,7 @@ from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
+from fp16fx.scaling import LossScaleState
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written
 from fp16fx.transforms import replace_hyperparams
@@ -121,7 +122,8 @@ class FastEngine:
         self.last_info: StepInfo | None = None
         # The grads the last step left, and the loss scale they were made with
         self._made_at: tuple[GradStamp, torch.Tensor] | None = None
-        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        # check()'s (finite, norm), and the grads it was for
+        self._checked: tuple[GradStamp, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         self._entries = self._make_entries()
 
@@ -470,10 +472,10 @@ class FastEngine:
         """Runs the core on the current grads (skipped exactly on inf/NaN); returns its info.
 
         Grads that nothing wrote since the last step are stepped again, as apex stepped its
-        masters' grads again (:meth:`at_current_scale`).
+        masters' grads again: unscaled by the loss scale they were made with
+        (:meth:`scale_of_the_grads`), the scale then moving on from where it is.
         """
-        made_at = self._carried_scale()
-        with self.at_current_scale():
+        with self.scale_of_the_grads() as kept:
             self.sync_groups()
             clip = self.clip_norm()
             if self.sharded is None:
@@ -483,10 +485,15 @@ class FastEngine:
                 shards = self._scatter()
                 step = self.step_fn
                 info = self._compiling(lambda: fdist.step_shards(self.sharded, shards, step))
+        if kept is not None:  # the policy moves on from its own state, not the grads' scale
+            moved, floored = self.scaler.policy.adjust(kept, info.finite)
+            for dst, src in zip(self.scaler.state, moved):
+                dst.copy_(src)
+            info = info._replace(loss_scale_floored=floored)
         stats = self.scaler.stats
         stats.add_(torch.stack([~info.finite, info.loss_scale_floored]).to(stats.dtype))
         self.last_info, self._checked, self._scattered = info, None, None
-        self._still_these_grads(clip, info.loss_scale if made_at is None else made_at)
+        self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
         return info
 
     def grad_stamp(self) -> GradStamp:
@@ -507,36 +514,42 @@ class FastEngine:
         return NO_CLIP
 
     @contextlib.contextmanager
-    def at_current_scale(self) -> Iterator[None]:
-        """Within it, grads that nothing wrote since the last step carry the current loss
-        scale rather than the one they were made with; after it, theirs again (the model's
-        grads stay as their backward left them, as apex left them).
+    def scale_of_the_grads(self) -> Iterator[LossScaleState | None]:
+        """Within it, the state's loss scale is the one the grads were made with, where they
+        are the ones the last step left (nothing wrote them since), so that the core unscales
+        them by it; after it, the scale is the policy's again. Yields the policy's state as it
+        was (copies), or None when the grads are new. The grads themselves are not touched.
 
-        The factor is a power of two after a step that grew the scale: exact unless a grad
-        overflows FP16 at the new scale, as its backward would have (the step then skips);
-        after a step that backed off, the grads were not finite and stay so. Sharded, raises
-        RuntimeError, before anything changed: the reduce-scatter averaged them in place.
+        Sharded, such grads raise RuntimeError, before anything changed: the reduce-scatter
+        averaged them in place.
         """
         made_at = self._carried_scale()
         if made_at is None:
-            yield
+            yield None
             return
         if self.sharded is not None:
             raise RuntimeError(
                 "a sharded FP16_Optimizer steps each gradient once (its reduce-scatter averaged "
-                "them in place): call backward() or zero_grad() before step() again"
+                "them in place): call backward() or zero_grad() before using them again"
             )
-        clip, grads = self.clip_norm(), [g for g in self.grads() if g is not None]
-        ratio = self.scaler.state.scale / made_at
-        if grads:
-            torch._foreach_mul_(grads, ratio)
-        self._still_these_grads(clip, None)
+        state = self.scaler.state
+        kept = LossScaleState(*(t.clone() for t in state))
+        state.scale.copy_(made_at)
         try:
-            yield
+            yield kept
         finally:
-            if grads:
-                torch._foreach_div_(grads, ratio)
-            self._still_these_grads(clip, made_at)
+            for dst, src in zip(state, kept):
+                dst.copy_(src)
+
+    def stepped_grads(self) -> bool:
+        """Whether the current grads are the ones the last step left (nothing wrote them)."""
+        return self._carried_scale() is not None
+
+    def carried_scale(self) -> torch.Tensor:
+        """Returns the loss scale the current grads were made with (0-d): the current one,
+        or for grads the last step left, the one they were made with."""
+        made_at = self._carried_scale()
+        return self.scaler.state.scale if made_at is None else made_at
 
     def _carried_scale(self) -> torch.Tensor | None:
         """Returns the loss scale the grads were made with, if they are the ones the last step
@@ -556,11 +569,12 @@ class FastEngine:
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
         sharded, of the mean grads (a collective: every rank calls it)."""
-        if self._checked is None:
-            with self.at_current_scale():
+        if self._checked is None or not self._checked[0].unchanged():
+            with self.scale_of_the_grads():
                 grads = self.grads() if self.sharded is None else self._scatter()
-                self._checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
-        return self._checked
+                checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
+            self._checked = (self.grad_stamp(), checked)
+        return self._checked[1]
 
     def local_finite(self) -> bool:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
@@ -589,17 +603,16 @@ class FastEngine:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
         clipped as the next step clips them if ``clip_master_grads`` asked for it."""
         self._require_unsharded("inspect_master_grad_data()")
-        inv_scale = torch.reciprocal(self.scaler.state.scale)
+        inv_scale = torch.reciprocal(self.carried_scale())
         coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
         if max_norm != NO_CLIP:  # clip_by_global_norm's rule, on the step's norm
             norm = self.check()[1].double()
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
-        with self.at_current_scale():
-            return {
-                self.entry(p): g.float() * inv_scale * coef
-                for p, g in zip(self.flat.params, self.grads())
-                if g is not None
-            }
+        return {
+            self.entry(p): g.float() * inv_scale * coef
+            for p, g in zip(self.flat.params, self.grads())
+            if g is not None
+        }
 
     def check_params(self, names: Mapping[int, str]) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""

@@ -38,11 +38,11 @@ class GenericEngine:
     ) -> None:
         self.optimizer, self.scaler = optimizer, scaler
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for params, group_masters in zip(trainable, masters, strict=True):
-            self.add_group(params, group_masters)
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
         self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
+        for params, group_masters in zip(trainable, masters, strict=True):
+            self.add_group(params, group_masters)
 
     @staticmethod
     def make_masters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -53,11 +53,18 @@ class GenericEngine:
         ]
 
     def add_group(self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+        # The others' grads stay unscaled if these have none yet (a clip or a second step must
+        # not unscale those twice); else every grad is unscaled anew.
+        kept = self._unscaled is not None and self._unscaled.unchanged()
         self.pairs.extend(zip(params, masters, strict=True))
-        self._unscaled = None  # its grads were never unscaled
+        still = kept and all(p.grad is None for p in params)
+        self._unscaled = self.grad_stamp() if still else None
 
-    def update_master_grads(self) -> None:
+    def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
+
+        ``scale``: the loss scale the grads were made with, if not the current one (grads a
+        fast step had stepped, at a handover).
 
         A param without a grad gives its master a None grad, so the wrapped optimizer leaves it
         and its state alone (apex left the previous step's master grad there). Grads unscaled
@@ -70,7 +77,7 @@ class GenericEngine:
         with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
         # FSDP2's DTensor grads: their local shards (the consensus spans the mesh)
         grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
-        checked = unscale_and_check(grads, self.scaler.state.scale)
+        checked = unscale_and_check(grads, self.scaler.state.scale if scale is None else scale)
         finite, norm = checked.finite, checked.norm
         if self.scaler.consensus is not None:  # every process skips or applies together
             finite, norm = self.scaler.consensus(finite, norm)

@@ -401,8 +401,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 return self._stepped(None)
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        if self._phase.grads != "unscaled":  # also grads made without backward()
-            engine.update_master_grads()
+        engine.update_master_grads()  # unless these grads were (also made without backward)
         engine.resync_masters()
         return self._stepped(engine.step())
 
@@ -464,8 +463,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        if self._phase.grads != "unscaled":
-            self.update_master_grads()
+        self.update_master_grads()  # unless these grads were
         return engine.clip(max_norm, order)
 
     def zero_grad(
@@ -634,10 +632,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._engine = generic = GenericEngine(
             self.optimizer, self._params.trainable, self._params.masters, self._scaler
         )
-        if keep_state:  # the masters' grads as the fast step would have read them, and clipped
-            max_norm = fast.clip_norm()
-            with fast.at_current_scale():
-                generic.update_master_grads()
+        max_norm = fast.clip_norm() if keep_state else NO_CLIP
+        if max_norm != NO_CLIP or (keep_state and fast.stepped_grads()):
+            # The masters' grads as the fast step would have read them (grads stepped before
+            # by the scale they were made with), and clipped as it would have clipped them.
+            generic.update_master_grads(fast.carried_scale())
             if max_norm != NO_CLIP:
                 generic.clip(max_norm, 2.0)
             self._phase.grads = "unscaled"
