@@ -498,6 +498,8 @@ class FastEngine:
 
     def grad_stamp(self) -> GradStamp:
         """Returns the trained params' gradients now, to tell later whether any changed."""
+        if isinstance(self.flat, FlatParams):
+            return GradStamp(self.flat.params, self.flat.grad_views, self.flat.grad_buffers)
         return GradStamp(self.flat.params)
 
     def clip_current_grads(self, max_norm: float) -> None:

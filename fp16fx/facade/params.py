@@ -6,6 +6,7 @@ Layer: ``facade`` (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -115,16 +116,37 @@ class GradStamp:
 
     Each grad is held weakly and compared by identity -- a new tensor is never taken for a
     freed one whose ``id`` it reuses -- with its version counter, which a write in place
-    moves (a DTensor's: its local shard's, which FSDP2 writes).
+    moves (a DTensor's: its local shard's, which FSDP2 writes). ``views`` and ``buffers``
+    (a :class:`~fp16fx.flat.FlatParams`' grad views and their flat buffers): while every grad
+    is its view, the buffers' counters, which their views share, say it all, read once per
+    buffer rather than per param (a many-param model's step would pay a Python loop).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self._params = list(params)
-        self._seen = [_seen(p.grad) for p in self._params]
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        views: Sequence[torch.Tensor] = (),
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self._params, self._views, self._buffers = list(params), views, buffers
+        grads = list(map(_GRAD, self._params))
+        self._seen: list[tuple[weakref.ref[torch.Tensor], int] | None] | None = None
+        self._versions: list[int] = []
+        if views and all(map(operator.is_, grads, views)):
+            self._versions = [b._version for b in buffers]
+        else:
+            self._seen = [_seen(g) for g in grads]
 
     def unchanged(self) -> bool:
         """Whether every param has the gradient it had then, unwritten since."""
-        return all(map(_same, self._seen, (p.grad for p in self._params)))
+        grads = map(_GRAD, self._params)
+        if self._seen is None:
+            views_still = all(map(operator.is_, grads, self._views))
+            return views_still and [b._version for b in self._buffers] == self._versions
+        return all(map(_same, self._seen, grads))
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _seen(grad: torch.Tensor | None) -> tuple[weakref.ref[torch.Tensor], int] | None:
