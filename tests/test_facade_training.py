@@ -518,15 +518,63 @@ def test_stepped_grads_step_again_alike_after_a_handover_or_a_new_group(then):
     assert_close_engines(moved["fast"], moved["generic"])
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_check_is_redone_for_grads_written_without_the_optimizer(path):
-    """The fast path's cached norm once outlived a loss.backward() made without it."""
+def test_a_check_is_redone_for_grads_written_without_the_optimizer():
+    """The fast path's cached norm once outlived a loss.backward() made without it. (The
+    generic path, as apex, rebuilds the masters' grads at backward and update_master_grads
+    only: its clip sees the masters' grads.)"""
     x, y = make_data(1)[0]
-    opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
+    opt = wrap(model := make_model(), sgd, "fast", static_loss_scale=64.0)
     opt.backward(loss_fn(model, x, y))
     norm = opt.clip_master_grads(0.05)
     (loss_fn(model, x, y) * 64.0).backward()  # the same grads again: twice the norm
     assert opt.clip_master_grads(0.05) == pytest.approx(2 * norm, rel=1e-5)
+
+
+def test_clipping_every_step_holds_across_add_param_group():
+    """add_param_group rebuilt the fast path's core with no clip but kept the note that the
+    clip was written: the same max_norm again was never written, and clipping stopped."""
+    data, moved = make_data(4), {}
+    for path in PATHS:
+        opt = wrap(model := make_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), path)
+        moved[path] = []
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                opt.add_param_group({"params": list(nn.Linear(2, 2).half().parameters())})
+            opt.zero_grad()
+            opt.backward(loss_fn(model, x, y))
+            opt.clip_master_grads(0.05)
+            before = masters_of(opt)[:4]
+            opt.step()
+            step = torch.cat([(a - b).flatten() for a, b in zip(masters_of(opt), before)])
+            moved[path].append(float(torch.linalg.vector_norm(step)))
+    assert moved["fast"] == pytest.approx(moved["generic"], rel=1e-3)
+    assert moved["fast"] == pytest.approx([0.1 * 0.05] * 4, rel=1e-3)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grads_written_in_place_after_backward_are_unscaled_once(path):
+    """A mixed model's FP32 params are their own masters, their grads unscaled in place at
+    backward: an in-place write before step (a no-op clip_grad_norm_, a manual all-reduce's
+    division) must not make the generic path unscale them again."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for halve in (False, True):
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.1), path, static_loss_scale=64.0)
+        opt.backward(((model[1](torch.tanh(model[0](x.float())).half()).float() - y) ** 2).mean())
+        if halve:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.grad.mul_(0.5)  # written after backward: apex's masters took the grads
+        before = masters_of(opt)
+        opt.step()
+        moved[halve] = [a - b for a, b in zip(masters_of(opt), before, strict=True)]
+    # The FP32 layer's (first two) grads are the ones its step reads, halved; apex's FP16
+    # masters had taken their copy at backward, the fast path reads the model's at step.
+    halved = [0.5, 0.5, *[1.0 if path == "generic" else 0.5] * 2]
+    for k, factor in enumerate(halved):
+        torch.testing.assert_close(moved[True][k], factor * moved[False][k], rtol=1e-3, atol=1e-8)
 
 
 def test_clip_with_another_norm_type_hands_the_fast_path_over_and_stays_correct():

@@ -64,7 +64,8 @@ def generic_step(
             engine.masters_to_model()
         while True:
             loss = closure()
-            engine.update_master_grads()  # unless these grads were
+            if phase.grads != "unscaled":
+                engine.update_master_grads()
             floored = engine.adjust_scale()
             if engine.finite():
                 return loss

@@ -398,7 +398,10 @@ class FastEngine:
         self.load(
             {moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, segments
         )
-        self._still_these_grads(clip, made_at)  # moved into the new buffers, the same grads
+        # The core's clip is "none" again, and the grads moved into new buffers: the same
+        # grads, but a check must read them there.
+        self._clip_written, self._checked = NO_CLIP, None
+        self._still_these_grads(clip, made_at)
         return moved
 
     # -- stepping ------------------------------------------------------------------------
@@ -482,9 +485,8 @@ class FastEngine:
                 grads = self.grads()
                 self.state, info = self._compiling(lambda: self.step_fn(self.state, grads))
             else:
-                shards = self._scatter()
-                step = self.step_fn
-                info = self._compiling(lambda: fdist.step_shards(self.sharded, shards, step))
+                shards, sharded = self._scatter(), self.sharded
+                info = self._compiling(lambda: fdist.step_shards(sharded, shards, self.step_fn))
         if kept is not None:  # the policy moves on from its own state, not the grads' scale
             moved, floored = self.scaler.policy.adjust(kept, info.finite)
             for dst, src in zip(self.scaler.state, moved):

@@ -401,7 +401,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 return self._stepped(None)
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        engine.update_master_grads()  # unless these grads were (also made without backward)
+        if self._phase.grads != "unscaled":  # also grads made without backward()
+            engine.update_master_grads()
         engine.resync_masters()
         return self._stepped(engine.step())
 
@@ -463,7 +464,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
-        self.update_master_grads()  # unless these grads were
+        if self._phase.grads != "unscaled":
+            self.update_master_grads()
         return engine.clip(max_norm, order)
 
     def zero_grad(
