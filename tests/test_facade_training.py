@@ -171,6 +171,20 @@ def assert_close_engines(fast, generic):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def mixed_model() -> nn.Module:
+    """An FP32 layer, whose params are their own masters, feeding an FP16 one."""
+    torch.manual_seed(0)
+    return nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])
+
+
+def mixed_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model[1](torch.tanh(model[0](x.float())).half()).float() - y) ** 2).mean()
+
+
+#: A dynamic loss scale that grows after every clean step.
+GROWING = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 64.0, "scale_window": 1}}
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
 
@@ -395,18 +409,10 @@ def test_a_second_step_without_backward_steps_the_same_unscaled_grads_on_both_pa
     x, y = make_data(1)[0]
     moved = {}
     for path in PATHS:
-        torch.manual_seed(0)
-        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
-        opt = wrap(
-            model,
-            lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-            path,
-            dynamic_loss_scale=True,
-            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
-        )
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), path, **GROWING)
         opt.zero_grad()
-        out = model[1](torch.tanh(model[0](x.float())).half()).float()
-        opt.backward(((out - y) ** 2).mean())
+        opt.backward(mixed_loss(model, x, y))
         if clip is not None:
             opt.clip_master_grads(clip)
         steps = []
@@ -430,13 +436,7 @@ def test_new_gradients_are_told_from_stepped_ones_however_they_are_zeroed(zero):
     which once made the generic path compare them elementwise (an error)."""
     data, moved, kept = make_data(3), {}, []
     for path in PATHS:
-        opt = wrap(
-            model := make_model(),
-            sgd,
-            path,
-            dynamic_loss_scale=True,
-            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
-        )
+        opt = wrap(model := make_model(), sgd, path, **GROWING)
         moved[path] = []
         for i, (x, y) in enumerate(data):
             (opt if zero == "optimizer" else model).zero_grad()
@@ -497,16 +497,9 @@ def test_stepped_grads_step_again_alike_after_a_handover_or_a_new_group(then):
     x, y = make_data(1)[0]
     moved = {}
     for path in PATHS:
-        torch.manual_seed(0)
-        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
-        opt = wrap(
-            model,
-            lambda ps: torch.optim.SGD(ps, lr=0.05),
-            path,
-            dynamic_loss_scale=True,
-            dynamic_loss_args={"init_scale": 64.0, "scale_window": 1},  # grows every step
-        )
-        opt.backward(((model[1](torch.tanh(model[0](x.float())).half()).float() - y) ** 2).mean())
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
+        opt.backward(mixed_loss(model, x, y))
         opt.step()
         if then == "add_param_group":
             opt.add_param_group({"params": list(nn.Linear(2, 2).half().parameters())})
@@ -559,10 +552,9 @@ def test_grads_written_in_place_after_backward_are_unscaled_once(path):
     x, y = make_data(1)[0]
     moved = {}
     for halve in (False, True):
-        torch.manual_seed(0)
-        model = nn.ModuleList([nn.Linear(6, 3), nn.Linear(3, 3).half()])  # FP32 and FP16
+        model = mixed_model()
         opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.1), path, static_loss_scale=64.0)
-        opt.backward(((model[1](torch.tanh(model[0](x.float())).half()).float() - y) ** 2).mean())
+        opt.backward(mixed_loss(model, x, y))
         if halve:
             with torch.no_grad():
                 for p in model.parameters():
