@@ -164,6 +164,16 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
     }
 
 
+def state_dict_copy(state: MixedPrecisionState) -> dict[str, Any]:
+    """Returns :func:`state_dict` with every tensor copied: a snapshot that a later in-place
+    step, or a load into it, does not change."""
+    return optree.tree_map(
+        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+        state_dict(state),
+        none_is_leaf=True,
+    )
+
+
 def _in_dtype_of(entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
     """Returns a saved leaf's FP32-terms ``entry`` for a param of ``like``'s dtype, where the
     model's dtype has changed since (FP16, BF16, FP32): its master -- the saved one, or an

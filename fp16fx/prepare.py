@@ -162,21 +162,21 @@ def _core_params(
         if not on:
             continue
         bucket = layout.buckets[seg.bucket]
+        fp32 = bucket.dtype == torch.float32
         if target is None and gather:
-            if bucket.dtype == torch.float32:
-                out = master if scratch is not None else torch.empty_like(master)
-            elif scratch is None:
-                out = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
+            if scratch is None:  # pure: a new flat tensor
+                target = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
+                views = flat.views(bucket, target, seg.lo, seg.hi)
+            elif fp32:  # in place: into their own master
+                target, views = master, flat.views(bucket, master, seg.lo, seg.hi)
             else:
                 key = (bucket, seg, master.device)  # a Segment alone names no dtype
                 if key not in scratch:
                     buffer = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
                     scratch[key] = (buffer, flat.views(bucket, buffer, seg.lo, seg.hi))
-                out = scratch[key][0]
+                target, views = scratch[key]
             with torch.no_grad():
-                flat.copy_all(flat.views(bucket, out, seg.lo, seg.hi), given)
-            target = out
-        fp32 = bucket.dtype == torch.float32
+                flat.copy_all(views, given)
         params.append(None if target is None or fp32 else target)
         masters.append(target if fp32 and target is not None else master)
     labels = [s.label for s, on in zip(layout.segments, active) if on]

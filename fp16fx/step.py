@@ -18,7 +18,7 @@ in-place variant (:func:`apply_updates_`) writes the same values into the state'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import optree
@@ -200,6 +200,14 @@ def adopt_written(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     step (which applies the update to it) and the facade (before it saves or rebuilds)."""
     require_rounding_casts()
     return torch.where(param != master.to(param.dtype), param.float(), master)
+
+
+def adopt_written_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Makes each FP32 master of ``(FP16/BF16 param, master)`` pairs :func:`adopt_written`'s
+    value, in place (the facade's engines, before they save or rebuild from the masters)."""
+    with torch.no_grad():
+        for param, master in pairs:
+            master.copy_(adopt_written(param, master))
 
 
 def _is_quantized(node: Any) -> bool:

@@ -20,7 +20,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import optree
 import torch
 
 from fp16fx import checkpoint, flat, saved_format, tree
@@ -44,10 +43,7 @@ def state_dict(state: ShardedState) -> ShardDict:
                 "offset": bucket.offsets[k],
                 "shape": list(bucket.shapes[k]),
             }
-    shard = optree.tree_map(
-        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
-        checkpoint.state_dict(state.shard),
-    )
+    shard = checkpoint.state_dict_copy(state.shard)
     return {
         "format": FORMAT,
         "world_size": state.sharding.world_size,

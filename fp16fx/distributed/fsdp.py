@@ -138,11 +138,7 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     (Int8 moments could not be saved as stored anyway: their block scales are cut where each
     rank's shard starts, which moves with the world size.)
     """
-    sd = optree.tree_map(
-        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
-        checkpoint.state_dict(state),
-        none_is_leaf=True,
-    )
+    sd = checkpoint.state_dict_copy(state)
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block
         decoded = {path: saved_format.canonical(e, block) for path, e in sd["params"].items()}

@@ -99,16 +99,8 @@ def state_dict(
     flags: Mapping[str, bool],
 ) -> dict[str, Any]:
     """Returns the checkpoint dict (see the module docstring); one sync."""
-    engine.resync_masters()  # a param written since the last step is saved as written
-    if isinstance(engine, FastEngine) and engine.fsdp:
-        return {
-            "format": FSDP_FORMAT,
-            "state": fsdp.state_dict(engine.state, engine.flat.params),
-            "param_groups": [group_numbers(g) for g in inner.param_groups],
-            "trainable": trained_positions(inner, engine),
-            **{key: flags[key] for key in FLAGS},
-        }
-    if dtensors.has_dtensors([p for ps in params.trainable for p in ps]):
+    on_fsdp2 = isinstance(engine, FastEngine) and engine.fsdp
+    if not on_fsdp2 and dtensors.has_dtensors([p for ps in params.trainable for p in ps]):
         raise RuntimeError(
             f"state_dict() of an FP16_Optimizer on the generic path (the wrapped "
             f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its "
@@ -117,6 +109,16 @@ def state_dict(
             "path: SGD, Adam or AdamW without maximize, path 'auto' or 'fast' "
             "(docs/distributed.md)"
         )
+    engine.resync_masters()  # a param written since the last step is saved as written
+    if on_fsdp2:
+        assert isinstance(engine, FastEngine)
+        return {
+            "format": FSDP_FORMAT,
+            "state": fsdp.state_dict(engine.state, engine.flat.params),
+            "param_groups": [group_numbers(g) for g in inner.param_groups],
+            "trainable": trained_positions(inner, engine),
+            **{key: flags[key] for key in FLAGS},
+        }
     if isinstance(engine, FastEngine) and engine.sharded is not None:
         groups = inner.state_dict()["param_groups"]  # the state is the engine's
         positions = trained_positions(inner, engine)

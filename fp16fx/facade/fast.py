@@ -43,7 +43,7 @@ from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScaleState
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
-from fp16fx.step import StepInfo, adopt_written
+from fp16fx.step import StepInfo, adopt_written_
 from fp16fx.transforms import replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
@@ -179,10 +179,8 @@ class FastEngine:
         if self.state.precision.compensated:
             return
         params, masters = tree.flatten(self.state.params)[0], tree.flatten(self.state.master)[0]
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                if p is not None and p.dtype != torch.float32:
-                    m.copy_(adopt_written(p, m))
+        pairs = zip(params, masters)
+        adopt_written_((p, m) for p, m in pairs if p is not None and p.dtype != torch.float32)
 
     def forget_written(self) -> None:
         """Makes the next step write every param group number and the clipping threshold into
@@ -385,7 +383,7 @@ class FastEngine:
         segments = self.segment_marks()
         segments = torch.cat([segments, segments.new_full((len(params),), -1)])  # new buckets
         masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
-        clip, made_at = self.clip_norm(), self._carried_scale()
+        clip, made_at = self.clip_norm(), self.carried_scale()
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
         self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
@@ -406,9 +404,10 @@ class FastEngine:
 
     # -- stepping ------------------------------------------------------------------------
 
-    def sync_groups(self) -> None:
-        """Writes the param groups' current numbers into the core's tensors (no sync, unless
-        a group holds a number as a tensor: reading it syncs).
+    def sync_groups(self, max_norm: float) -> None:
+        """Writes the param groups' current numbers, and the clipping threshold ``max_norm``
+        (:meth:`clip_norm`), into the core's tensors (no sync, unless a group holds a number as
+        a tensor: reading it syncs).
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported.
@@ -431,7 +430,6 @@ class FastEngine:
             if changed:
                 replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)
                 written.update(changed)
-        max_norm = self.clip_norm()
         if max_norm != self._clip_written:
             replace_hyperparams(self.state.opt_state, {"max_norm": max_norm}, inplace=True)
             self._clip_written = max_norm
@@ -478,22 +476,19 @@ class FastEngine:
         masters' grads again: unscaled by the loss scale they were made with
         (:meth:`scale_of_the_grads`), the scale then moving on from where it is.
         """
-        with self.scale_of_the_grads() as kept:
-            self.sync_groups()
+        with self.scale_of_the_grads() as swapped:
             clip = self.clip_norm()
+            self.sync_groups(clip)
             if self.sharded is None:
                 grads = self.grads()
                 self.state, info = self._compiling(lambda: self.step_fn(self.state, grads))
             else:
                 shards, sharded = self._scatter(), self.sharded
                 info = self._compiling(lambda: fdist.step_shards(sharded, shards, self.step_fn))
-        if kept is not None:  # the policy moves on from its own state, not the grads' scale
-            moved, floored = self.scaler.policy.adjust(kept, info.finite)
-            for dst, src in zip(self.scaler.state, moved):
-                dst.copy_(src)
-            info = info._replace(loss_scale_floored=floored)
-        stats = self.scaler.stats
-        stats.add_(torch.stack([~info.finite, info.loss_scale_floored]).to(stats.dtype))
+        if swapped:  # the policy moves on from its own state, not from the grads' scale
+            info = info._replace(loss_scale_floored=self.scaler.adjust(info.finite))
+        else:  # the core moved it
+            self.scaler.count(info.finite, info.loss_scale_floored)
         self.last_info, self._checked, self._scattered = info, None, None
         self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
         return info
@@ -518,44 +513,32 @@ class FastEngine:
         return NO_CLIP
 
     @contextlib.contextmanager
-    def scale_of_the_grads(self) -> Iterator[LossScaleState | None]:
+    def scale_of_the_grads(self) -> Iterator[bool]:
         """Within it, the state's loss scale is the one the grads were made with, where they
         are the ones the last step left (nothing wrote them since), so that the core unscales
-        them by it; after it, the scale is the policy's again. Yields the policy's state as it
-        was (copies), or None when the grads are new. The grads themselves are not touched.
+        them by it; after it, the policy's state is as it was. Yields whether it swapped the
+        scale. The grads themselves are not touched.
 
         Sharded, such grads raise RuntimeError, before anything changed: the reduce-scatter
         averaged them in place.
         """
-        made_at = self._carried_scale()
+        made_at = self.carried_scale()
         if made_at is None:
-            yield None
+            yield False
             return
         if self.sharded is not None:
             raise RuntimeError(
                 "a sharded FP16_Optimizer steps each gradient once (its reduce-scatter averaged "
                 "them in place): call backward() or zero_grad() before using them again"
             )
-        state = self.scaler.state
-        kept = LossScaleState(*(t.clone() for t in state))
-        state.scale.copy_(made_at)
+        kept = LossScaleState(*(t.clone() for t in self.scaler.state))
+        self.scaler.state.scale.copy_(made_at)
         try:
-            yield kept
+            yield True
         finally:
-            for dst, src in zip(state, kept):
-                dst.copy_(src)
+            self.scaler.write(kept)
 
-    def stepped_grads(self) -> bool:
-        """Whether the current grads are the ones the last step left (nothing wrote them)."""
-        return self._carried_scale() is not None
-
-    def carried_scale(self) -> torch.Tensor:
-        """Returns the loss scale the current grads were made with (0-d): the current one,
-        or for grads the last step left, the one they were made with."""
-        made_at = self._carried_scale()
-        return self.scaler.state.scale if made_at is None else made_at
-
-    def _carried_scale(self) -> torch.Tensor | None:
+    def carried_scale(self) -> torch.Tensor | None:
         """Returns the loss scale the grads were made with, if they are the ones the last step
         left (nothing wrote them since), else None."""
         if self._made_at is not None and self._made_at[0].unchanged():
@@ -563,9 +546,9 @@ class FastEngine:
         return None
 
     def _still_these_grads(self, clip: float, made_at: torch.Tensor | None) -> None:
-        """Records the current grads, after this engine's own writes to them (a step, a
-        rescale, new buffers), as the ones ``clip`` still applies to (``NO_CLIP``: none) and
-        that carry the loss scale ``made_at`` (None: they need no rescaling)."""
+        """Records the current grads, after this engine's own writes (a step; new buffers),
+        as the ones ``clip`` still applies to (``NO_CLIP``: none) and that were made with the
+        loss scale ``made_at`` (None: not stepped yet, made with the current one)."""
         stamp = self.grad_stamp()
         self._clip = None if clip == NO_CLIP else (clip, stamp)
         self._made_at = None if made_at is None else (stamp, made_at)
@@ -607,7 +590,8 @@ class FastEngine:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
         clipped as the next step clips them if ``clip_master_grads`` asked for it."""
         self._require_unsharded("inspect_master_grad_data()")
-        inv_scale = torch.reciprocal(self.carried_scale())
+        made_at = self.carried_scale()
+        inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
         coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
         if max_norm != NO_CLIP:  # clip_by_global_norm's rule, on the step's norm
             norm = self.check()[1].double()

@@ -19,7 +19,7 @@ from fp16fx import dtensors
 from fp16fx.facade.params import GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import unscale_and_check
-from fp16fx.step import adopt_written
+from fp16fx.step import adopt_written_
 
 
 class GenericEngine:
@@ -105,22 +105,12 @@ class GenericEngine:
         """Moves the loss scale for the last checked grads (once per step); returns whether
         an overflow found the scale at its floor (one sync)."""
         finite = torch.ones((), dtype=torch.bool) if self._finite is None else self._finite
-        finite = finite.to(self.scaler.state.scale.device)
-        with torch.no_grad():
-            new_state, floored = self.scaler.policy.adjust(self.scaler.state, finite)
-            for dst, src in zip(self.scaler.state, new_state):
-                dst.copy_(src)
-            stats = self.scaler.stats
-            stats.add_(torch.stack([~finite, floored]).to(stats.dtype))
-        return bool(floored)
+        return bool(self.scaler.adjust(finite.to(self.scaler.state.scale.device)))
 
     def resync_masters(self) -> None:
         """Makes each master take its param's value where the param no longer is the master
         rounded (written since the last step: ``load_state_dict``, a clamp); exact."""
-        with torch.no_grad():
-            for p, master in self.pairs:
-                if master is not p:
-                    master.copy_(adopt_written(p, master))
+        adopt_written_((p, master) for p, master in self.pairs if master is not p)
 
     def masters_to_model(self) -> None:
         """Copies every master into its FP16/BF16 model param."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -37,7 +36,7 @@ from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
-from fp16fx.tree import is_finite
+from fp16fx.transforms import check_hyperparam
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -441,11 +440,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         A ``norm_type`` other than 2 moves the optimizer to the generic path. ``max_norm`` may
         be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes.
         """
-        if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
-            max_norm = max_norm.item()
-        real = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
-        if not (real and is_finite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+        try:  # the rule of clip_by_global_norm's max_norm
+            max_norm = check_hyperparam("max_norm", max_norm)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}") from None
         try:
             order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too
         except (TypeError, ValueError):
@@ -635,10 +633,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
             self.optimizer, self._params.trainable, self._params.masters, self._scaler
         )
         max_norm = fast.clip_norm() if keep_state else NO_CLIP
-        if max_norm != NO_CLIP or (keep_state and fast.stepped_grads()):
+        made_at = fast.carried_scale() if keep_state else None
+        if max_norm != NO_CLIP or made_at is not None:
             # The masters' grads as the fast step would have read them (grads stepped before
             # by the scale they were made with), and clipped as it would have clipped them.
-            generic.update_master_grads(fast.carried_scale())
+            generic.update_master_grads(made_at)
             if max_norm != NO_CLIP:
                 generic.clip(max_norm, 2.0)
             self._phase.grads = "unscaled"

@@ -140,9 +140,9 @@ class GradStamp:
     def unchanged(self) -> bool:
         """Whether every param has the gradient it had then, unwritten since."""
         grads = map(_GRAD, self._params)
-        if self._seen is None:
-            views_still = all(map(operator.is_, grads, self._views))
-            return views_still and [b._version for b in self._buffers] == self._versions
+        if self._seen is None:  # the few buffers first: any backward moved their counters
+            versions_still = [b._version for b in self._buffers] == self._versions
+            return versions_still and all(map(operator.is_, grads, self._views))
         return all(map(_same, self._seen, grads))
 
 

@@ -60,6 +60,26 @@ class Scaler:
     stats: torch.Tensor
     consensus: Any = None
 
+    def write(self, values: LossScaleState) -> None:
+        """Writes ``values`` (tensors) into the state's tensors, in place."""
+        with torch.no_grad():
+            for dst, src in zip(self.state, values):
+                dst.copy_(src)
+
+    def count(self, finite: torch.Tensor, floored: torch.Tensor) -> None:
+        """Adds a step's skip (not ``finite``) and floored back-off to ``stats``."""
+        self.stats.add_(torch.stack([~finite, floored]).to(self.stats.dtype))
+
+    def adjust(self, finite: torch.Tensor) -> torch.Tensor:
+        """Moves the state by the policy's rule for a step whose grads were ``finite`` (in
+        place), and counts the step; returns whether an overflow found the scale at its floor
+        (a 0-d tensor: no sync)."""
+        with torch.no_grad():
+            moved, floored = self.policy.adjust(self.state, finite)
+            self.write(moved)
+            self.count(finite, floored)
+        return floored
+
 
 _APEX_KEYS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _FP16FX_KEYS = tuple(f.name for f in dataclasses.fields(DynamicLossScale))
