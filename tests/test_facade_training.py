@@ -511,6 +511,24 @@ def test_stepped_grads_step_again_alike_after_a_handover_or_a_new_group(then):
     assert_close_engines(moved["fast"], moved["generic"])
 
 
+def test_a_clip_holds_across_a_handover():
+    """The generic path that takes over in a step clips the grads as clip_master_grads asked
+    the fast one to (it makes the masters' grads then, and clips them)."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
+        opt.backward(mixed_loss(model, x, y))
+        assert opt.clip_master_grads(1e-3) > 1e-2  # so the clip matters
+        opt.param_groups[0]["maximize"] = True
+        before = masters_of(opt)
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
+    assert opt.path == "generic"
+    assert_close_engines(moved["fast"], moved["generic"])
+
+
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():
     """The fast path's cached norm once outlived a loss.backward() made without it. (The
     generic path, as apex, rebuilds the masters' grads at backward and update_master_grads

@@ -27,6 +27,7 @@ from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
+from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -36,7 +37,6 @@ from fp16fx.facade.groups import (
     group_spec,
     group_values,
 )
-from fp16fx.facade.params import GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
@@ -116,14 +116,11 @@ class FastEngine:
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
         self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
-        # clip_master_grads' max_norm, and the grads it clips
-        self._clip: tuple[float, GradStamp] | None = None
+        self._clip = GradMemo[float]()  # clip_master_grads' max_norm, for the grads it saw
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
-        # The grads the last step left, and the loss scale they were made with
-        self._made_at: tuple[GradStamp, torch.Tensor] | None = None
-        # check()'s (finite, norm), and the grads it was for
-        self._checked: tuple[GradStamp, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._made_at = GradMemo[torch.Tensor]()  # the scale the last step's grads had
+        self._checked = GradMemo[tuple[torch.Tensor, torch.Tensor]]()  # check()'s result
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         self._entries = self._make_entries()
 
@@ -398,7 +395,8 @@ class FastEngine:
         )
         # The core's clip is "none" again, and the grads moved into new buffers: the same
         # grads, but a check must read them there.
-        self._clip_written, self._checked = NO_CLIP, None
+        self._clip_written = NO_CLIP
+        self._checked.forget()
         self._still_these_grads(clip, made_at)
         return moved
 
@@ -489,7 +487,8 @@ class FastEngine:
             info = info._replace(loss_scale_floored=self.scaler.adjust(info.finite))
         else:  # the core moved it
             self.scaler.count(info.finite, info.loss_scale_floored)
-        self.last_info, self._checked, self._scattered = info, None, None
+        self.last_info, self._scattered = info, None
+        self._checked.forget()
         self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
         return info
 
@@ -503,14 +502,13 @@ class FastEngine:
         """Makes the steps clip the current grads to ``max_norm`` (``clip_master_grads``) for
         as long as they are these grads: apex clipped its masters' grads, which kept the clip
         until a backward or ``zero_grad`` replaced them."""
-        self._clip = (max_norm, self.grad_stamp())
+        self._clip.remember(max_norm, self.grad_stamp())
 
     def clip_norm(self) -> float:
         """Returns the max_norm a step now clips to: :meth:`clip_current_grads`' while the
         grads are the ones it saw, else ``NO_CLIP``."""
-        if self._clip is not None and self._clip[1].unchanged():
-            return self._clip[0]
-        return NO_CLIP
+        max_norm = self._clip.get()
+        return NO_CLIP if max_norm is None else max_norm
 
     @contextlib.contextmanager
     def scale_of_the_grads(self) -> Iterator[bool]:
@@ -541,27 +539,26 @@ class FastEngine:
     def carried_scale(self) -> torch.Tensor | None:
         """Returns the loss scale the grads were made with, if they are the ones the last step
         left (nothing wrote them since), else None."""
-        if self._made_at is not None and self._made_at[0].unchanged():
-            return self._made_at[1]
-        return None
+        return self._made_at.get()
 
     def _still_these_grads(self, clip: float, made_at: torch.Tensor | None) -> None:
         """Records the current grads, after this engine's own writes (a step; new buffers),
         as the ones ``clip`` still applies to (``NO_CLIP``: none) and that were made with the
         loss scale ``made_at`` (None: not stepped yet, made with the current one)."""
         stamp = self.grad_stamp()
-        self._clip = None if clip == NO_CLIP else (clip, stamp)
-        self._made_at = None if made_at is None else (stamp, made_at)
+        self._clip.remember(None if clip == NO_CLIP else clip, stamp)
+        self._made_at.remember(made_at, stamp)
 
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
         sharded, of the mean grads (a collective: every rank calls it)."""
-        if self._checked is None or not self._checked[0].unchanged():
+        checked = self._checked.get()
+        if checked is None:
             with self.scale_of_the_grads():
                 grads = self.grads() if self.sharded is None else self._scatter()
                 checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
-            self._checked = (self.grad_stamp(), checked)
-        return self._checked[1]
+            self._checked.remember(checked, self.grad_stamp())
+        return checked
 
     def local_finite(self) -> bool:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
@@ -584,7 +581,7 @@ class FastEngine:
                 "the gradients were already reduce-scattered (by clip_master_grads) and so "
                 "divided by the world size; call step() or zero_grad() before another backward"
             )
-        self._checked = None
+        self._checked.forget()
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
@@ -615,7 +612,8 @@ class FastEngine:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.flat.zero_grads(set_to_none)
-        self._checked = self._scattered = None
+        self._checked.forget()
+        self._scattered = None
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.facade.params import GradStamp
+from fp16fx.facade.grads import GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import unscale_and_check
 from fp16fx.step import adopt_written_

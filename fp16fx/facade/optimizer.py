@@ -21,10 +21,10 @@ import torch
 from fp16fx import dtensors
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, closure, loading
-from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, shard_group
+from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, handover, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import NO_CLIP, Unsupported
+from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import (
     ParamSet,
     check_trainable,
@@ -613,36 +613,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
     # -- internals -----------------------------------------------------------------------
 
     def _handover(self, reason: Exception | str, *, keep_state: bool = True) -> None:
-        """Switches from the fast to the generic path, moving the optimizer state over."""
+        """Switches from the fast to the generic path (:func:`~fp16fx.facade.engines.handover`)."""
         fast = self._engine
         assert isinstance(fast, FastEngine)
-        if fast.compact:
-            precision = fast.state.precision
-            raise ValueError(
-                f"{reason}: this needs the generic path, which master={precision.master!r}, "
-                f"moments={precision.moments!r} cannot take (it steps FP32 masters)"
-            )
-        logger.warning(
-            "fp16fx: FP16_Optimizer switches to the generic path (%s): from now on the wrapped "
-            "%s steps FP32 masters, with one host sync per step",
-            reason, type(self.optimizer).__name__,
-        )  # fmt: skip
-        if keep_state:
-            self.optimizer.state.update(fast.export())
-        self._engine = generic = GenericEngine(
-            self.optimizer, self._params.trainable, self._params.masters, self._scaler
-        )
-        max_norm = fast.clip_norm() if keep_state else NO_CLIP
-        made_at = fast.carried_scale() if keep_state else None
-        if max_norm != NO_CLIP or made_at is not None:
-            # The masters' grads as the fast step would have read them (grads stepped before
-            # by the scale they were made with), and clipped as it would have clipped them.
-            generic.update_master_grads(made_at)
-            if max_norm != NO_CLIP:
-                generic.clip(max_norm, 2.0)
+        self._engine, unscaled = handover(fast, self._params, reason, keep_state=keep_state)
+        if unscaled:
             self._phase.grads = "unscaled"
-        elif self._phase.grads == "unscaled":
-            self._phase.grads = "fresh"
 
     def _reached_nothing(self) -> None:
         """Raises: the loss just backpropagated reached none of the params trained here."""

@@ -6,15 +6,11 @@ Layer: ``facade`` (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
-import operator
-import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from fp16fx import dtensors, tree
+from fp16fx import tree
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -109,55 +105,3 @@ class ParamSet:
     def master_of(self) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): its master}`` over every group."""
         return {id(p): m for ps, ms in zip(self.trainable, self.masters) for p, m in zip(ps, ms)}
-
-
-class GradStamp:
-    """The gradients of some params at one moment, to tell later whether any has changed.
-
-    Each grad is held weakly and compared by identity -- a new tensor is never taken for a
-    freed one whose ``id`` it reuses -- with its version counter, which a write in place
-    moves (a DTensor's: its local shard's, which FSDP2 writes). ``views`` and ``buffers``
-    (a :class:`~fp16fx.flat.FlatParams`' grad views and their flat buffers): while every grad
-    is its view, the buffers' counters, which their views share, say it all, read once per
-    buffer rather than per param (a many-param model's step would pay a Python loop).
-    """
-
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        views: Sequence[torch.Tensor] = (),
-        buffers: Sequence[torch.Tensor] = (),
-    ) -> None:
-        self._params, self._views, self._buffers = list(params), views, buffers
-        grads = list(map(_GRAD, self._params))
-        self._seen: list[tuple[weakref.ref[torch.Tensor], int] | None] | None = None
-        self._versions: list[int] = []
-        if views and all(map(operator.is_, grads, views)):
-            self._versions = [b._version for b in buffers]
-        else:
-            self._seen = [_seen(g) for g in grads]
-
-    def unchanged(self) -> bool:
-        """Whether every param has the gradient it had then, unwritten since."""
-        grads = map(_GRAD, self._params)
-        if self._seen is None:  # the few buffers first: any backward moved their counters
-            versions_still = [b._version for b in self._buffers] == self._versions
-            return versions_still and all(map(operator.is_, grads, self._views))
-        return all(map(_same, self._seen, grads))
-
-
-_GRAD = operator.attrgetter("grad")
-
-
-def _seen(grad: torch.Tensor | None) -> tuple[weakref.ref[torch.Tensor], int] | None:
-    return None if grad is None else (weakref.ref(grad), _version(grad))
-
-
-def _same(seen: tuple[weakref.ref[torch.Tensor], int] | None, grad: torch.Tensor | None) -> bool:
-    if seen is None or grad is None:
-        return seen is None and grad is None
-    return seen[0]() is grad and seen[1] == _version(grad)
-
-
-def _version(grad: torch.Tensor) -> int:
-    return (dtensors.local(grad) if isinstance(grad, DTensor) else grad)._version
