@@ -529,6 +529,23 @@ def test_a_clip_holds_across_a_handover():
     assert_close_engines(moved["fast"], moved["generic"])
 
 
+def test_a_group_added_between_backward_and_step_is_stepped():
+    """The generic path once left a param group added after the grads were unscaled without
+    grads on its masters: the step skipped it, where torch.optim and the fast path step it."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        model = mixed_model()
+        opt = wrap(model[0], lambda ps: torch.optim.SGD(ps, lr=0.05), path)
+        opt.backward(mixed_loss(model, x, y))  # the FP16 layer gets grads too
+        opt.add_param_group({"params": list(model[1].parameters())})
+        before = masters_of(opt)
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
+        assert all(bool(d.abs().sum() > 0) for d in moved[path])
+    assert_close_engines(moved["fast"], moved["generic"])
+
+
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():
     """The fast path's cached norm once outlived a loss.backward() made without it. (The
     generic path, as apex, rebuilds the masters' grads at backward and update_master_grads

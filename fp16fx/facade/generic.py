@@ -53,12 +53,20 @@ class GenericEngine:
         ]
 
     def add_group(self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
-        # The others' grads stay unscaled if these have none yet (a clip or a second step must
-        # not unscale those twice); else every grad is unscaled anew.
+        """Adds a param group's ``params`` and ``masters``. If the others' grads are unscaled
+        into their masters already (and unchanged since), the new params' grads, if any, are
+        unscaled now too and join the check: the next step, which leaves unscaled grads as
+        they are, steps them as well (and a clip or a second step does not unscale the
+        others' twice)."""
         kept = self._unscaled is not None and self._unscaled.unchanged()
-        self.pairs.extend(zip(params, masters, strict=True))
-        still = kept and all(p.grad is None for p in params)
-        self._unscaled = self.grad_stamp() if still else None
+        pairs = list(zip(params, masters, strict=True))
+        self.pairs.extend(pairs)
+        if kept and any(p.grad is not None for p in params):
+            assert self._finite is not None and self._norm is not None
+            finite, norm = self._unscale(pairs, self.scaler.state.scale)
+            self._finite = self._finite & finite
+            self._norm = torch.hypot(self._norm, norm)
+        self._unscaled = self.grad_stamp() if kept else None
 
     def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
@@ -74,10 +82,20 @@ class GenericEngine:
         """
         if self._unscaled is not None and self._unscaled.unchanged():
             return
-        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
+        self._finite, self._norm = self._unscale(
+            self.pairs, self.scaler.state.scale if scale is None else scale
+        )
+        self._unscaled = self.grad_stamp()
+
+    def _unscale(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscales the grads of ``pairs``' params by ``scale`` into their masters' grads;
+        returns their ``(finite, norm)``, agreed by the consensus if there is one."""
+        with_grad = [(p, m) for p, m in pairs if p.grad is not None]
         # FSDP2's DTensor grads: their local shards (the consensus spans the mesh)
         grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
-        checked = unscale_and_check(grads, self.scaler.state.scale if scale is None else scale)
+        checked = unscale_and_check(grads, scale)
         finite, norm = checked.finite, checked.norm
         if self.scaler.consensus is not None:  # every process skips or applies together
             finite, norm = self.scaler.consensus(finite, norm)
@@ -87,11 +105,10 @@ class GenericEngine:
                     local.copy_(grad)
                 else:
                     master.grad = dtensors.like(grad, p) if isinstance(p, DTensor) else grad
-            for p, master in self.pairs:
+            for p, master in pairs:
                 if p.grad is None and master is not p:
                     master.grad = None
-        self._finite, self._norm = finite, norm
-        self._unscaled = self.grad_stamp()
+        return finite, norm
 
     def grad_stamp(self) -> GradStamp:
         """Returns the trained params' gradients now, to tell later whether any changed."""
