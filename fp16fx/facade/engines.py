@@ -18,7 +18,7 @@ from fp16fx import dtensors
 from fp16fx.consensus import Consensus
 from fp16fx.facade.fast import NOT_SHARDED, FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import NO_CLIP, Unsupported
+from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import ParamSet, replace_params
 from fp16fx.facade.policy import Scaler
 from fp16fx.precision import Precision
@@ -145,15 +145,10 @@ def build_engine(
 
 def handover(
     fast: FastEngine, params: ParamSet, reason: Exception | str, *, keep_state: bool
-) -> tuple[GenericEngine, bool]:
-    """Returns ``(generic, unscaled)``: the generic engine that takes over from ``fast``
-    (``reason``: what the fast one cannot run), and whether the masters' grads are the next
-    step's already.
-
-    With ``keep_state`` the optimizer state moves over; and where ``fast`` held a clip for the
-    current grads, or they are grads it stepped already (made with an earlier loss scale), the
-    masters' grads are made now, as its step would have read them: unscaled by the scale they
-    were made with, then clipped. Without, the caller is about to load a state.
+) -> GenericEngine:
+    """Returns the generic engine that takes over from ``fast`` (``reason``: what the fast one
+    cannot run), the optimizer state moved over with ``keep_state`` (without, the caller is
+    about to load one). The masters' grads are not made yet.
 
     Raises ValueError, before anything changed, if ``fast`` keeps compact precision (the
     generic path steps FP32 masters).
@@ -172,15 +167,7 @@ def handover(
     )  # fmt: skip
     if keep_state:
         optimizer.state.update(fast.export())
-    generic = GenericEngine(optimizer, params.trainable, params.masters, fast.scaler)
-    max_norm = fast.clip_norm() if keep_state else NO_CLIP
-    made_at = fast.carried_scale() if keep_state else None
-    if max_norm == NO_CLIP and made_at is None:
-        return generic, False
-    generic.update_master_grads(made_at)
-    if max_norm != NO_CLIP:
-        generic.clip(max_norm, 2.0)
-    return generic, True
+    return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler)
 
 
 __all__ = ["NOT_SHARDED", "Engine", "build_engine", "handover", "shard_group"]

@@ -24,7 +24,7 @@ from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, handover, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import Unsupported
+from fp16fx.facade.groups import NO_CLIP, Unsupported
 from fp16fx.facade.params import (
     ParamSet,
     check_trainable,
@@ -616,8 +616,15 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Switches from the fast to the generic path (:func:`~fp16fx.facade.engines.handover`)."""
         fast = self._engine
         assert isinstance(fast, FastEngine)
-        self._engine, unscaled = handover(fast, self._params, reason, keep_state=keep_state)
-        if unscaled:
+        max_norm = fast.clip_norm() if keep_state else NO_CLIP
+        made_at = fast.carried_scale() if keep_state else None
+        self._engine = generic = handover(fast, self._params, reason, keep_state=keep_state)
+        if max_norm != NO_CLIP or made_at is not None:
+            # The masters' grads as the fast step would have read them (grads stepped before
+            # by the scale they were made with), and clipped as it would have clipped them.
+            generic.update_master_grads(made_at)
+            if max_norm != NO_CLIP:
+                generic.clip(max_norm, 2.0)
             self._phase.grads = "unscaled"
 
     def _reached_nothing(self) -> None:
