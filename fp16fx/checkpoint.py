@@ -85,13 +85,22 @@ def hyperparam_tensors(opt_state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def moment_signs(opt_state: Any) -> dict[str, bool]:
+    """Returns ``{leaf key: never negative}`` for each per-param moment of an optimizer state,
+    e.g. ``{"opt[1].mu": False, "opt[1].nu": True}`` (the fields its state classes list in
+    ``non_negative`` are never negative)."""
+    marked = map_moments(lambda x, non_negative, k: non_negative, opt_state)
+    return {
+        f"opt{name}": any(v is True for v in node)
+        for name, node in named_segments(marked)
+        if any(isinstance(v, bool) for v in node)
+    }
+
+
 def non_negative_keys(opt_state: Any) -> frozenset[str]:
     """Returns the leaf keys, e.g. ``opt[1].nu``, of an optimizer state's moments that are
-    never negative (the fields its state classes list in ``non_negative``)."""
-    marked = map_moments(lambda x, non_negative, k: non_negative, opt_state)
-    return frozenset(
-        f"opt{name}" for name, node in named_segments(marked) if any(v is True for v in node)
-    )
+    never negative (:func:`moment_signs`)."""
+    return frozenset(key for key, never in moment_signs(opt_state).items() if never)
 
 
 def blocks_of(start: int, end: int, block: int) -> slice:
@@ -174,15 +183,26 @@ def state_dict_copy(state: MixedPrecisionState) -> dict[str, Any]:
     )
 
 
-def _in_dtype_of(entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Returns a saved leaf's FP32-terms ``entry`` for a param of ``like``'s dtype, where the
-    model's dtype has changed since (FP16, BF16, FP32): its master -- the saved one, or an
-    FP32 param, its own -- stays, and the param is that master rounded to nearest."""
+def _in_dtype_of(
+    path: str, entry: dict[str, Any], like: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Returns a saved leaf's FP32-terms ``entry`` (at ``path``) for a param of ``like``'s
+    dtype, where the model's dtype has changed since (FP16, BF16, FP32): its master -- the
+    saved one, or an FP32 param, its own -- stays, and the param is that master rounded to
+    nearest. Raises StateDictError if the master is past the new dtype's range."""
     if like is None or entry["param"].dtype == like["param"].dtype:
         return entry
     master = entry.get("master", entry["param"]).float()
     out = {key: value for key, value in entry.items() if key not in ("param", "master")}
-    out["param"] = master.to(like["param"].dtype)
+    dtype = like["param"].dtype
+    out["param"] = master.to(dtype)
+    # (A master already inf or NaN is named as such by the checks after.)
+    if not master.is_meta and bool((torch.isfinite(master) & out["param"].isinf()).any()):
+        key = "master" if "master" in entry else "param"
+        raise misfit(
+            f"['params'][{path!r}][{key!r}] holds values past {dtype}'s largest "
+            f"({torch.finfo(dtype).max:g}), which the {dtype} param cannot take"
+        )
     if "master" in like:
         out["master"] = master
     return out
@@ -222,8 +242,9 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     Raises:
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
         loss-scale policy, a stored tensor its format does not store (a correction or int8
-        codes of another dtype, int8 scales that do not count the blocks), a meta or sparse
-        tensor, a value no run saves (inf or NaN, a negative count or second moment) --
+        codes of another dtype or kind, int8 scales that do not count the blocks or that no
+        encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, a
+        negative count or second moment), a master past the range of a param's new dtype --
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
         is changed.
     """
@@ -236,12 +257,12 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     check_dense(sd)
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
-    their_params = canonical_params(sd["params"], saved.block)
+    their_params = canonical_params(sd["params"], saved.block, moment_signs(state.opt_state))
     theirs = {
         **sd,
         "precision": template["precision"],
         "params": {
-            path: _in_dtype_of(entry, mine["params"].get(path))
+            path: _in_dtype_of(path, entry, mine["params"].get(path))
             for path, entry in their_params.items()
         },
     }

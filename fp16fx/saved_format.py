@@ -17,7 +17,14 @@ import optree
 import torch
 
 from fp16fx import tree
-from fp16fx.precision import Precision, Quantized, correction_dtype, decode_master, decode_moment
+from fp16fx.precision import (
+    ZERO_BLOCK_SCALE,
+    Precision,
+    Quantized,
+    correction_dtype,
+    decode_master,
+    decode_moment,
+)
 from fp16fx.scaling import check_scale
 from fp16fx.transforms import check_hyperparam
 
@@ -162,13 +169,21 @@ def precision_of(sd: Mapping[str, Any]) -> Precision:
         raise misfit(f"['precision'] is {saved!r}: {err}") from None
 
 
-def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+def canonical(
+    entry: Mapping[str, torch.Tensor], block: int, signs: Mapping[str, bool] | None = None
+) -> dict[str, torch.Tensor]:
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
+
+    ``signs``: for an entry saved elsewhere, the loading state's moments (``{key: never
+    negative}``, :func:`fp16fx.checkpoint.moment_signs`), which its int8 codes must fit, and
+    its block scales are checked too (one sync each).
 
     Raises _NotStored, naming the key, where a stored tensor is not of a dtype or shape its
     format stores (decoding it would silently give other numbers)."""
     _check_stored(entry, block)
+    if signs is not None:
+        _check_codes(entry, signs)
     out = {"param": entry["param"]}
     if "master" in entry:
         out["master"] = entry["master"]
@@ -183,6 +198,32 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         else:
             out[key] = value.float() if value.is_floating_point() else value  # counts stay
     return out
+
+
+def _check_codes(entry: Mapping[str, torch.Tensor], signs: Mapping[str, bool]) -> None:
+    """Raises _NotStored naming an int8 moment whose codes are not the kind its moment takes
+    (uint8 for a moment ``signs`` says is never negative, int8 for a signed one: decoded as
+    the other kind, they would give other numbers), or whose block scales no encoding gives
+    (each is a finite block maximum, at least FP32's smallest normal)."""
+    for key, codes in entry.items():
+        if not key.endswith(".codes"):
+            continue
+        name = key[: -len(".codes")]
+        if name in signs:
+            wanted = torch.uint8 if signs[name] else torch.int8
+            if codes.dtype != wanted:
+                kind = "non-negative" if signs[name] else "signed"
+                raise _NotStored(
+                    f"[{key!r}] has dtype {codes.dtype}; this {kind} moment's codes are {wanted}"
+                )
+        scales = entry[f"{name}.scales"]
+        if not scales.is_meta and not bool(
+            (torch.isfinite(scales) & (scales >= ZERO_BLOCK_SCALE)).all()
+        ):
+            raise _NotStored(
+                f"[{name + '.scales'!r}] holds a scale that is not finite and at least FP32's "
+                f"smallest normal ({ZERO_BLOCK_SCALE:g}), which no int8 block is stored with"
+            )
 
 
 class _NotStored(ValueError):
@@ -260,7 +301,9 @@ def _decode_leaf(
     return decode_moment(stored, codes.dtype == torch.uint8, block)[start:].view(codes.shape)
 
 
-def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
+def canonical_params(
+    params: Mapping[str, Any], block: int, signs: Mapping[str, bool] | None = None
+) -> dict[str, Any]:
     """Returns :func:`canonical` of every leaf entry of a state dict's ``params`` saved with
     int8 blocks of ``block`` values; raises StateDictError naming a malformed one."""
     out = {}
@@ -269,7 +312,7 @@ def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
         if not isinstance(entry, Mapping):
             raise misfit(f"{where} is a {type(entry).__name__}, not a dict")
         try:
-            out[path] = canonical(entry, block)
+            out[path] = canonical(entry, block, signs)
         except KeyError as err:
             raise misfit(f"{where} lacks {err}") from None
         except _NotStored as err:

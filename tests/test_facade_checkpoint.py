@@ -217,6 +217,16 @@ CORRUPTIONS = {
         ValueError,
         "\\['state'\\]\\[2\\]\\['exp_avg'\\] has shape \\(7,\\), its param \\(2, 8\\)",
     ),
+    "a moment missing": (
+        _set(["optimizer_state_dict", "state", 2, "exp_avg"], DELETE),
+        ValueError,
+        "\\['state'\\]\\[2\\] lacks \\['exp_avg'\\]",
+    ),
+    "a step count past int64": (
+        _set(["optimizer_state_dict", "state", 2, "step"], torch.tensor(1e30)),
+        ValueError,
+        "\\['step'\\] is tensor\\(1.0000e\\+30\\), not a step count",
+    ),
     "state of another optimizer": (
         _set(["optimizer_state_dict", "state", 0], {"momentum_buffer": torch.zeros(8, 5)}),
         ValueError,
@@ -264,6 +274,11 @@ CORRUPTIONS = {
         ValueError,
         "\\['step'\\] is tensor\\(-97\\.\\), not a step count",
     ),
+    "a master past FP16's range": (
+        _set(["fp32_from_fp16", 0, 1], lambda t: t + 1e5),
+        ValueError,
+        "fp32_from_fp16\\[0\\]\\[1\\] holds values past torch.float16's largest \\(65504\\)",
+    ),
     "master on meta": (
         _set(["fp32_from_fp16", 0, 1], lambda t: t.to("meta")),
         ValueError,
@@ -298,6 +313,31 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(path, nam
     assert_same_fingerprint(fingerprint(model, opt), before)
     assert run(model, opt, range(2, 4)) == run(twin, twin_opt, range(2, 4))  # still works
     opt.load_state_dict(good)  # and a good dict still loads
+
+
+def test_a_load_that_fails_after_rebuilding_the_groups_puts_them_back(monkeypatch):
+    """A dict that turns amsgrad on rebuilds the fast path's transform before its state is
+    loaded: a failure then once left the new structure with fresh moments. (Every dict that
+    does not fit is refused before that point; this failure is forced.)"""
+    model, twin = make_model(), make_model()
+    opt, twin_opt = wrap(model, "fast"), wrap(twin, "fast")
+    run(model, opt, range(2))
+    run(twin, twin_opt, range(2))
+    sd = copy.deepcopy(save_and_load(opt.state_dict()))
+    sd["optimizer_state_dict"]["param_groups"][0]["amsgrad"] = True
+    for state in sd["optimizer_state_dict"]["state"].values():
+        state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+    before = fingerprint(model, opt)
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fp16fx.checkpoint, "load_state_dict", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            opt.load_state_dict(sd)
+    assert_same_fingerprint(fingerprint(model, opt), before)
+    assert run(model, opt, range(2, 4)) == run(twin, twin_opt, range(2, 4))
 
 
 def test_bad_hyperparameters_are_refused_before_loading_on_the_fast_path():

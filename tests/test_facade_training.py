@@ -17,6 +17,7 @@ amplifies). The compiled fast path is tested in test_facade_compiled.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -529,21 +530,73 @@ def test_a_clip_holds_across_a_handover():
     assert_close_engines(moved["fast"], moved["generic"])
 
 
-def test_a_group_added_between_backward_and_step_is_stepped():
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh grads", "grads stepped once"])
+def test_a_group_added_between_backward_and_step_is_stepped(stepped):
     """The generic path once left a param group added after the grads were unscaled without
-    grads on its masters: the step skipped it, where torch.optim and the fast path step it."""
+    grads on its masters: the step skipped it, where torch.optim and the fast path step it.
+    Then it unscaled them by the current loss scale, where a step had grown it since the
+    backward that made them."""
     x, y = make_data(1)[0]
     moved = {}
     for path in PATHS:
         model = mixed_model()
-        opt = wrap(model[0], lambda ps: torch.optim.SGD(ps, lr=0.05), path)
+        opt = wrap(model[0], lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
         opt.backward(mixed_loss(model, x, y))  # the FP16 layer gets grads too
+        if stepped:
+            opt.step()
         opt.add_param_group({"params": list(model[1].parameters())})
         before = masters_of(opt)
         opt.step()
         moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
         assert all(bool(d.abs().sum() > 0) for d in moved[path])
     assert_close_engines(moved["fast"], moved["generic"])
+
+
+@pytest.mark.parametrize("update", [True, False], ids=["backward", "update_master_grads later"])
+def test_a_scale_set_between_backward_and_step_leaves_the_grads_as_made(update):
+    """The fast path once unscaled the grads by a loss scale set after they were made (apex
+    had unscaled them at backward); the generic path did too where update_master_grads came
+    after the set. The step and the clip's norm are the ones without the set."""
+    x, y = make_data(1)[0]
+    moved, norms = {}, {}
+    for path, set_scale in itertools.product(PATHS, [False, True]):
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
+        before = masters_of(opt)
+        opt.backward(mixed_loss(model, x, y), update_master_grads=update)
+        if set_scale:
+            opt.loss_scale = 8.0
+        opt.update_master_grads()
+        norms[path, set_scale] = opt.clip_master_grads(100.0)
+        opt.step()
+        moved[path, set_scale] = [a - b for a, b in zip(masters_of(opt), before)]
+        assert opt.loss_scale == (16.0 if set_scale else 128.0)  # it grows from the set one
+    for path in PATHS:
+        assert norms[path, True] == norms[path, False]
+        assert_same(moved[path, True], moved[path, False])
+
+
+@pytest.mark.parametrize("read", ["overflow", "state_dict", "inspect_master_grad_data"])
+def test_reading_between_accumulated_backwards_changes_no_grad(read):
+    """On the generic path, reading these between two backward(update_master_grads=False)
+    once unscaled an FP32 param's grad in place: the next backward added scaled grads to it."""
+    data = make_data(2)
+    moved = {}
+    for path, reading in itertools.product(PATHS, [False, True]):
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
+        before = masters_of(opt)
+        opt.backward(mixed_loss(model, *data[0]), update_master_grads=False)
+        if reading:
+            value = getattr(opt, read)
+            if callable(value):
+                value()
+        opt.backward(mixed_loss(model, *data[1]), update_master_grads=False)
+        opt.update_master_grads()
+        opt.step()
+        moved[path, reading] = [a - b for a, b in zip(masters_of(opt), before)]
+    for path in PATHS:
+        assert_same(moved[path, True], moved[path, False])
 
 
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():

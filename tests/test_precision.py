@@ -903,11 +903,26 @@ def _mismatches():
             added("master", torch.zeros(30, 20)),
             r"\['w'\]\['correction'\] beside a \['master'\]",
         ),
-        # A second moment below zero: its square root would be NaN. Stored as signed codes
-        # (not the uint8 of a non-negative moment) or saved in FP32.
+        # Codes of the other kind would decode to other numbers (a second moment below zero,
+        # whose square root is NaN; a first moment without its signs); so would block scales
+        # no encoding gives. A second moment saved in FP32 is checked for its sign.
         "a second moment stored as signed codes": (
             changed("opt[1].nu.codes", lambda t: -(t // 2).to(torch.int8) - 1),
-            r"\['w'\]\['opt\[1\].nu'\] holds negative values",
+            r"\['w'\]\['opt\[1\].nu.codes'\] has dtype torch.int8; this non-negative "
+            r"moment's codes are torch.uint8",
+        ),
+        "a first moment stored as unsigned codes": (
+            changed("opt[1].mu.codes", lambda t: t.abs().to(torch.uint8)),
+            r"\['w'\]\['opt\[1\].mu.codes'\] has dtype torch.uint8; this signed moment's "
+            r"codes are torch.int8",
+        ),
+        "negative block scales": (
+            changed("opt[1].mu.scales", torch.neg),
+            r"\['w'\]\['opt\[1\].mu.scales'\] holds a scale that is not finite and at least",
+        ),
+        "zero block scales": (
+            changed("opt[1].nu.scales", torch.zeros_like),
+            r"\['w'\]\['opt\[1\].nu.scales'\] holds a scale that is not finite and at least",
         ),
         "a negative FP32 second moment": (
             negative_full_moment,
@@ -1100,6 +1115,22 @@ def test_a_checkpoint_loads_over_params_of_another_dtype_keeping_every_master(sa
     # The bytes as saved: the same dict loads into a state over the saved dtype bitwise.
     again = fp16fx.load_state_dict(_state_over(saved_in, "fp32", "fp32"), sd)
     assert differing(stored(source), stored(again)) == []
+
+
+@pytest.mark.parametrize(
+    ("saved_in", "key"), [(torch.bfloat16, "master"), (torch.float32, "param")]
+)
+def test_a_master_past_the_new_dtypes_range_is_refused_by_name(saved_in, key):
+    """A BF16 or FP32 master that FP16 cannot hold was once refused as "inf or NaN (saved from
+    a run that diverged?)": the param it would round to is inf."""
+    sd = save_and_load(fp16fx.state_dict(_state_over(saved_in, "fp32", "fp32")))
+    sd["params"]["w"][key] = sd["params"]["w"][key] + 1e5
+    state = _state_over(torch.float16, "fp32", "fp32")
+    before = stored(state)
+    message = rf"\['params'\]\['w'\]\['{key}'\] holds values past torch.float16's largest"
+    with pytest.raises(StateDictError, match=message):
+        fp16fx.load_state_dict(state, sd)
+    assert differing(before, stored(state)) == []
 
 
 # -- 9. memory -------------------------------------------------------------------------------

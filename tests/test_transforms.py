@@ -197,6 +197,7 @@ def test_multi_transform_hyperparameters_are_per_group():
         ({"betas": (0.9, 1.0)}, ValueError, r"'betas' must be a pair of numbers in \[0, 1\)"),
         ({"eps": float("nan")}, ValueError, "'eps' must be >= 0"),
         ({"lr": "fast"}, TypeError, "'lr' must be a number"),
+        ({"lr": torch.empty((), device="meta")}, TypeError, "'lr' is a meta tensor"),
         ({"momentum": 0.9}, KeyError, "no hyperparameter named"),
     ],
 )

@@ -246,7 +246,8 @@ def load_state_dict(
     else:
         if not isinstance(sd.get("params"), Mapping):
             raise saved_format.StateDictError("the state dict has no ['params'] dict")
-        entries = saved_format.canonical_params(sd["params"], saved.block)
+        signs = checkpoint.moment_signs(state.shard.opt_state)
+        entries = saved_format.canonical_params(sd["params"], saved.block, signs)
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
         saved_format.check_fits(template(state, canonical=True), converted, non_negative)
     paths = _leaf_paths(state)

@@ -260,18 +260,38 @@ class FastEngine:
         masters: Mapping[int, torch.Tensor],
         policy: Any,
         segments: torch.Tensor | None = None,
+        specs: list[GroupSpec] | None = None,
     ) -> None:
         """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
         ``masters`` given (``{id(model param): value}``; the others keep theirs, or sharded,
         take their param's value) under loss-scale ``policy``. The FP16/BF16 params are set to
         their masters rounded. ``segments`` (:meth:`segment_marks`' form) cuts the core's
-        state where they change, beside the cuts the step counts make.
+        state where they change, beside the cuts the step counts make. ``specs``: the groups'
+        new structure, if it changed (the transform is rebuilt for it, :meth:`_set_specs`).
 
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
         """
         self._require_whole("loading torch.optim-format state")
-        self.check_state(per_param, self.specs)
+        specs = self.specs if specs is None else specs
+        self.check_state(per_param, specs)
+        kept = (self.state, self.specs, self._written, self._clip_written)
+        try:
+            self._set_specs(specs)
+            self._load(per_param, masters, policy, segments)
+        except BaseException:
+            self.state, self.specs, self._written, self._clip_written = kept
+            raise
+
+    def _load(
+        self,
+        per_param: PerParamState,
+        masters: Mapping[int, torch.Tensor],
+        policy: Any,
+        segments: torch.Tensor | None,
+    ) -> None:
+        """:meth:`load`'s work, for the current specs; raising, it may have replaced
+        ``self.state`` (never written into its tensors), which :meth:`load` puts back."""
         if self.sharded is None:
             template = checkpoint.state_dict(self.state)
         else:
@@ -304,18 +324,13 @@ class FastEngine:
             "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
             "params": params,
         }
-        state = self.state
-        self.state = state.replace(policy=policy)
-        try:
-            if self.sharded is None:
-                if segments is not None:
-                    self.state = recut(self.state, self.state.layout.recut(segments.tolist()))
-                self.state = checkpoint.load_state_dict(self.state, sd)
-            else:
-                fdist.load_state_dict(self.sharded, sd)
-        except BaseException:
-            self.state = state
-            raise
+        self.state = self.state.replace(policy=policy)
+        if self.sharded is None:
+            if segments is not None:
+                self.state = recut(self.state, self.state.layout.recut(segments.tolist()))
+            self.state = checkpoint.load_state_dict(self.state, sd)
+        else:
+            fdist.load_state_dict(self.sharded, sd)
 
     # -- changing the groups -------------------------------------------------------------
 
@@ -324,15 +339,16 @@ class FastEngine:
         the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
         self.check_state(per_param, specs)
         self.resync_masters()
-        segments = self.segment_marks()
-        self.set_specs(specs)
-        self.load(per_param, {}, self.state.policy, segments)
+        self.load(per_param, {}, self.state.policy, self.segment_marks(), specs)
 
-    def set_specs(self, specs: list[GroupSpec]) -> None:
-        """Rebuilds the transform for new group ``specs``, its state fresh (masters stay).
+    def _set_specs(self, specs: list[GroupSpec]) -> None:
+        """Rebuilds the transform for new group ``specs`` (if they changed), its state fresh
+        (masters stay).
 
         Raises ValueError for a sharded engine, whose structure is fixed.
         """
+        if specs == self.specs:
+            return
         if self.sharded is not None or self.fsdp:
             self.check_structure(specs)
             return
@@ -535,6 +551,18 @@ class FastEngine:
             yield True
         finally:
             self.scaler.write(kept)
+
+    def keep_scale_of_the_grads(self) -> None:
+        """Makes the current grads keep the loss scale they were made with (the current one,
+        unless they carry one already), which is about to be set by hand. (Sharded: they take
+        the new one, as a sharded engine unscales each grad once, by the current scale.)"""
+        if self.sharded is not None or self._made_at.get() is not None:
+            return
+        try:  # the grads a step reads: their flat buffer's views (a stamp before would lapse)
+            self.flat.collect_grads()
+        except TypeError:  # a sparse grad: the generic path takes them, with the new scale
+            return
+        self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
 
     def carried_scale(self) -> torch.Tensor | None:
         """Returns the loss scale the grads were made with, if they are the ones the last step

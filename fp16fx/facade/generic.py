@@ -16,9 +16,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.facade.grads import GradStamp
+from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.policy import Scaler
-from fp16fx.scaling import unscale_and_check
+from fp16fx.scaling import CheckedGrads, unscale_and_check
 from fp16fx.step import adopt_written_
 
 
@@ -41,6 +41,8 @@ class GenericEngine:
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
         self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
+        self._unscaled_by: torch.Tensor | None = None  # and the loss scale it divided them by
+        self._made_at = GradMemo[torch.Tensor]()  # the grads' scale, where set by hand since
         for params, group_masters in zip(trainable, masters, strict=True):
             self.add_group(params, group_masters)
 
@@ -55,15 +57,16 @@ class GenericEngine:
     def add_group(self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
         """Adds a param group's ``params`` and ``masters``. If the others' grads are unscaled
         into their masters already (and unchanged since), the new params' grads, if any, are
-        unscaled now too and join the check: the next step, which leaves unscaled grads as
-        they are, steps them as well (and a clip or a second step does not unscale the
-        others' twice)."""
+        unscaled now too, by the same loss scale (one backward made them all), and join the
+        check: the next step, which leaves unscaled grads as they are, steps them as well
+        (and a clip or a second step does not unscale the others' twice)."""
         kept = self._unscaled is not None and self._unscaled.unchanged()
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
         if kept and any(p.grad is not None for p in params):
             assert self._finite is not None and self._norm is not None
-            finite, norm = self._unscale(pairs, self.scaler.state.scale)
+            assert self._unscaled_by is not None
+            finite, norm = self._unscale(pairs, self._unscaled_by)
             self._finite = self._finite & finite
             self._norm = torch.hypot(self._norm, norm)
         self._unscaled = self.grad_stamp() if kept else None
@@ -82,20 +85,31 @@ class GenericEngine:
         """
         if self._unscaled is not None and self._unscaled.unchanged():
             return
-        self._finite, self._norm = self._unscale(
-            self.pairs, self.scaler.state.scale if scale is None else scale
-        )
-        self._unscaled = self.grad_stamp()
+        scale = (self._made_with() if scale is None else scale).clone()  # the state's moves on
+        self._finite, self._norm = self._unscale(self.pairs, scale)
+        self._unscaled, self._unscaled_by = self.grad_stamp(), scale
+
+    def _made_with(self) -> torch.Tensor:
+        """Returns the loss scale the current grads were made with."""
+        made_at = self._made_at.get()
+        return self.scaler.state.scale if made_at is None else made_at
+
+    def _unscaled_copies(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], CheckedGrads]:
+        """Returns the ``pairs`` whose param has a grad, those grads (FSDP2's DTensor grads:
+        their local shards, the consensus spans the mesh), and their ``unscale_and_check`` by
+        ``scale`` (new tensors; nothing is written)."""
+        with_grad = [(p, m) for p, m in pairs if p.grad is not None]
+        grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
+        return with_grad, grads, unscale_and_check(grads, scale)
 
     def _unscale(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscales the grads of ``pairs``' params by ``scale`` into their masters' grads;
         returns their ``(finite, norm)``, agreed by the consensus if there is one."""
-        with_grad = [(p, m) for p, m in pairs if p.grad is not None]
-        # FSDP2's DTensor grads: their local shards (the consensus spans the mesh)
-        grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
-        checked = unscale_and_check(grads, scale)
+        with_grad, grads, checked = self._unscaled_copies(pairs, scale)
         finite, norm = checked.finite, checked.norm
         if self.scaler.consensus is not None:  # every process skips or applies together
             finite, norm = self.scaler.consensus(finite, norm)
@@ -110,9 +124,24 @@ class GenericEngine:
                     master.grad = None
         return finite, norm
 
+    def keep_scale_of_the_grads(self) -> None:
+        """Makes the current grads, not unscaled yet, keep the loss scale they were made with
+        (the current one), which is about to be set by hand."""
+        self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
+
     def grad_stamp(self) -> GradStamp:
         """Returns the trained params' gradients now, to tell later whether any changed."""
         return GradStamp([p for p, _ in self.pairs])
+
+    def local_finite(self) -> bool:
+        """Returns whether this rank's model grads are all finite (one sync, no collective,
+        nothing written: an FP32 param's grad, unscaled in place, would mix scales with the
+        grads a later backward accumulates)."""
+        grads, _, _ = dtensors.local_shards(
+            [p.grad for p, _ in self.pairs if p.grad is not None], root="grads"
+        )
+        largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads]
+        return not largest or bool(torch.isfinite(torch.stack(largest)).all())
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
@@ -176,6 +205,14 @@ class GenericEngine:
                         t.grad = t.grad.detach()
                     t.grad.zero_()
 
-    def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Returns ``{master: grad}`` for every master that has a grad."""
-        return {m: m.grad for _, m in self.pairs if m.grad is not None}
+    def unscaled_grads(self, fresh: bool = False) -> dict[torch.Tensor, torch.Tensor]:
+        """Returns ``{master: grad}`` for every master that has a grad; with ``fresh`` (the
+        model grads are not unscaled yet), for every param with a grad, that grad unscaled
+        now (new tensors: nothing is written, as more grads may accumulate on them)."""
+        if not fresh:
+            return {m: m.grad for _, m in self.pairs if m.grad is not None}
+        with_grad, _, checked = self._unscaled_copies(self.pairs, self._made_with())
+        return {
+            m: dtensors.like(grad, p) if isinstance(p, DTensor) else grad
+            for (p, m), grad in zip(with_grad, checked.unscaled)
+        }

@@ -187,6 +187,8 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
     if not isinstance(state, Mapping):
         raise _fail("optimizer_state_dict['state'] must be a dict")
     known = _STATE_KEYS.get(type(inner))
+    adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW)
+    amsgrad = {id(p): bool(g.get("amsgrad")) for g in merged for p in g["params"]}
     for key, value in state.items():
         if key not in entries:
             raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
@@ -201,6 +203,12 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
                 f"optimizer_state_dict['state'][{key!r}] has {extra}, which torch.optim.{name} "
                 "does not keep (was it saved from another optimizer?)"
             )
+        if adam and value:  # a param that stepped has them all: torch's step reads them
+            needed = {"step", "exp_avg", "exp_avg_sq"}
+            needed |= {"max_exp_avg_sq"} if amsgrad[id(entries[key])] else set()
+            missing = sorted(needed - set(value))
+            if missing:
+                raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks {missing}")
         for field, tensor in value.items():
             where = f"optimizer_state_dict['state'][{key!r}][{field!r}]"
             if field == "step":
@@ -227,12 +235,13 @@ def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, 
 
 
 def _is_count(value: Any) -> bool:
-    """Whether ``value`` (a number or a one-element tensor) is a whole number >= 0."""
+    """Whether ``value`` (a number or a one-element tensor) is a whole number >= 0 that the
+    core's int64 counts hold."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return is_finite(value) and value >= 0 and value == int(value)
+    return is_finite(value) and 0 <= value < 2**63 and value == int(value)
 
 
 def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -249,7 +258,13 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
                 f"{len(mine)} FP16/BF16 params"
             )
         for i, (param, value) in enumerate(zip(mine, theirs)):
-            _check_tensor(f"fp32_from_fp16[{k}][{i}]", value, param, torch.float32)
+            name = f"fp32_from_fp16[{k}][{i}]"
+            _check_tensor(name, value, param, torch.float32)
+            if not bool(torch.isfinite(value.to(param.dtype)).all()):  # its param would be inf
+                raise _fail(
+                    f"{name} holds values past {param.dtype}'s largest "
+                    f"({torch.finfo(param.dtype).max:g}), which its param cannot take"
+                )
             pairs.append((param, value))
     return pairs
 
@@ -352,10 +367,7 @@ def load(
         scaler.policy = plan.policy
         master_values = {id(p): value for p, value in plan.masters}
         if isinstance(engine, FastEngine):
-            if plan.specs != engine.specs:
-                engine.check_state(per_param, plan.specs)
-                engine.set_specs(plan.specs)
-            engine.load(per_param, master_values, plan.policy, plan.param_segments)
+            engine.load(per_param, master_values, plan.policy, plan.param_segments, plan.specs)
             if keep_groups:  # last: the groups hold the model's params, not new dicts
                 for group, loaded in zip(inner.param_groups, plan.groups):
                     group.update(loaded)

@@ -269,12 +269,18 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     @property
     def loss_scale(self) -> float:
-        """The current loss scale (reading it syncs with the device; setting it does not)."""
+        """The current loss scale (reading it syncs with the device; setting it does not).
+
+        Set between ``backward`` and ``step``, it leaves the current grads as they were made:
+        they are unscaled by the scale they were made with, as apex unscaled them at backward.
+        """
         return float(self._scaler.state.scale)
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         check_scale("loss_scale", value)
+        if self._phase.grads == "fresh":
+            self._engine.keep_scale_of_the_grads()
         self._scaler.state.scale.fill_(float(value))
 
     @property
@@ -283,12 +289,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if self._phase.overflow is not None:
             return self._phase.overflow
         engine = self._engine
-        if isinstance(engine, GenericEngine):
-            if self._phase.grads == "fresh":
-                self.update_master_grads()
-            return not engine.finite()
-        if self._phase.grads == "fresh":
+        if self._phase.grads == "fresh":  # read, not unscaled: more may accumulate on them
             return not engine.local_finite()
+        if isinstance(engine, GenericEngine):
+            return not engine.finite()
         return engine.last_info is not None and not bool(engine.last_info.finite)
 
     @overflow.setter
@@ -496,7 +500,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 "returning None"
             )
             return None
-        grads = self._engine.unscaled_grads()
+        engine = self._engine
+        if isinstance(engine, GenericEngine):  # the masters' grads, or what they will be
+            grads = engine.unscaled_grads(fresh=self._phase.grads == "fresh")
+        else:
+            grads = engine.unscaled_grads()
         return [[grads.get(p) for p in group["params"]] for group in self.param_groups]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

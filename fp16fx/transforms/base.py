@@ -109,6 +109,8 @@ def _number(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"hyperparameter {name!r} must be a scalar, got shape {value.shape}")
+        if value.is_meta:
+            raise TypeError(f"hyperparameter {name!r} is a meta tensor, which holds no value")
         value = value.item()
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy's numbers too
         raise TypeError(f"hyperparameter {name!r} must be a number, got {value!r}")
