@@ -49,6 +49,7 @@ from fp16fx.saved_format import (
     FORMAT,
     StateDictError,
     canonical_params,
+    check_codes,
     check_dense,
     check_fits,
     leaf_scalars,
@@ -257,7 +258,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     check_dense(sd)
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
-    their_params = canonical_params(sd["params"], saved.block, moment_signs(state.opt_state))
+    their_params = canonical_params(sd["params"], saved.block)
+    check_codes(sd["params"], moment_signs(state.opt_state))
     theirs = {
         **sd,
         "precision": template["precision"],

@@ -169,21 +169,13 @@ def precision_of(sd: Mapping[str, Any]) -> Precision:
         raise misfit(f"['precision'] is {saved!r}: {err}") from None
 
 
-def canonical(
-    entry: Mapping[str, torch.Tensor], block: int, signs: Mapping[str, bool] | None = None
-) -> dict[str, torch.Tensor]:
+def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
-
-    ``signs``: for an entry saved elsewhere, the loading state's moments (``{key: never
-    negative}``, :func:`fp16fx.checkpoint.moment_signs`), which its int8 codes must fit, and
-    its block scales are checked too (one sync each).
 
     Raises _NotStored, naming the key, where a stored tensor is not of a dtype or shape its
     format stores (decoding it would silently give other numbers)."""
     _check_stored(entry, block)
-    if signs is not None:
-        _check_codes(entry, signs)
     out = {"param": entry["param"]}
     if "master" in entry:
         out["master"] = entry["master"]
@@ -198,32 +190,6 @@ def canonical(
         else:
             out[key] = value.float() if value.is_floating_point() else value  # counts stay
     return out
-
-
-def _check_codes(entry: Mapping[str, torch.Tensor], signs: Mapping[str, bool]) -> None:
-    """Raises _NotStored naming an int8 moment whose codes are not the kind its moment takes
-    (uint8 for a moment ``signs`` says is never negative, int8 for a signed one: decoded as
-    the other kind, they would give other numbers), or whose block scales no encoding gives
-    (each is a finite block maximum, at least FP32's smallest normal)."""
-    for key, codes in entry.items():
-        if not key.endswith(".codes"):
-            continue
-        name = key[: -len(".codes")]
-        if name in signs:
-            wanted = torch.uint8 if signs[name] else torch.int8
-            if codes.dtype != wanted:
-                kind = "non-negative" if signs[name] else "signed"
-                raise _NotStored(
-                    f"[{key!r}] has dtype {codes.dtype}; this {kind} moment's codes are {wanted}"
-                )
-        scales = entry[f"{name}.scales"]
-        if not scales.is_meta and not bool(
-            (torch.isfinite(scales) & (scales >= ZERO_BLOCK_SCALE)).all()
-        ):
-            raise _NotStored(
-                f"[{name + '.scales'!r}] holds a scale that is not finite and at least FP32's "
-                f"smallest normal ({ZERO_BLOCK_SCALE:g}), which no int8 block is stored with"
-            )
 
 
 class _NotStored(ValueError):
@@ -301,9 +267,7 @@ def _decode_leaf(
     return decode_moment(stored, codes.dtype == torch.uint8, block)[start:].view(codes.shape)
 
 
-def canonical_params(
-    params: Mapping[str, Any], block: int, signs: Mapping[str, bool] | None = None
-) -> dict[str, Any]:
+def canonical_params(params: Mapping[str, Any], block: int) -> dict[str, Any]:
     """Returns :func:`canonical` of every leaf entry of a state dict's ``params`` saved with
     int8 blocks of ``block`` values; raises StateDictError naming a malformed one."""
     out = {}
@@ -312,7 +276,7 @@ def canonical_params(
         if not isinstance(entry, Mapping):
             raise misfit(f"{where} is a {type(entry).__name__}, not a dict")
         try:
-            out[path] = canonical(entry, block, signs)
+            out[path] = canonical(entry, block)
         except KeyError as err:
             raise misfit(f"{where} lacks {err}") from None
         except _NotStored as err:
@@ -320,6 +284,36 @@ def canonical_params(
         except (AttributeError, IndexError, TypeError, RuntimeError, ValueError) as err:
             raise misfit(f"{where} holds a malformed compact tensor: {err}") from None
     return out
+
+
+def check_codes(params: Mapping[str, Any], signs: Mapping[str, bool]) -> None:
+    """Raises StateDictError naming an int8 moment of a state dict's ``params`` (well formed:
+    :func:`canonical_params` or :func:`check_fits` passed) whose codes are not the kind the
+    loading state's moment takes -- ``signs``, ``{key: never negative}``
+    (:func:`fp16fx.checkpoint.moment_signs`): uint8 codes for a non-negative moment, int8 for
+    a signed one; decoded as the other kind they would give other numbers -- or whose block
+    scales no encoding gives (each is a finite block maximum, at least FP32's smallest
+    normal). One sync per moment; meta tensors, a layout without values, are skipped."""
+    for path, entry in params.items():
+        for key, codes in entry.items():
+            if not key.endswith(".codes"):
+                continue
+            where, name = f"['params'][{path!r}]", key[: -len(".codes")]
+            if name in signs:
+                wanted = torch.uint8 if signs[name] else torch.int8
+                if codes.dtype != wanted:
+                    kind = "non-negative" if signs[name] else "signed"
+                    raise misfit(
+                        f"{where}[{key!r}] has dtype {codes.dtype}; this {kind} moment's codes "
+                        f"are {wanted}"
+                    )
+            scales = entry[f"{name}.scales"]
+            valid = torch.isfinite(scales) & (scales >= ZERO_BLOCK_SCALE)
+            if not scales.is_meta and not bool(valid.all()):
+                raise misfit(
+                    f"{where}[{name + '.scales'!r}] holds a scale that is not finite and at least "
+                    f"FP32's smallest normal ({ZERO_BLOCK_SCALE:g}), which no int8 block has"
+                )
 
 
 def check_dense(sd: Mapping[str, Any]) -> None:

@@ -246,23 +246,33 @@ def load_converted(rank: int, world: int, out: Path) -> None:
 
 
 def refused_load() -> dict[str, Any]:
-    """Loads an FP32 checkpoint whose second moment went negative into a sharded compact
-    state: the error's message, and whether the state is as it was."""
-    sd = fp16fx.state_dict(converting_sources()["fp32"])
+    """Loads an FP32 checkpoint whose second moment went negative, and a compact one (as the
+    state stores it) whose block scales are zero, into a sharded compact state: the errors'
+    messages, and whether the state is as it was."""
+    sources = converting_sources()
+    sd = fp16fx.state_dict(sources["fp32"])
     sd["params"]["a"]["opt[1].nu"] = -1 - sd["params"]["a"]["opt[1].nu"]
+    zero_scales = fp16fx.state_dict(sources["restarted"])
+    scales = zero_scales["params"]["a"]["opt[1].mu.scales"]
+    zero_scales["params"]["a"]["opt[1].mu.scales"] = torch.zeros_like(scales)
     sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
     before = optree.tree_map(  # copies, not views of the state
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
     )
     messages = []
-    for given in (sd, fdist.state_dict(sharded)):  # the second: this rank's dict alone
+    for given in (sd, zero_scales, fdist.state_dict(sharded)):  # the last: this rank's alone
         try:
             fdist.load_state_dict(sharded, given)
             messages.append("loaded")
         except saved_format.StateDictError as err:
             messages.append(str(err))
     unchanged = same_tensors(fdist.state_dict(sharded), before)
-    return {"message": messages[0], "one_rank": messages[1], "unchanged": unchanged}
+    return {
+        "message": messages[0],
+        "zero_scales": messages[1],
+        "one_rank": messages[2],
+        "unchanged": unchanged,
+    }
 
 
 def same_tensors(a: Any, b: Any) -> bool:
@@ -450,6 +460,8 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     for found in runs[2]:
         refused = found["compact"]["refused"]
         assert "['a']['opt[1].nu'] holds negative values" in refused["message"]
+        zero = "['a']['opt[1].mu.scales'] holds a scale that is not finite"
+        assert zero in refused["zero_scales"]
         assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
         assert refused["unchanged"]
 

@@ -564,13 +564,14 @@ def test_a_scale_set_between_backward_and_step_leaves_the_grads_as_made(update):
         opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
         before = masters_of(opt)
         opt.backward(mixed_loss(model, x, y), update_master_grads=update)
-        if set_scale:
+        if set_scale:  # twice: the grads keep the scale they were made with
             opt.loss_scale = 8.0
+            opt.loss_scale = 2.0
         opt.update_master_grads()
         norms[path, set_scale] = opt.clip_master_grads(100.0)
         opt.step()
         moved[path, set_scale] = [a - b for a, b in zip(masters_of(opt), before)]
-        assert opt.loss_scale == (16.0 if set_scale else 128.0)  # it grows from the set one
+        assert opt.loss_scale == (4.0 if set_scale else 128.0)  # it grows from the set one
     for path in PATHS:
         assert norms[path, True] == norms[path, False]
         assert_same(moved[path, True], moved[path, False])
@@ -597,6 +598,18 @@ def test_reading_between_accumulated_backwards_changes_no_grad(read):
         moved[path, reading] = [a - b for a, b in zip(masters_of(opt), before)]
     for path in PATHS:
         assert_same(moved[path, True], moved[path, False])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_overflow_reads_grads_with_an_empty_one(path):
+    """Reading overflow between backward and step (no unscale since the generic path's
+    change) once failed on an empty gradient, as an FSDP2 rank's empty shard is."""
+    model = mixed_model()
+    empty = nn.Parameter(torch.zeros(0))
+    opt = wrap(model, lambda ps: torch.optim.SGD([*ps, empty], lr=0.05), path)
+    x, y = make_data(1)[0]
+    opt.backward(mixed_loss(model, x, y) + empty.sum(), update_master_grads=False)
+    assert opt.overflow is False and opt.state_dict()["overflow"] is False
 
 
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():

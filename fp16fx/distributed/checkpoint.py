@@ -246,10 +246,10 @@ def load_state_dict(
     else:
         if not isinstance(sd.get("params"), Mapping):
             raise saved_format.StateDictError("the state dict has no ['params'] dict")
-        signs = checkpoint.moment_signs(state.shard.opt_state)
-        entries = saved_format.canonical_params(sd["params"], saved.block, signs)
+        entries = saved_format.canonical_params(sd["params"], saved.block)
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
         saved_format.check_fits(template(state, canonical=True), converted, non_negative)
+    saved_format.check_codes(sd["params"], checkpoint.moment_signs(state.shard.opt_state))
     paths = _leaf_paths(state)
     per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
     for bucket, saved_entries in zip(state.buckets, per_bucket):

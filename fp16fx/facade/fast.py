@@ -27,7 +27,7 @@ from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
-from fp16fx.facade.grads import GradMemo, GradStamp
+from fp16fx.facade.grads import GradMemo, GradStamp, all_finite
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -594,8 +594,7 @@ class FastEngine:
         if self._scattered is not None:
             return bool(self.check()[0])
         self.flat.collect_grads()
-        largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in self.flat.grad_buffers]
-        return bool(torch.isfinite(torch.stack(largest)).all())
+        return all_finite(self.flat.grad_buffers)
 
     def forget_check(self) -> None:
         """Forgets the cached check (new grads arrived).

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.facade.grads import GradMemo, GradStamp
+from fp16fx.facade.grads import GradMemo, GradStamp, all_finite
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, unscale_and_check
 from fp16fx.step import adopt_written_
@@ -126,8 +126,9 @@ class GenericEngine:
 
     def keep_scale_of_the_grads(self) -> None:
         """Makes the current grads, not unscaled yet, keep the loss scale they were made with
-        (the current one), which is about to be set by hand."""
-        self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
+        (the current one, unless they carry one already), which is about to be set by hand."""
+        if self._made_at.get() is None:
+            self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
 
     def grad_stamp(self) -> GradStamp:
         """Returns the trained params' gradients now, to tell later whether any changed."""
@@ -137,11 +138,8 @@ class GenericEngine:
         """Returns whether this rank's model grads are all finite (one sync, no collective,
         nothing written: an FP32 param's grad, unscaled in place, would mix scales with the
         grads a later backward accumulates)."""
-        grads, _, _ = dtensors.local_shards(
-            [p.grad for p, _ in self.pairs if p.grad is not None], root="grads"
-        )
-        largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads]
-        return not largest or bool(torch.isfinite(torch.stack(largest)).all())
+        grads = [p.grad for p, _ in self.pairs if p.grad is not None]
+        return all_finite(dtensors.local_shards(grads, root="grads")[0])
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""

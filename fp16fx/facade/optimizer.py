@@ -272,7 +272,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """The current loss scale (reading it syncs with the device; setting it does not).
 
         Set between ``backward`` and ``step``, it leaves the current grads as they were made:
-        they are unscaled by the scale they were made with, as apex unscaled them at backward.
+        they are unscaled by the scale they were made with, as apex unscaled them at backward
+        (not on a sharded optimizer, whose step unscales its reduce-scattered grads by the
+        current scale).
         """
         return float(self._scaler.state.scale)
 
