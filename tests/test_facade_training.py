@@ -612,6 +612,35 @@ def test_overflow_reads_grads_with_an_empty_one(path):
     assert opt.overflow is False and opt.state_dict()["overflow"] is False
 
 
+@pytest.mark.parametrize("inf", [False, True], ids=["finite", "inf"])
+def test_a_group_added_with_grads_brings_new_grads(inf):
+    """Params that hold grads no step has seen, added by add_param_group after zero_grad:
+    overflow and inspect_master_grad_data read them. The generic path once showed the new
+    masters' missing grads (an FP32 one's still scaled) and the last check's overflow; the
+    fast path, the last step's overflow."""
+    x, y = make_data(1)[0]
+    shown = {}
+    for path in PATHS:
+        model = mixed_model()
+        opt = wrap(model[0], lambda ps: torch.optim.SGD(ps, lr=0.05), path, static_loss_scale=64.0)
+        opt.backward(mixed_loss(model, x, y))  # the FP16 layer gets grads too
+        opt.step()
+        opt.zero_grad()
+        if inf:
+            model[1].weight.grad[0, 0] = math.inf
+        opt.add_param_group({"params": list(model[1].parameters())})
+        assert opt.overflow is inf
+        shown[path] = opt.inspect_master_grad_data()
+    if inf:
+        assert shown == {"fast": None, "generic": None}
+        return
+    want = [[torch.zeros_like(p.float()) for p in model[0].parameters()]]
+    want.append([p.grad.float() / 64.0 for p in model[1].parameters()])
+    for path in PATHS:
+        for got_group, want_group in zip(shown[path], want, strict=True):
+            assert_same(got_group, want_group)
+
+
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():
     """The fast path's cached norm once outlived a loss.backward() made without it. (The
     generic path, as apex, rebuilds the masters' grads at backward and update_master_grads

@@ -205,9 +205,10 @@ class GenericEngine:
 
     def unscaled_grads(self, fresh: bool = False) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{master: grad}`` for every master that has a grad; with ``fresh`` (the
-        model grads are not unscaled yet), for every param with a grad, that grad unscaled
-        now (new tensors: nothing is written, as more grads may accumulate on them)."""
-        if not fresh:
+        model grads may not be unscaled yet), unless ``update_master_grads`` unscaled these
+        very grads, for every param with a grad, that grad unscaled now (new tensors: nothing
+        is written, as more grads may accumulate on them)."""
+        if not fresh or (self._unscaled is not None and self._unscaled.unchanged()):
             return {m: m.grad for _, m in self.pairs if m.grad is not None}
         with_grad, _, checked = self._unscaled_copies(self.pairs, self._made_with())
         return {

@@ -550,6 +550,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._params.masters = [[moved.get(id(e), e) for e in ms] for ms in self._params.masters]
         replace_params(self.optimizer, group, params, masters)
         self._params.add(params, masters, group, names)
+        if self._phase.grads == "stale" and any(p.grad is not None for p in params):
+            self._phase.new_grads()  # grads no step has seen arrived with the group
 
     def state_dict(self) -> dict[str, Any]:
         """Returns apex's checkpoint dict; only tensors and Python primitives (weights_only).
