@@ -115,6 +115,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
     built, ``step()``, ``zero_grad()``               stale                the last step's
     ``load_state_dict(sd)``                          stale                ``sd["overflow"]``
     ``backward(loss, update_master_grads=False)``    fresh                these grads (sync)
+    ``add_param_group`` of params holding grads      fresh, if stale      these grads (sync)
     ``update_master_grads()``, ``backward(loss)``    generic: unscaled    these grads (sync)
     ``clip_master_grads(n)``                         generic: unscaled    these grads
     ``step(closure)``                                stale after;         the last attempt's
