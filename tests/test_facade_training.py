@@ -641,6 +641,24 @@ def test_a_group_added_with_grads_brings_new_grads(inf):
             assert_same(got_group, want_group)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_overflow_after_zero_grad_is_the_last_steps(path):
+    """As the phase table says. The generic path once reported the check of the grads that
+    zero_grad threw away."""
+    model = mixed_model()
+    opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, static_loss_scale=64.0)
+    x, y = make_data(1)[0]
+    for then, last_step_overflowed in [("zero_grad", False), ("step", True)]:
+        opt.backward(mixed_loss(model, x, y) * math.inf)
+        assert opt.overflow
+        getattr(opt, then)()
+        opt.zero_grad()
+        opt.backward(mixed_loss(model, x, y))
+        assert not opt.overflow
+        opt.zero_grad()  # no step: these grads are thrown away
+        assert opt.overflow is last_step_overflowed
+
+
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():
     """The fast path's cached norm once outlived a loss.backward() made without it. (The
     generic path, as apex, rebuilds the masters' grads at backward and update_master_grads

@@ -40,6 +40,7 @@ class GenericEngine:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
+        self._stepped_finite = torch.ones((), dtype=torch.bool)  # the last step's check
         self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
         self._unscaled_by: torch.Tensor | None = None  # and the loss scale it divided them by
         self._made_at = GradMemo[torch.Tensor]()  # the grads' scale, where set by hand since
@@ -149,7 +150,12 @@ class GenericEngine:
         """Moves the loss scale for the last checked grads (once per step); returns whether
         an overflow found the scale at its floor (one sync)."""
         finite = torch.ones((), dtype=torch.bool) if self._finite is None else self._finite
+        self._stepped_finite = finite
         return bool(self.scaler.adjust(finite.to(self.scaler.state.scale.device)))
+
+    def stepped_finite(self) -> bool:
+        """Returns whether the last step's grads were finite (one sync; True before any)."""
+        return bool(self._stepped_finite)
 
     def resync_masters(self) -> None:
         """Makes each master take its param's value where the param no longer is the master

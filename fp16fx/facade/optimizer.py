@@ -295,7 +295,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if self._phase.grads == "fresh":  # read, not unscaled: more may accumulate on them
             return not engine.local_finite()
         if isinstance(engine, GenericEngine):
-            return not engine.finite()
+            unscaled = self._phase.grads == "unscaled"
+            return not (engine.finite() if unscaled else engine.stepped_finite())
         return engine.last_info is not None and not bool(engine.last_info.finite)
 
     @overflow.setter
