@@ -17,6 +17,7 @@ amplifies). The compiled fast path is tested in test_facade_compiled.py.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -657,6 +658,36 @@ def test_overflow_after_zero_grad_is_the_last_steps(path):
         assert not opt.overflow
         opt.zero_grad()  # no step: these grads are thrown away
         assert opt.overflow is last_step_overflowed
+
+
+def test_overflow_is_the_last_steps_after_a_handover():
+    """The generic engine that took over once reported its own start: no step, no overflow."""
+    model = mixed_model()
+    opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), "fast", static_loss_scale=8.0)
+    x, y = make_data(1)[0]
+    opt.backward(mixed_loss(model, x, y) * math.inf)
+    opt.step()
+    opt.zero_grad()
+    assert opt.overflow
+    opt.add_param_group({"params": list(nn.Linear(2, 2).parameters()), "maximize": True})
+    assert opt.path == "generic" and opt.overflow
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_scale_set_after_a_load_leaves_the_grads_as_made(path):
+    """load_state_dict leaves the phase "stale" over grads no step has seen: the fast path
+    once unscaled them by a scale set after it (apex's masters held them unscaled)."""
+    x, y = make_data(1)[0]
+    norms = []
+    for set_scale in (False, True):
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, static_loss_scale=128.0)
+        opt.backward(mixed_loss(model, x, y))
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if set_scale:
+            opt.loss_scale = 16.0
+        norms.append(opt.clip_master_grads(100.0))
+    assert norms[0] == norms[1]
 
 
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():

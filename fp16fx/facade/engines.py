@@ -167,7 +167,8 @@ def handover(
     )  # fmt: skip
     if keep_state:
         optimizer.state.update(fast.export())
-    return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler)
+    stepped_finite = None if fast.last_info is None else fast.last_info.finite
+    return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler, stepped_finite)
 
 
 __all__ = ["NOT_SHARDED", "Engine", "build_engine", "handover", "shard_group"]

@@ -27,6 +27,8 @@ class GenericEngine:
 
     ``trainable[k]`` are group ``k``'s params that require grad and ``masters[k]`` what the
     group holds for each (an FP32 copy for FP16/BF16 params, the param itself for FP32 ones).
+    ``stepped_finite``: whether the last step's grads were finite, where an engine stepped
+    before this one (a handover).
     """
 
     def __init__(
@@ -35,12 +37,15 @@ class GenericEngine:
         trainable: Sequence[Sequence[torch.Tensor]],
         masters: Sequence[Sequence[torch.Tensor]],
         scaler: Scaler,
+        stepped_finite: torch.Tensor | None = None,
     ) -> None:
         self.optimizer, self.scaler = optimizer, scaler
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._finite: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
-        self._stepped_finite = torch.ones((), dtype=torch.bool)  # the last step's check
+        self._stepped_finite = (  # the last step's check
+            torch.ones((), dtype=torch.bool) if stepped_finite is None else stepped_finite
+        )
         self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
         self._unscaled_by: torch.Tensor | None = None  # and the loss scale it divided them by
         self._made_at = GradMemo[torch.Tensor]()  # the grads' scale, where set by hand since
