@@ -690,6 +690,24 @@ def test_a_scale_set_after_a_load_leaves_the_grads_as_made(path):
     assert norms[0] == norms[1]
 
 
+def test_a_clip_of_no_grads_does_not_come_back():
+    """The fast path's clip of no grads at all held again once the grads were None again (a
+    backward, then zero_grad(set_to_none=True)), and clipped a group added with grads."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        model = mixed_model()
+        opt = wrap(model[0], lambda ps: torch.optim.SGD(ps, lr=0.05), path)
+        assert opt.clip_master_grads(1e-3) == 0.0  # no grads yet
+        opt.backward(mixed_loss(model, x, y), update_master_grads=False)
+        opt.zero_grad(set_to_none=True)  # the FP16 layer, not trained yet, keeps its grads
+        opt.add_param_group({"params": list(model[1].parameters())})
+        before = masters_of(opt)
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
+    assert_close_engines(moved["fast"], moved["generic"])
+
+
 def test_a_check_is_redone_for_grads_written_without_the_optimizer():
     """The fast path's cached norm once outlived a loss.backward() made without it. (The
     generic path, as apex, rebuilds the masters' grads at backward and update_master_grads

@@ -66,7 +66,7 @@ class GenericEngine:
         unscaled now too, by the same loss scale (one backward made them all), and join the
         check: the next step, which leaves unscaled grads as they are, steps them as well
         (and a clip or a second step does not unscale the others' twice)."""
-        kept = self._unscaled is not None and self._unscaled.unchanged()
+        kept = self._still_unscaled()
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
         if kept and any(p.grad is not None for p in params):
@@ -89,11 +89,17 @@ class GenericEngine:
         unscaled in place (it is its own master), and a second ``step()`` without a new
         ``backward`` would divide it again.
         """
-        if self._unscaled is not None and self._unscaled.unchanged():
+        if self._still_unscaled():
             return
         scale = (self._made_with() if scale is None else scale).clone()  # the state's moves on
         self._finite, self._norm = self._unscale(self.pairs, scale)
         self._unscaled, self._unscaled_by = self.grad_stamp(), scale
+
+    def _still_unscaled(self) -> bool:
+        """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
+        unscaled into the masters' grads. (Over no grads at all, the masters have none
+        either, whatever came and went since.)"""
+        return self._unscaled is not None and self._unscaled.unchanged()
 
     def _made_with(self) -> torch.Tensor:
         """Returns the loss scale the current grads were made with."""
@@ -219,7 +225,7 @@ class GenericEngine:
         model grads may not be unscaled yet), unless ``update_master_grads`` unscaled these
         very grads, for every param with a grad, that grad unscaled now (new tensors: nothing
         is written, as more grads may accumulate on them)."""
-        if not fresh or (self._unscaled is not None and self._unscaled.unchanged()):
+        if not fresh or self._still_unscaled():
             return {m: m.grad for _, m in self.pairs if m.grad is not None}
         with_grad, _, checked = self._unscaled_copies(self.pairs, self._made_with())
         return {

@@ -32,6 +32,9 @@ class GradStamp:
     (a :class:`~fp16fx.flat.FlatParams`' grad views and their flat buffers): while every grad
     is its view, the buffers' counters, which their views share, say it all, read once per
     buffer rather than per param (a many-param model's step would pay a Python loop).
+
+    ``empty``: no param had a gradient then. Such a stamp tells whether grads arrived, but
+    not which ones came and went since (a backward, then ``zero_grad(set_to_none=True)``).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class GradStamp:
     ) -> None:
         self._params, self._views, self._buffers = list(params), views, buffers
         grads = list(map(_GRAD, self._params))
+        self.empty = all(g is None for g in grads)
         self._seen: list[tuple[weakref.ref[torch.Tensor], int] | None] | None = None
         self._versions: list[int] = []
         if views and all(map(operator.is_, grads, views)):
@@ -77,8 +81,9 @@ class GradMemo(Generic[T]):
         self._value, self._stamp = value, None if value is None else stamp
 
     def get(self) -> T | None:
-        """Returns the value if the grads are still the ones it was remembered for, else None."""
-        if self._stamp is not None and self._stamp.unchanged():
+        """Returns the value if the grads are still the ones it was remembered for, else None
+        (always None over no grads at all: others may have come and gone since)."""
+        if self._stamp is not None and not self._stamp.empty and self._stamp.unchanged():
             return self._value
         return None
 

@@ -113,11 +113,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
     event                                            ``phase.grads``      ``overflow`` reads
     ===============================================  ===================  ==================
     built, ``step()``, ``zero_grad()``               stale                the last step's
-    ``load_state_dict(sd)``                          stale                ``sd["overflow"]``
+    ``load_state_dict(sd)``                          as it was            ``sd["overflow"]``
     ``backward(loss, update_master_grads=False)``    fresh                these grads (sync)
     ``add_param_group`` of params holding grads      fresh, if stale      these grads (sync)
     ``update_master_grads()``, ``backward(loss)``    generic: unscaled    these grads (sync)
     ``clip_master_grads(n)``                         generic: unscaled    these grads
+                                                     fast: fresh
     ``step(closure)``                                stale after;         the last attempt's
                                                      ``first_closure_call`` False while
                                                      the closure re-runs
@@ -460,6 +461,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if isinstance(self._engine, FastEngine):
             if order == 2.0:
                 finite, norm = self._engine.check()
+                self._phase.grads, self._phase.overflow = "fresh", None  # read: these grads
                 if not bool(finite):
                     return -1.0
                 self._engine.clip_current_grads(float(max_norm))
@@ -471,6 +473,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         assert isinstance(engine, GenericEngine)
         if self._phase.grads != "unscaled":
             self.update_master_grads()
+        self._phase.overflow = None  # overflow reads these grads
         return engine.clip(max_norm, order)
 
     def zero_grad(
@@ -606,7 +609,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
     def _load(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         if isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT:
             loading.load_fsdp(self.optimizer, self._engine, state_dict)
-            self._phase = Phase(
+            self._phase = Phase(  # the grads are as they were
+                grads=self._phase.grads,
                 overflow=state_dict["overflow"],
                 first_closure_call=state_dict["first_closure_call_this_step"],
             )
@@ -621,7 +625,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         except Unsupported as err:  # the loaded groups need the generic path
             self._handover(err, keep_state=False)
             loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
-        self._phase = Phase(overflow=plan.overflow, first_closure_call=plan.first_closure_call)
+        self._phase = Phase(  # the grads are as they were
+            grads=self._phase.grads,
+            overflow=plan.overflow,
+            first_closure_call=plan.first_closure_call,
+        )
 
     # -- internals -----------------------------------------------------------------------
 
