@@ -4,8 +4,8 @@ Each example builds two identical mixed models (an FP32 layer feeding FP16 ones)
 same optimizer with ``path="fast"`` and ``path="generic"``, runs one random sequence of
 ``FP16_Optimizer`` calls on both, and compares after every call what a user sees: the
 masters, the model's params, the optimizer state, the loss scale, ``overflow`` and what the
-call returned -- up to FP32 rounding (the core's SGD/Adam against torch.optim's) and one or
-two FP16 units where that rounding crosses a boundary.
+call returned -- up to rounding (the core's SGD/Adam against torch.optim's: ``assert_close``).
+Closures (apex's LBFGS-style ``step(closure)``) and learning-rate changes are among the calls.
 
 Left out, as documented differences (docs/migration.md): a second ``clip_master_grads`` on the
 same grads (fast: the last applies; generic: the tightest), ``add_param_group`` while a clip
@@ -45,6 +45,8 @@ OPS = st.one_of(
     st.tuples(st.just("update_master_grads")),
     st.tuples(st.just("clip_master_grads"), st.sampled_from([1e-3, 0.1, 10.0])),
     st.tuples(st.just("step")),
+    st.tuples(st.just("closure"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("lr"), st.sampled_from([1e-3, 0.02])),
     st.tuples(st.just("zero_grad"), st.booleans()),
     st.tuples(st.just("loss_scale"), st.sampled_from([4.0, 64.0, 1024.0])),
     st.tuples(st.just("reload")),
@@ -78,8 +80,27 @@ def call(model: nn.ModuleList, opt: FP16_Optimizer, op: tuple) -> object:
         return opt.backward(loss_of(model, batch, inf), update_master_grads=update)
     if name == "zero_grad":
         return opt.zero_grad(set_to_none=args[0])
+    if name == "closure":  # apex's LBFGS-style step; the first call's loss may be inf
+        batch, inf_first = args
+        calls = []
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_of(model, batch, inf_first and not calls)
+            calls.append(loss)
+            opt.backward(loss)
+            return loss
+
+        try:
+            return float(opt.step(closure).detach()), len(calls)
+        except FloatingPointError:  # a static scale cannot make an inf loss finite
+            return math.nan, len(calls)
     if name == "loss_scale":
         opt.loss_scale = args[0]
+        return None
+    if name == "lr":
+        for group in opt.param_groups:
+            group["lr"] = args[0]
         return None
     if name == "reload":
         return opt.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -89,8 +110,10 @@ def call(model: nn.ModuleList, opt: FP16_Optimizer, op: tuple) -> object:
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    """FP32 rounding apart; an FP16 value may round one or two units apart."""
-    rtol, atol = (2e-3, 1e-4) if a.dtype == torch.float16 else (1e-4, 1e-5)
+    """Rounding apart: the core's update and torch.optim's differ in FP32's last bits; where
+    that makes an FP16 param round one unit apart, the next grads differ in FP16's, and Adam,
+    which divides by the grads' size, carries that on (1e-5 after four steps was seen)."""
+    rtol, atol = (2e-3, 1e-4) if a.dtype == torch.float16 else (1e-3, 5e-5)
     torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=rtol, atol=atol)
 
 
@@ -147,15 +170,15 @@ def test_the_fast_and_the_generic_path_agree_on_any_sequence(inner, scaling, ops
         ):
             continue
         returned = [call(model, opt, op) for model, opt in sides]
-        if name == "clip_master_grads":
-            assert returned[0] == pytest.approx(returned[1], rel=1e-4)
+        if name in ("clip_master_grads", "closure"):
+            assert returned[0] == pytest.approx(returned[1], rel=1e-4, nan_ok=True)
         assert [opt.path for _, opt in sides] == ["fast", "generic"]
         assert_alike(*sides)
         unscaled_in_place = (unscaled_in_place and name != "zero_grad") or (
-            name in ("update_master_grads", "clip_master_grads", "step")
+            name in ("update_master_grads", "clip_master_grads", "step", "closure")
             or (name == "backward" and op[2])
         )
         clip_pending = name == "clip_master_grads" or (
-            clip_pending and name not in ("backward", "zero_grad")
+            clip_pending and name not in ("backward", "zero_grad", "closure")
         )
         added = added or name == "add_param_group"
