@@ -675,8 +675,9 @@ def test_overflow_is_the_last_steps_after_a_handover():
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_scale_set_after_a_load_leaves_the_grads_as_made(path):
-    """load_state_dict leaves the phase "stale" over grads no step has seen: the fast path
-    once unscaled them by a scale set after it (apex's masters held them unscaled)."""
+    """Grads no step has seen, kept through load_state_dict (which once marked them "stale"):
+    the fast path once unscaled them by a scale set after it (apex's masters held them
+    unscaled)."""
     x, y = make_data(1)[0]
     norms = []
     for set_scale in (False, True):

@@ -70,9 +70,11 @@ class GenericEngine:
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
         if kept and any(p.grad is not None for p in params):
+            assert self._unscaled is not None and self._unscaled_by is not None
             assert self._finite is not None and self._norm is not None
-            assert self._unscaled_by is not None
-            finite, norm = self._unscale(pairs, self._unscaled_by)
+            # Over no grads at all, the scale then says nothing of the grads that came since.
+            scale = self._made_with() if self._unscaled.empty else self._unscaled_by
+            finite, norm = self._unscale(pairs, scale)
             self._finite = self._finite & finite
             self._norm = torch.hypot(self._norm, norm)
         self._unscaled = self.grad_stamp() if kept else None
@@ -97,8 +99,8 @@ class GenericEngine:
 
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
-        unscaled into the masters' grads. (Over no grads at all, the masters have none
-        either, whatever came and went since.)"""
+        unscaled into the masters' grads. (Over no grads at all: none now either, whatever
+        came and went since; the masters have none.)"""
         return self._unscaled is not None and self._unscaled.unchanged()
 
     def _made_with(self) -> torch.Tensor:

@@ -283,7 +283,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         check_scale("loss_scale", value)
-        self._engine.keep_scale_of_the_grads()  # whatever the phase: a load leaves it stale
+        self._engine.keep_scale_of_the_grads()  # in any phase: grads outlive a step or a load
         self._scaler.state.scale.fill_(float(value))
 
     @property
