@@ -13,7 +13,9 @@ Every rank sends one :class:`RankResult` on the queue; rank 0 also sends progres
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -218,7 +220,8 @@ def worker(rank: int, job: Job, queue: Any) -> None:
     """Measure one rank of ``job`` and put ``("result", RankResult)`` on ``queue``.
 
     Rank 0 also puts ``("progress", message)`` lines. The gloo group (d > 1) is joined with
-    ``job.timeout_s`` as its collective timeout, and left on the way out.
+    ``job.timeout_s`` as its collective timeout, and left on the way out. A rank that
+    delivered its result leaves without the interpreter's teardown.
     """
     torch.set_num_threads(job.threads)
 
@@ -239,3 +242,11 @@ def worker(rank: int, job: Job, queue: Any) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Now and then torch 2.14 aborts a gloo process at interpreter exit, its work done ("terminate
+    # called without an active exception": a joinable C++ thread destroyed), and the spawn
+    # then stops the other ranks before they deliver: send the result, and leave.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
