@@ -54,6 +54,7 @@ from fp16fx.saved_format import (
     check_fits,
     leaf_scalars,
     misfit,
+    past_range,
     precision_dict,
     precision_of,
 )
@@ -98,10 +99,10 @@ def moment_signs(opt_state: Any) -> dict[str, bool]:
     }
 
 
-def non_negative_keys(opt_state: Any) -> frozenset[str]:
-    """Returns the leaf keys, e.g. ``opt[1].nu``, of an optimizer state's moments that are
-    never negative (:func:`moment_signs`)."""
-    return frozenset(key for key, never in moment_signs(opt_state).items() if never)
+def non_negative_keys(signs: Mapping[str, bool]) -> frozenset[str]:
+    """Returns the leaf keys, e.g. ``opt[1].nu``, of the moments that :func:`moment_signs`'
+    ``signs`` say are never negative."""
+    return frozenset(key for key, never in signs.items() if never)
 
 
 def blocks_of(start: int, end: int, block: int) -> slice:
@@ -196,14 +197,11 @@ def _in_dtype_of(
     master = entry.get("master", entry["param"]).float()
     out = {key: value for key, value in entry.items() if key not in ("param", "master")}
     dtype = like["param"].dtype
-    out["param"] = master.to(dtype)
-    # (A master already inf or NaN is named as such by the checks after.)
-    if not master.is_meta and bool((torch.isfinite(master) & out["param"].isinf()).any()):
+    why = past_range(master, dtype)
+    if why is not None:
         key = "master" if "master" in entry else "param"
-        raise misfit(
-            f"['params'][{path!r}][{key!r}] holds values past {dtype}'s largest "
-            f"({torch.finfo(dtype).max:g}), which the {dtype} param cannot take"
-        )
+        raise misfit(f"['params'][{path!r}][{key!r}] {why}, which the {dtype} param cannot take")
+    out["param"] = master.to(dtype)
     if "master" in like:
         out["master"] = master
     return out
@@ -259,7 +257,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     template = state_dict(state)
     mine = {**template, "params": canonical_params(template["params"], state.precision.block)}
     their_params = canonical_params(sd["params"], saved.block)
-    check_codes(sd["params"], moment_signs(state.opt_state))
+    signs = moment_signs(state.opt_state)
+    check_codes(sd["params"], signs)
     theirs = {
         **sd,
         "precision": template["precision"],
@@ -268,7 +267,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
             for path, entry in their_params.items()
         },
     }
-    check_fits(mine, theirs, non_negative_keys(state.opt_state))
+    check_fits(mine, theirs, non_negative_keys(signs))
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]

@@ -44,6 +44,15 @@ def misfit(message: str) -> StateDictError:
     return StateDictError(f"the state dict does not fit this state: {message}")
 
 
+def past_range(master: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Returns why ``master`` cannot be rounded into a ``dtype`` param -- it holds finite values
+    past ``dtype``'s largest, which round to inf -- or None where it can. (Meta tensors hold no
+    values; inf and NaN ones are named as such elsewhere.)"""
+    if master.is_meta or not bool((torch.isfinite(master) & master.to(dtype).isinf()).any()):
+        return None
+    return f"holds values past {dtype}'s largest ({torch.finfo(dtype).max:g})"
+
+
 def _check_tensor(where: str, value: Any, like: torch.Tensor) -> None:
     if not isinstance(value, torch.Tensor):
         raise misfit(f"{where} is a {type(value).__name__}, not a tensor")

@@ -239,7 +239,8 @@ def load_state_dict(
             f"{sd.get('world_size')} ranks: pass the list of every rank's dicts"
         )
     saved, precision = saved_format.precision_of(sd), state.shard.precision
-    non_negative = checkpoint.non_negative_keys(state.shard.opt_state)
+    signs = checkpoint.moment_signs(state.shard.opt_state)
+    non_negative = checkpoint.non_negative_keys(signs)
     if saved == precision:
         saved_format.check_fits(template(state), sd, non_negative)
         entries = sd["params"]
@@ -249,7 +250,7 @@ def load_state_dict(
         entries = saved_format.canonical_params(sd["params"], saved.block)
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
         saved_format.check_fits(template(state, canonical=True), converted, non_negative)
-    saved_format.check_codes(sd["params"], checkpoint.moment_signs(state.shard.opt_state))
+    saved_format.check_codes(sd["params"], signs)
     paths = _leaf_paths(state)
     per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
     for bucket, saved_entries in zip(state.buckets, per_bucket):

@@ -72,8 +72,8 @@ class GenericEngine:
         if kept and any(p.grad is not None for p in params):
             assert self._unscaled is not None and self._unscaled_by is not None
             assert self._finite is not None and self._norm is not None
-            # Over no grads at all, the scale then says nothing of the grads that came since.
-            scale = self._made_with() if self._unscaled.empty else self._unscaled_by
+            # Over no grads at all, that scale says nothing of these, made with the current one.
+            scale = self.scaler.state.scale if self._unscaled.empty else self._unscaled_by
             finite, norm = self._unscale(pairs, scale)
             self._finite = self._finite & finite
             self._norm = torch.hypot(self._norm, norm)

@@ -37,6 +37,7 @@ from fp16fx.facade.groups import (
 )
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
+from fp16fx.saved_format import past_range
 from fp16fx.scaling import DynamicLossScale
 from fp16fx.tree import is_finite
 
@@ -260,11 +261,9 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
         for i, (param, value) in enumerate(zip(mine, theirs)):
             name = f"fp32_from_fp16[{k}][{i}]"
             _check_tensor(name, value, param, torch.float32)
-            if not bool(torch.isfinite(value.to(param.dtype)).all()):  # its param would be inf
-                raise _fail(
-                    f"{name} holds values past {param.dtype}'s largest "
-                    f"({torch.finfo(param.dtype).max:g}), which its param cannot take"
-                )
+            why = past_range(value, param.dtype)
+            if why is not None:
+                raise _fail(f"{name} {why}, which its param cannot take")
             pairs.append((param, value))
     return pairs
 
