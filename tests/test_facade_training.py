@@ -862,6 +862,20 @@ OPTIONS = {
 }
 
 
+def test_adamw_groups_without_the_decoupled_key_still_decay_decoupled():
+    # torch < 2.7's AdamW has no "decoupled_weight_decay" in its groups: it is still AdamW.
+    data, masters = make_data(3), []
+    for drop_key in (False, True):
+        model = make_model()
+        inner = OPTIONS["adamw"](list(model.parameters()))
+        if drop_key:
+            del inner.param_groups[0]["decoupled_weight_decay"]
+        opt = FP16_Optimizer(inner, static_loss_scale=256.0, compiled=False)
+        facade_run(model, opt, data)
+        masters.append(torch.cat([m.reshape(-1) for m in masters_of(opt)]))
+    assert torch.equal(masters[0], masters[1])
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_fast_path_maps_every_torch_option_onto_the_core(name):
     data, masters = make_data(3), {}

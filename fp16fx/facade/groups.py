@@ -31,12 +31,14 @@ from fp16fx.transforms import (
 
 #: ``max_norm`` meaning "do not clip": the clip coefficient is then exactly 1.
 NO_CLIP = sys.float_info.max
-_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 #: Per kind, the numbers a saved param group must hold: those torch.optim does not fill in
 #: when it loads a group saved by an older version (it does amsgrad, nesterov, maximize...).
+_ADAM_NUMBERS = frozenset({"lr", "betas", "eps", "weight_decay"})
 SAVED_NUMBERS = {
     "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay"}),
-    "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
+    "adam": _ADAM_NUMBERS,
+    "adamw": _ADAM_NUMBERS,
 }
 
 
@@ -55,7 +57,8 @@ class GroupSpec:
 
 
 def fast_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """Returns ``"sgd"`` or ``"adam"`` when ``optimizer`` is exactly SGD, Adam or AdamW.
+    """Returns ``"sgd"``, ``"adam"`` or ``"adamw"`` when ``optimizer`` is exactly SGD, Adam or
+    AdamW.
 
     Subclasses are excluded: they may change the math. ``foreach``, ``fused`` and
     ``capturable`` do not change it and are ignored.
@@ -77,7 +80,8 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
             # later, it steps it. The core's momentum refuses it always: torch's path takes it.
             raise Unsupported(f"param group {index} has nesterov=True with dampening={dampening}")
         return GroupSpec("sgd", momentum=momentum, nesterov=nesterov)
-    name = "adamw" if group.get("decoupled_weight_decay") else "adam"
+    # torch >= 2.7 marks the decay in every Adam/AdamW group; older AdamW groups lack the key.
+    name = "adamw" if group.get("decoupled_weight_decay", kind == "adamw") else "adam"
     return GroupSpec(name, amsgrad=bool(group["amsgrad"]))
 
 
