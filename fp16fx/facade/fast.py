@@ -44,7 +44,7 @@ from fp16fx.precision import Precision
 from fp16fx.scaling import LossScaleState
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written_
-from fp16fx.transforms import replace_hyperparams
+from fp16fx.transforms import clip_coefficient, replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
 
@@ -617,9 +617,8 @@ class FastEngine:
         made_at = self.carried_scale()
         inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
         coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
-        if max_norm != NO_CLIP:  # clip_by_global_norm's rule, on the step's norm
-            norm = self.check()[1].double()
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
+        if max_norm != NO_CLIP:  # as the step will clip them
+            coef = clip_coefficient(max_norm, self.check()[1]).float()
         return {
             self.entry(p): g.float() * inv_scale * coef
             for p, g in zip(self.flat.params, self.grads())

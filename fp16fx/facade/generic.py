@@ -204,6 +204,7 @@ class GenericEngine:
         elif float(norm_type) != 2.0 or self._norm is None:
             raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
         else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
+            # by clip_grad_norm_'s own rule, in its FP32, as the branch above does
             coef = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)

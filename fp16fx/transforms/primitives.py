@@ -77,11 +77,17 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(
         updates: Updates, state: ClipByGlobalNormState, params: Params
     ) -> tuple[Updates, ClipByGlobalNormState]:
-        norm = state.grad_norm.value.double()
-        (coef,) = scalars(torch.clamp(state.hyperparams["max_norm"] / (norm + 1e-6), max=1.0))
+        (coef,) = scalars(clip_coefficient(state.hyperparams["max_norm"], state.grad_norm.value))
         return _map(lambda u: u * coef, updates), state
 
     return GradientTransformation(init, update)
+
+
+def clip_coefficient(max_norm: float | torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d float64 tensor: the factor
+    :func:`clip_by_global_norm` scales updates by when the gradients' global norm is ``norm``
+    (``torch.nn.utils.clip_grad_norm_``'s rule, computed in float64)."""
+    return torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0)
 
 
 class TraceState(NamedTuple):
