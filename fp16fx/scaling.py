@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -237,6 +237,15 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     faster. In FP32 it overflows to inf past ~1.8e19, as ``torch.nn.utils.clip_grad_norm_``.
     """
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+
+
+def all_finite(grads: Iterable[torch.Tensor]) -> bool:
+    """Returns whether every value of ``grads`` (scaled or not) is finite, reading them only
+    (one sync; empty tensors, such as an FSDP2 rank's empty shard, and no tensors at all
+    count as finite): what :func:`unscale_and_check` decides on the device, asked between
+    steps."""
+    largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads if g.numel()]
+    return not largest or bool(torch.isfinite(torch.stack(largest)).all())
 
 
 def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> CheckedGrads:

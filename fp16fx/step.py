@@ -38,7 +38,7 @@ from fp16fx.precision import (
     uniform,
 )
 from fp16fx.prepare import Trained, finish, prepare
-from fp16fx.scaling import LossScalePolicy, unscale_and_check
+from fp16fx.scaling import CheckedGrads, LossScalePolicy, unscale_and_check
 from fp16fx.segments import Segments
 from fp16fx.state import MixedPrecisionState, check_state, decode_moments
 from fp16fx.transforms import (
@@ -116,10 +116,8 @@ def apply_updates(
     """
     if any(p is not None for p in trained.params):
         require_rounding_casts()
-    checked = unscale_and_check(list(grads), trained.loss_scale.scale)
+    checked = unscale_and_agree(list(grads), trained.loss_scale.scale, consensus)
     finite, norm = checked.finite, checked.norm
-    if consensus is not None:
-        finite, norm = consensus(finite, norm)
 
     def keep_if_skipped(new: Any, old: Any) -> Any:
         if new is old:
@@ -272,15 +270,25 @@ def apply_updates_(
     return info
 
 
+def unscale_and_agree(
+    grads: list[torch.Tensor], scale: torch.Tensor, consensus: Consensus | None
+) -> CheckedGrads:
+    """Returns :func:`~fp16fx.scaling.unscale_and_check`'s result with ``finite`` and ``norm``
+    those every process agrees on (``consensus``; None: this process's own): what a step
+    decides by."""
+    checked = unscale_and_check(grads, scale)
+    if consensus is None:
+        return checked
+    finite, norm = consensus(checked.finite, checked.norm)
+    return checked._replace(finite=finite, norm=norm)
+
+
 def check(
     consensus: Consensus | None, grads: Segments, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find (no state moves)."""
-    checked = unscale_and_check(list(grads), scale)
-    finite, norm = checked.finite, checked.norm
-    if consensus is not None:
-        finite, norm = consensus(finite, norm)
-    return finite, norm.float()
+    checked = unscale_and_agree(list(grads), scale, consensus)
+    return checked.finite, checked.norm.float()
 
 
 def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, StepInfo]:

@@ -27,7 +27,7 @@ from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
-from fp16fx.facade.grads import GradMemo, GradStamp, all_finite
+from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -41,7 +41,7 @@ from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
-from fp16fx.scaling import LossScaleState
+from fp16fx.scaling import LossScaleState, all_finite
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written_
 from fp16fx.transforms import clip_coefficient, replace_hyperparams

@@ -16,10 +16,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.facade.grads import GradMemo, GradStamp, all_finite
+from fp16fx.consensus import Consensus
+from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.policy import Scaler
-from fp16fx.scaling import CheckedGrads, unscale_and_check
-from fp16fx.step import adopt_written_
+from fp16fx.scaling import CheckedGrads, all_finite
+from fp16fx.step import adopt_written_, unscale_and_agree
 
 
 class GenericEngine:
@@ -109,24 +110,25 @@ class GenericEngine:
         return self.scaler.state.scale if made_at is None else made_at
 
     def _unscaled_copies(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        scale: torch.Tensor,
+        consensus: Consensus | None = None,
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], CheckedGrads]:
         """Returns the ``pairs`` whose param has a grad, those grads (FSDP2's DTensor grads:
-        their local shards, the consensus spans the mesh), and their ``unscale_and_check`` by
-        ``scale`` (new tensors; nothing is written)."""
+        their local shards, the consensus spans the mesh), and their ``unscale_and_agree`` by
+        ``scale`` under ``consensus`` (new tensors; nothing is written)."""
         with_grad = [(p, m) for p, m in pairs if p.grad is not None]
         grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
-        return with_grad, grads, unscale_and_check(grads, scale)
+        return with_grad, grads, unscale_and_agree(grads, scale, consensus)
 
     def _unscale(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscales the grads of ``pairs``' params by ``scale`` into their masters' grads;
-        returns their ``(finite, norm)``, agreed by the consensus if there is one."""
-        with_grad, grads, checked = self._unscaled_copies(pairs, scale)
-        finite, norm = checked.finite, checked.norm
-        if self.scaler.consensus is not None:  # every process skips or applies together
-            finite, norm = self.scaler.consensus(finite, norm)
+        returns their ``(finite, norm)``, agreed by the consensus if there is one (every
+        process skips or applies together)."""
+        with_grad, grads, checked = self._unscaled_copies(pairs, scale, self.scaler.consensus)
         with torch.no_grad():
             for (p, master), local, grad in zip(with_grad, grads, checked.unscaled):
                 if master is p:
@@ -136,7 +138,7 @@ class GenericEngine:
             for p, master in pairs:
                 if p.grad is None and master is not p:
                     master.grad = None
-        return finite, norm
+        return checked.finite, checked.norm
 
     def keep_scale_of_the_grads(self) -> None:
         """Makes the current grads, not unscaled yet, keep the loss scale they were made with

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -62,13 +62,6 @@ class GradStamp:
         return all(map(_same, self._seen, grads))
 
 
-def all_finite(grads: Iterable[torch.Tensor]) -> bool:
-    """Returns whether every value of ``grads`` is finite (one sync; empty tensors, such as
-    an FSDP2 rank's empty shard, and no tensors at all count as finite)."""
-    largest = [torch.linalg.vector_norm(g, ord=float("inf")) for g in grads if g.numel()]
-    return not largest or bool(torch.isfinite(torch.stack(largest)).all())
-
-
 class GradMemo(Generic[T]):
     """A value that holds for some gradients: :meth:`get` returns it while they are unchanged."""
 
@@ -108,4 +101,4 @@ def _version(grad: torch.Tensor) -> int:
     return (dtensors.local(grad) if isinstance(grad, DTensor) else grad)._version
 
 
-__all__ = ["GradMemo", "GradStamp", "all_finite"]
+__all__ = ["GradMemo", "GradStamp"]
