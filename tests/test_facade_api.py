@@ -318,23 +318,43 @@ def test_fast_path_grads_are_views_of_one_buffer_and_zero_grad_keeps_them():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_unfreezing_a_param_after_wrapping_is_reported():
+def step_now_or_by_closure(opt, model, by_closure, x=X):
+    """Backpropagates ``model(x)`` and steps: by ``step()``, or inside ``step(closure)``."""
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x)
+        opt.backward(loss)
+        return loss
+
+    if by_closure:
+        return opt.step(closure)
+    closure()
+    return opt.step()
+
+
+@pytest.mark.parametrize("by_closure", [False, True], ids=["step", "closure"])
+@pytest.mark.parametrize("path", PATHS)
+def test_unfreezing_a_param_after_wrapping_is_reported(path, by_closure):
     model = TwoHeads()
     model.b.weight.requires_grad_(False)
-    opt = wrap(model, "fast")
+    opt = wrap(model, path)
     model.b.weight.requires_grad_(True)
-    opt.backward(model(X))
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="had requires_grad=False"):
-        opt.step()
+        step_now_or_by_closure(opt, model, by_closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_moving_the_model_after_wrapping_is_reported():
+@pytest.mark.parametrize("by_closure", [False, True], ids=["step", "closure"])
+def test_moving_the_model_after_wrapping_is_reported(by_closure):
     model = TwoHeads()
     opt = wrap(model, "fast")
     model.float()
-    opt.backward(model(X.float()))
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] no longer lives"):
-        opt.step()
+        step_now_or_by_closure(opt, model, by_closure, X.float())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 # -- attributes and methods ----------------------------------------------------------------

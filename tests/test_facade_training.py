@@ -333,6 +333,29 @@ def test_closure_on_the_fast_path_matches_the_generic_path():
     assert_close_engines(results["fast"][2], results["generic"][2])
 
 
+def test_a_closure_runs_once_in_a_step_that_hands_over_to_the_generic_path():
+    # maximize=True, which the fast path lacks, is seen once the closure made the grads: the
+    # generic path steps those. Run again, a closure drawing batches would skip one.
+    results = {}
+    for path in PATHS:
+        model, batches = make_model(), iter(make_data(3))
+        opt = wrap(model, adam, path, static_loss_scale=8.0)
+
+        def closure(model=model, opt=opt, batches=batches):
+            opt.zero_grad()
+            loss = loss_fn(model, *next(batches))
+            opt.backward(loss)
+            return loss
+
+        opt.step(closure)
+        opt.param_groups[0]["maximize"] = True
+        opt.step(closure)
+        assert opt.path == "generic"
+        results[path] = (len(list(batches)), masters_of(opt))
+    assert results["fast"][0] == results["generic"][0] == 1  # one batch left: two drawn
+    assert_close_engines(results["fast"][1], results["generic"][1])
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_gradient_accumulation_moves_the_scale_once_per_update(path):
     data = make_data(4)

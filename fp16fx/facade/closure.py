@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fp16fx.facade.generic import GenericEngine
+from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import StaticLossScale
 from fp16fx.step import StepInfo
@@ -28,6 +29,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fp16fx")
 
 
+#: ``generic_step``'s ``first_loss`` when no closure call is pending.
+NOT_RUN = object()
+
+
+class HandOver(Exception):
+    """The fast path cannot step the grads a closure call just made (``reason``: its
+    Unsupported); ``loss``: what that call returned. Nothing was stepped."""
+
+    def __init__(self, reason: Unsupported, loss: Any) -> None:
+        super().__init__(str(reason))
+        self.reason, self.loss = reason, loss
+
+
 def fast_step(
     closure: Callable[[], Any],
     attempt: Callable[[], StepInfo],
@@ -35,11 +49,18 @@ def fast_step(
     stepped: Callable[[Any], Any],
 ) -> Any:
     """Returns the loss of the first ``closure()`` whose step (``attempt()``: the fast path's
-    compiled step, skipped exactly on overflow) applied; ``stepped`` is told of each step."""
+    compiled step, skipped exactly on overflow) applied; ``stepped`` is told of each step.
+
+    Raises HandOver when ``attempt()`` raises Unsupported: the generic path takes the grads
+    that call made (a closure may draw the next batch: running it again would skip one).
+    """
     while True:
         with torch.enable_grad():
             loss = closure()
-        info = attempt()
+        try:
+            info = attempt()
+        except Unsupported as err:
+            raise HandOver(err, loss) from err
         stepped(None)
         finite, floored = torch.stack([info.finite, info.loss_scale_floored]).tolist()
         if finite:
@@ -48,14 +69,22 @@ def fast_step(
 
 
 def generic_step(
-    closure: Callable[[], Any], engine: GenericEngine, phase: Phase, scaler: Scaler
+    closure: Callable[[], Any],
+    engine: GenericEngine,
+    phase: Phase,
+    scaler: Scaler,
+    check: Callable[[], None],
+    first_loss: Any = NOT_RUN,
 ) -> Any:
     """Returns the wrapped optimizer's result of one ``step`` driven by ``closure``.
 
     The wrapped optimizer gets a closure that refreshes the FP16 params from the masters
     before every call but the first and re-runs ``closure`` until its gradients are finite
-    (moving the scale after each overflow), as apex's ``_step_with_closure`` did.
+    (moving the scale after each overflow), as apex's ``_step_with_closure`` did. ``check()``
+    runs on each call's grads, before they are used (it raises to refuse them).
+    ``first_loss``: a closure call already made (at a handover), whose grads are in place.
     """
+    pending = [] if first_loss is NOT_RUN else [first_loss]
 
     def wrapped_closure() -> Any:
         if phase.first_closure_call:
@@ -63,7 +92,8 @@ def generic_step(
         else:  # the wrapped optimizer may have moved the masters since the last call
             engine.masters_to_model()
         while True:
-            loss = closure()
+            loss = pending.pop() if pending else closure()
+            check()
             if phase.grads != "unscaled":
                 engine.update_master_grads()
             floored = engine.adjust_scale()

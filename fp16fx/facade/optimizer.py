@@ -36,6 +36,7 @@ from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
+from fp16fx.step import StepInfo
 from fp16fx.transforms import check_hyperparam
 
 logger = logging.getLogger("fp16fx")
@@ -396,16 +397,17 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             return self._step_with_closure(closure)
-        self._check_frozen()
-        self._phase.overflow = None
         if isinstance(self._engine, FastEngine):
             try:
-                self._engine.check_params(self._params.names)
-                self._engine.step()
+                self._fast_step()
             except Unsupported as err:
                 self._handover(err)
             else:
+                self._phase.overflow = None
                 return self._stepped(None)
+        else:
+            self._check_frozen()
+        self._phase.overflow = None
         engine = self._engine
         assert isinstance(engine, GenericEngine)
         if self._phase.grads != "unscaled":  # also grads made without backward()
@@ -413,20 +415,33 @@ class FP16_Optimizer(torch.optim.Optimizer):
         engine.resync_masters()
         return self._stepped(engine.step())
 
+    def _fast_step(self) -> StepInfo:
+        """Runs the fast engine's step on the current grads, after the checks that refuse to
+        step them (a param frozen at build time that has a grad now, a param moved out of
+        its flat buffer). Raises Unsupported, before anything changed, to hand over."""
+        self._check_frozen()
+        fast = self._engine
+        assert isinstance(fast, FastEngine)
+        fast.check_params(self._params.names)
+        return fast.step()
+
     def _step_with_closure(self, fn: Callable[[], Any]) -> Any:
+        first_loss = closure.NOT_RUN
         if isinstance(self._engine, FastEngine):
-            fast = self._engine
             try:
-                loss = closure.fast_step(fn, fast.step, self._scaler, self._stepped)
-            except Unsupported as err:
-                self._handover(err)
+                loss = closure.fast_step(fn, self._fast_step, self._scaler, self._stepped)
+            except closure.HandOver as handing:
+                self._handover(handing.reason)
+                first_loss = handing.loss  # its grads are in place: the generic step reads them
             else:
                 self._phase.grads = "stale"
                 return loss
         engine = self._engine
         assert isinstance(engine, GenericEngine)
         engine.resync_masters()
-        result = closure.generic_step(fn, engine, self._phase, self._scaler)
+        result = closure.generic_step(
+            fn, engine, self._phase, self._scaler, self._check_frozen, first_loss
+        )
         return self._stepped(result)
 
     def update(self, closure: Callable[[], Any] | None = None) -> Any:
