@@ -636,6 +636,29 @@ def test_changing_a_structural_option_rebuilds_or_hands_over_and_stays_correct(c
     close(masters["fast"], masters["generic"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("option", ["amsgrad", "momentum"])
+def test_a_structural_option_turned_off_and_on_again_resumes_its_state_as_torch_does(option):
+    # torch.optim keeps max_exp_avg_sq / momentum_buffer while unused, and resumes them.
+    masters, kept = {}, {}
+    for path in PATHS:
+        model = TwoHeads()
+        if option == "amsgrad":
+            inner, values = torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True), (0, 1)
+        else:
+            inner, values = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), (0, 0.9)
+        opt = wrap(model, path, inner)
+        train(model, opt, 3)
+        opt.param_groups[0][option] = values[0]
+        train(model, opt, 2)
+        kept[path] = {k: v.clone() for k, v in opt.state[model.trunk.bias].items()}
+        opt.param_groups[0][option] = values[1]
+        train(model, opt, 2)
+        masters[path] = snapshot(opt)
+    assert list(kept["fast"]) == list(kept["generic"])
+    close(list(kept["fast"].values()), list(kept["generic"].values()))
+    close(masters["fast"], masters["generic"], rtol=1e-4, atol=1e-5)  # as in the test above
+
+
 @pytest.mark.parametrize("how", ["set later", "in an added group"])
 def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
     """torch.optim.SGD refuses nesterov with dampening only when built, and steps it when a

@@ -123,6 +123,9 @@ class FastEngine:
         self._checked = GradMemo[tuple[torch.Tensor, torch.Tensor]]()  # check()'s result
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         self._entries = self._make_entries()
+        # {id(param): torch-format tensors its group's structure does not use now}, kept as
+        # torch.optim keeps them (amsgrad or momentum off, then on again, resumes them)
+        self._dormant: dict[int, dict[str, torch.Tensor]] = {}
 
     # -- the state ---------------------------------------------------------------------
 
@@ -225,11 +228,14 @@ class FastEngine:
         groups = self.optimizer.param_groups
         on_device = [groups[k].get("capturable") or groups[k].get("fused") for k in self.labels]
         device = self.scaler.state.scale.device
-        return torch_state.export(
-            self._leaves_fp32(),
-            [self.entry(p) for p in self.flat.params],
-            [device if here else None for here in on_device],
+        entries = [self.entry(p) for p in self.flat.params]
+        exported = torch_state.export(
+            self._leaves_fp32(), entries, [device if here else None for here in on_device]
         )
+        for p, entry in zip(self.flat.params, entries):
+            if id(p) in self._dormant:
+                exported.setdefault(entry, {}).update(self._dormant[id(p)])
+        return exported
 
     def segment_marks(self) -> torch.Tensor:
         """Returns, per param in ``flat.params`` order, the index of the core's segment that
@@ -282,6 +288,26 @@ class FastEngine:
         except BaseException:
             self.state, self.specs, self._written, self._clip_written = kept
             raise
+        if self.sharded is None:
+            self._dormant = self._unused(per_param)
+
+    def _unused(self, per_param: PerParamState) -> dict[int, dict[str, torch.Tensor]]:
+        """Returns ``{id(param): the tensors of its state in per_param that its group's
+        structure does not use}`` (copies, in FP32)."""
+        unused = {}
+        for k, p in enumerate(self.flat.params):
+            saved, used = (
+                per_param.get(self.entry(p), {}),
+                torch_state.keys(self.specs[self.labels[k]]),
+            )
+            dormant = {
+                name: saved[name].detach().to(p.device, torch.float32, copy=True)
+                for name in torch_state.TORCH_NAMES.values()
+                if name not in used and isinstance(saved.get(name), torch.Tensor)
+            }
+            if dormant:
+                unused[id(p)] = dormant
+        return unused
 
     def _load(
         self,
