@@ -1039,13 +1039,23 @@ def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
 
 
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
-    source = _trained("compensated", "int8")
-    target = fp16fx.load_state_dict(
-        tail_state("fp32", "fp32", seed=9), save_and_load(fp16fx.state_dict(source))
-    )
+    """The masters load exactly, and each param is its master rounded, as in any full state:
+    a pair whose correction is -128 decodes to the midpoint below its param, which rounds to
+    the lower neighbour of an odd param. (The param was loaded as saved: the next step took
+    it for one written since, and dropped the master.)"""
+    sd = save_and_load(fp16fx.state_dict(_trained("compensated", "int8")))
+    for entry in sd["params"].values():  # steps make such pairs now and then; make some here
+        entry["correction"].view(-1)[::5] = -128
+    source = fp16fx.load_state_dict(tail_state("compensated", "int8", seed=3), sd)
+    target = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), save_and_load(sd))
+    moved = 0
     for path in source.params:
-        assert same_bits(target.params[path], source.params[path]), path
         assert same_bits(target.master[path], source.master[path]), path  # decoded
+        assert same_bits(target.params[path], source.master[path].half()), path
+        moved += int((target.params[path] != source.params[path]).sum())
+    assert moved > 0  # midpoints below odd params: one FP16 ulp down
+    stepped, _ = fp16fx.step(fp16fx.set_hyperparams(target, lr=0.0), scaled_grads(target, 7))
+    assert all(same_bits(stepped.master[path], source.master[path]) for path in source.params)
     compact, full = only_moments(source), only_moments(target)
     for name, q in compact.items():
         decoded = decode_moment(q, name.endswith("nu"), BLOCK)  # and the bucket's padding
