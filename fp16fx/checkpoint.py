@@ -345,10 +345,12 @@ def store(state: MixedPrecisionState, entries: list[Any]) -> None:
             if stored is MASKED or stored is None:
                 continue
             if isinstance(stored, Quantized):
+                # The segment's blocks, the bucket's zero padding included (the last one's).
                 values = joined(key)
+                values = torch.cat([values, values.new_zeros(stored.codes.numel() - len(values))])
                 non_negative = stored.codes.dtype == torch.uint8
                 q = encode_moment(values, "int8", non_negative, precision.block, None)
-                stored.codes[leaves].copy_(q.codes)
+                stored.codes.copy_(q.codes)
                 stored.scales.copy_(q.scales)
             elif stored.ndim == 0:
                 stored.copy_(mine[0][key])

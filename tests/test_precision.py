@@ -1038,6 +1038,36 @@ def test_a_full_checkpoint_loads_into_a_compact_state_rounded_to_nearest():
     assert target.count.item() == source.count.item() == 3
 
 
+@pytest.mark.parametrize("master", ["fp32", "compensated"])
+def test_a_checkpoint_cut_by_step_counts_loads_into_int8_blocks_that_run_into_the_padding(
+    master,
+):
+    """Saved with different step counts, a and b get segments of their own; b's, from value
+    200 (not a block's start), also holds the bucket's padding, 600 to 768, which its blocks
+    cover: 3 blocks over 400 values. The load encoded b's values alone (2 blocks) and raised
+    a bare RuntimeError, its params already written."""
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return {
+            "a": torch.randn(200, generator=g).half(),
+            "b": torch.randn(400, generator=g).half(),
+        }
+
+    source = fp16fx.init(params(), adam(), POLICY)
+    grad = torch.randn(200, generator=torch.Generator().manual_seed(1)).half()
+    source, _ = fp16fx.step(source, {"a": grad * 256, "b": None})
+    target = fp16fx.init(params(), adam(), POLICY, buckets=True, master=master, moments="int8")
+    target = fp16fx.load_state_dict(target, save_and_load(fp16fx.state_dict(source)))
+    assert target.layout.cuts == ((0, 1, 2),)  # a | b
+    saved, loaded = fp16fx.state_dict(source)["params"], fp16fx.state_dict(target)["params"]
+    for path in ("a", "b"):
+        for name in ("mu", "nu"):
+            q = encode_moment(saved[path][f"opt[1].{name}"], "int8", name == "nu", BLOCK, None)
+            assert same_bits(loaded[path][f"opt[1].{name}.codes"], q.codes), (path, name)
+            assert same_bits(loaded[path][f"opt[1].{name}.scales"], q.scales), (path, name)
+
+
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
     """The masters load exactly, and each param is its master rounded, as in any full state:
     a pair whose correction is -128 decodes to the midpoint below its param, which rounds to
