@@ -18,11 +18,16 @@ Layer: ``step`` (docs/design.md). The dict holds only tensors and Python primiti
             },
             ...
         },
+        "segments": {"fc.weight": 0, ...},           # the segment holding each param
     }
 
 Tensors are views of the live state (as ``torch.optim``'s ``state_dict``): save the dict, or
-copy it, before stepping again. Loading checks everything first -- format, policy, optimizer
-(its keys), every shape and dtype -- and raises naming the first misfit, having changed nothing.
+copy it, before stepping again. ``segments`` (optional when loading: dicts saved before it,
+and consolidated sharded ones, lack it) says where the state was cut: a param that missed a
+gradient got a segment of its own, and the step sums the global gradient norm per segment,
+so a run resumes bitwise only over the same cuts, which equal step counts no longer show.
+Loading checks everything first -- format, policy, optimizer (its keys), every shape and
+dtype -- and raises naming the first misfit, having changed nothing.
 It converts what it can: another precision (``Precision``), or params of another float dtype.
 What a saved dict may hold, and how its leaves read in FP32 terms, is
 :mod:`fp16fx.saved_format`'s.
@@ -163,7 +168,11 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
     module docstring); ``torch.save`` it, and ``load_state_dict`` it into a state made by
     ``fp16fx.init`` with the same params tree, optimizer and loss-scale policy."""
     check_state(state, "state_dict")
-    paths = leaf_paths(state)
+    trained = [
+        (path, entry, mark)
+        for path, entry, mark in zip(leaf_paths(state), per_leaf(state), state.layout.marks())
+        if entry is not None
+    ]
     return {
         "format": FORMAT,
         "policy": policy_dict(state.policy),
@@ -171,7 +180,8 @@ def state_dict(state: MixedPrecisionState) -> dict[str, Any]:
         "loss_scale": dict(zip(state.loss_scale._fields, state.loss_scale)),
         "count": state.count,
         "hyperparams": hyperparam_tensors(state.opt_state),
-        "params": {path: entry for path, entry in zip(paths, per_leaf(state)) if entry is not None},
+        "params": {path: entry for path, entry, _ in trained},
+        "segments": {path: mark for path, _, mark in trained},
     }
 
 
@@ -272,6 +282,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]
     layout = state.layout.recut(marks)
+    if "segments" in sd:  # the saved state's cuts, which equal step counts no longer show
+        layout = layout.recut([sd["segments"].get(path) for path in paths])
     if saved == state.precision:
         saved_entries = [sd["params"].get(path) for path in paths]
         layout = layout.recut(_block_restarts(layout, saved_entries, saved.block))

@@ -89,7 +89,10 @@ def check_fits(
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
     if sd.get("format") != FORMAT:
         raise misfit(f"its format is {sd.get('format')!r}, expected {FORMAT!r}")
-    _check_keys("the state dict", sd, template)
+    required = {key: value for key, value in template.items() if key != "segments"}
+    _check_keys("the state dict", {key: v for key, v in sd.items() if key != "segments"}, required)
+    if "segments" in sd:
+        _check_segments(sd["segments"], template["params"])
     if sd["policy"] != template["policy"]:
         raise misfit(
             f"it was saved with loss-scale policy {sd['policy']}, this state has "
@@ -109,6 +112,17 @@ def check_fits(
             value = sd["params"][path][key]
             _check_tensor(f"{where}[{key!r}]", value, like)
             _check_leaf_value(f"{where}[{key!r}]", key, value, key in non_negative)
+
+
+def _check_segments(segments: Any, params: Mapping[str, Any]) -> None:
+    """Raises StateDictError unless ``segments`` gives every saved param (the keys of
+    ``params``) a segment index: a non-negative Python int."""
+    _check_keys("['segments']", segments, params)
+    for path, index in segments.items():
+        if type(index) is not int or index < 0:
+            raise misfit(
+                f"['segments'][{path!r}] is {index!r}, not a segment's index (an int >= 0)"
+            )
 
 
 def _check_values(sd: Mapping[str, Any]) -> None:

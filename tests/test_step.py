@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import math
 
 import optree
@@ -432,3 +433,63 @@ def test_step_info_reads_as_the_dict_it_used_to_be():
     assert info["finite"] is info.finite and bool(info.finite)
     with pytest.raises(KeyError, match="a step reports"):
         info["lr"]
+
+
+# -- checkpoints: where the state was cut ----------------------------------------------------
+
+
+def _clipped_sgd_state(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    params = {"a": torch.randn(300, generator=g).half(), "b": torch.randn(700, generator=g).half()}
+    chain = fp16fx.chain(fp16fx.clip_by_global_norm(1.0), fp16fx.sgd(0.1))
+    return fp16fx.init(params, chain, fp16fx.StaticLossScale(1.0))
+
+
+def _saved_and_loaded(sd):
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_clipped_run_resumes_bitwise_after_a_param_missed_its_gradient(seed):
+    """The missed gradient cut the state, and plain SGD keeps no step count to say so. The
+    global norm sums per segment: over a state loaded uncut it differed in its last bit, and
+    so did every clipped step after it."""
+    g = torch.Generator().manual_seed(100 + seed)
+    run, _ = fp16fx.step(
+        _clipped_sgd_state(seed), {"a": torch.randn(300, generator=g).half(), "b": None}
+    )
+    resumed = fp16fx.load_state_dict(
+        _clipped_sgd_state(seed + 10), _saved_and_loaded(fp16fx.state_dict(run))
+    )
+    assert resumed.layout.cuts == run.layout.cuts == ((0, 1, 2),)
+    grads = {
+        "a": torch.randn(300, generator=g).half() * 3,
+        "b": torch.randn(700, generator=g).half() * 3,
+    }
+    (run, run_info), (resumed, resumed_info) = fp16fx.step(run, grads), fp16fx.step(resumed, grads)
+    assert same_bits(run_info.grad_norm, resumed_info.grad_norm)
+    assert all(same_bits(run.master[k], resumed.master[k]) for k in grads)
+
+
+def test_a_dict_without_segments_loads_as_before_and_a_malformed_one_is_refused():
+    run, _ = fp16fx.step(_clipped_sgd_state(0), {"a": torch.ones(300).half(), "b": None})
+    sd = _saved_and_loaded(fp16fx.state_dict(run))
+    assert sd["segments"] == {"a": 0, "b": 1}
+    older = {key: value for key, value in sd.items() if key != "segments"}
+    loaded = fp16fx.load_state_dict(_clipped_sgd_state(1), older)  # saved before segments
+    assert loaded.layout.cuts == ((0, 2),) and torch.equal(loaded.master["a"], run.master["a"])
+    target = _clipped_sgd_state(2)
+    before = {k: v.clone() for k, v in target.master.items()}
+    for segments, message in (
+        ({"a": 0}, r"\['segments'\] lacks \['b'\]"),
+        ({"a": 0, "b": 1, "c": 2}, r"\['segments'\] has \['c'\]"),
+        ({"a": 0, "b": -1}, r"\['segments'\]\['b'\] is -1, not a segment's index"),
+        ({"a": 0, "b": 1.0}, r"\['segments'\]\['b'\] is 1.0, not a segment's index"),
+        ([0, 1], r"\['segments'\] is a list, not a dict"),
+    ):
+        with pytest.raises(fp16fx.StateDictError, match=message):
+            fp16fx.load_state_dict(target, {**sd, "segments": segments})
+    assert all(torch.equal(target.master[k], v) for k, v in before.items())

@@ -199,7 +199,8 @@ def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
                 )
                 for key, value in slice_entry.items()
             }
-    return {**mine, "params": params}
+    # A sharded state keeps one segment per bucket: a saved dict's segments are not its own.
+    return {**{key: v for key, v in mine.items() if key != "segments"}, "params": params}
 
 
 def _leaf_shape(

@@ -345,7 +345,7 @@ class FastEngine:
                 entry["master"] = master.detach().float().reshape(p.shape)
             params[path] = entry
         sd = {
-            **template,
+            **{key: value for key, value in template.items() if key != "segments"},  # given
             "policy": checkpoint.policy_dict(policy),
             "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
             "params": params,
