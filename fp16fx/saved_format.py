@@ -250,9 +250,9 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
             )
     for key, value in entry.items():
         # One value per param value: the correction, int8 codes, FP32/BF16 moments (not the
-        # scales of int8 blocks, nor 0-d step counts).
+        # scales of int8 blocks, nor int64 step counts; a 0-d param's moments are 0-d).
         per_value = key == "correction" or key.endswith(".codes")
-        moment = key.startswith("opt") and value.ndim and value.is_floating_point()
+        moment = key.startswith("opt") and value.is_floating_point()
         if (per_value or (moment and not key.endswith(".scales"))) and value.shape != param.shape:
             raise _NotStored(
                 f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has {tuple(param.shape)}"
@@ -279,7 +279,7 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
                 )
         elif (
             key.startswith("opt")
-            and value.ndim
+            and (value.ndim or value.is_floating_point())  # not an int64 step count
             and not key.endswith(".scales")
             and value.dtype not in (torch.float32, torch.bfloat16)
         ):

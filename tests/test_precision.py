@@ -1114,6 +1114,22 @@ def test_a_0d_params_short_moments_load_into_full_ones(moments):
             assert same_bits(loaded, saved[key].float())
 
 
+@pytest.mark.parametrize("shape", [(), (4,)], ids=["0-d", "1-d"])
+def test_a_moment_of_a_dtype_no_state_stores_is_refused_whatever_its_params_shape(shape):
+    # A 0-d param's moments are 0-d: not dtype-checked, a float64 one loaded cast to FP32.
+    def state():
+        return fp16fx.init({"w": torch.ones(shape).half()}, adam(), POLICY)
+
+    source, _ = fp16fx.step(state(), {"w": torch.ones(shape).half()})
+    sd = save_and_load(fp16fx.state_dict(source))
+    sd["params"]["w"]["opt[1].mu"] = sd["params"]["w"]["opt[1].mu"].double()
+    target = state()
+    before = stored(target)
+    with pytest.raises(StateDictError, match=r"\['opt\[1\].mu'\] has dtype torch.float64"):
+        fp16fx.load_state_dict(target, sd)
+    assert differing(before, stored(target)) == []
+
+
 def _state_over(dtype: torch.dtype, master: str, moments: str):
     params = {k: v.to(dtype) for k, v in tail_params(9).items()}
     return fp16fx.init(params, adam(), POLICY, buckets=True, master=master, moments=moments)
