@@ -253,7 +253,8 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
         # scales of int8 blocks, nor int64 step counts; a 0-d param's moments are 0-d).
         per_value = key == "correction" or key.endswith(".codes")
         moment = key.startswith("opt") and value.is_floating_point()
-        if (per_value or (moment and not key.endswith(".scales"))) and value.shape != param.shape:
+        of_blocks = key.endswith((".scales", ".offset"))
+        if (per_value or (moment and not of_blocks)) and value.shape != param.shape:
             raise _NotStored(
                 f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has {tuple(param.shape)}"
             )
