@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -39,7 +39,6 @@ __all__ = [
     "register_runner",
     "runner_classes",
     "storage_bytes",
-    "tensors_in",
 ]
 
 
@@ -169,52 +168,6 @@ def runner_classes() -> list[type[Runner]]:
     for module in DEFAULT_RUNNER_MODULES:
         importlib.import_module(module)
     return sorted(_REGISTRY.values(), key=lambda cls: (cls.order, cls.name))
-
-
-def tensors_in(obj: Any, depth: int = 4) -> Iterator[Tensor]:
-    """Yield the tensors reachable from ``obj`` through containers and object attributes.
-
-    Walks dicts (keys and values), lists, tuples, sets, and the ``__dict__`` and
-    ``__slots__`` attributes of non-callable objects; a tensor's ``.grad`` is yielded too.
-    A best-effort walk (to ``depth`` levels) used to find the buffers a stateful optimizer
-    owns, e.g. a facade's masters, flat buffers and its wrapped optimizer's state.
-    """
-    seen: set[int] = set()
-
-    def walk(item: Any, level: int) -> Iterator[Tensor]:
-        if id(item) in seen:
-            return
-        seen.add(id(item))
-        if isinstance(item, Tensor):
-            yield item
-            if item.grad is not None:
-                yield item.grad
-            return
-        if level <= 0 or isinstance(item, (str, bytes, int, float, bool, type)) or item is None:
-            return
-        if isinstance(item, dict):
-            children: Iterable[Any] = list(item.keys()) + list(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            children = item
-        elif not callable(item) and (hasattr(item, "__dict__") or hasattr(item, "__slots__")):
-            children = [*getattr(item, "__dict__", {}).values(), *_slot_values(item)]
-        else:
-            return
-        for child in children:
-            yield from walk(child, level - 1)
-
-    yield from walk(obj, depth)
-
-
-def _slot_values(obj: Any) -> list[Any]:
-    """Return the values of ``obj``'s ``__slots__`` attributes (of every class in its MRO)."""
-    values = []
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                values.append(getattr(obj, name))
-    return values
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:

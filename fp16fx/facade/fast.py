@@ -651,12 +651,12 @@ class FastEngine:
             if g is not None
         }
 
-    def check_params(self, names: Mapping[int, str]) -> None:
+    def check_params(self) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""
         i = self.flat.moved()
         if i is not None:
             raise RuntimeError(
-                f"{names.get(id(self.flat.params[i]), 'a param')} no longer lives in "
+                f"{self.names.get(id(self.flat.params[i]), 'a param')} no longer lives in "
                 "FP16_Optimizer's flat buffer: its .data was replaced (e.g. by model.half(), "
                 "model.to(...), or load_state_dict(..., assign=True)) after the optimizer was "
                 "built. Convert and move the model first, then build the FP16_Optimizer."

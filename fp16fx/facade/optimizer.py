@@ -199,7 +199,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
         names = param_names(init_optimizer)
         groups = init_optimizer.param_groups
-        check_unique(groups, names)
+        check_unique(groups)
         trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
         check_trainable([p for params in trainable for p in params], names)
         every = [*(p for ps in trainable for p in ps), *(p for g in groups for p in g["params"])]
@@ -422,7 +422,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self._check_frozen()
         fast = self._engine
         assert isinstance(fast, FastEngine)
-        fast.check_params(self._params.names)
+        fast.check_params()
         return fast.step()
 
     def _step_with_closure(self, fn: Callable[[], Any]) -> Any:
@@ -539,7 +539,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         try:
             group = self.param_groups[n]
             names = param_names(self.optimizer)
-            check_unique([group], names, first=n)
+            check_unique([group], first=n)
             known = self._params.known()
             again = [names[id(p)] for p in group["params"] if id(p) in known]
             if again:  # torch cannot see it: the groups hold its master, not the param itself

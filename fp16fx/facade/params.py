@@ -25,10 +25,10 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
     return names
 
 
-def check_unique(groups: list[dict[str, Any]], names: dict[int, str], first: int = 0) -> None:
-    """Raises ValueError, naming it, if a param is listed twice in one group (torch.optim
-    warns and steps it twice; its two entries would share one master here). ``groups`` are
-    param groups ``first``, ``first + 1``, ..."""
+def check_unique(groups: list[dict[str, Any]], first: int = 0) -> None:
+    """Raises ValueError, naming both of its places, if a param is listed twice in one group
+    (torch.optim warns and steps it twice; its two entries would share one master here).
+    ``groups`` are param groups ``first``, ``first + 1``, ..."""
     for k, group in enumerate(groups, start=first):
         seen: dict[int, int] = {}
         for i, p in enumerate(group["params"]):
