@@ -40,7 +40,8 @@ class Bucket:
       indices: the leaves' positions among the tree's flat leaves, in buffer order.
       offsets: ``len(indices) + 1`` element offsets: leaf ``k`` is ``[offsets[k], offsets[k+1])``.
       shapes: the leaves' shapes.
-      padded: the buffer's length: the leaves' total, rounded up for sharding (zeros after).
+      padded: the buffer's length: the leaves' total, rounded up to the layout's multiple
+        (whole slices for sharding, whole int8 blocks for int8 moments; zeros after).
     """
 
     dtype: torch.dtype

@@ -202,8 +202,9 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     (A full state loading the stored one would take it for a param written since, and adopt
     it; encoded again, the rounded one gives back the same pair.)
 
-    Raises _NotStored, naming the key, where a stored tensor is not of a dtype or shape its
-    format stores (decoding it would silently give other numbers)."""
+    Raises ValueError (``_NotStored``), naming the key, where a stored tensor is not of a
+    dtype or shape its format stores (decoding it would silently give other numbers);
+    KeyError where int8 codes lack their scales or offset."""
     _check_stored(entry, block)
     out = {"param": entry["param"]}
     if "master" in entry:

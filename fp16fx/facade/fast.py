@@ -371,7 +371,7 @@ class FastEngine:
         """Rebuilds the transform for new group ``specs`` (if they changed), its state fresh
         (masters stay).
 
-        Raises ValueError for a sharded engine, whose structure is fixed.
+        Raises ValueError for a sharded or FSDP2 engine, whose structure is fixed.
         """
         if specs == self.specs:
             return
@@ -450,7 +450,8 @@ class FastEngine:
         a tensor: reading it syncs).
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
-        transform (one recompile); one the core lacks (maximize) raises Unsupported.
+        transform (one recompile); one the core lacks (maximize) raises Unsupported (on a
+        sharded or FSDP2 engine, which has no generic path to hand over to: ValueError).
         """
         groups = self.optimizer.param_groups
         try:

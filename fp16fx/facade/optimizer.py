@@ -460,7 +460,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         and grads are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returning a
         Python float syncs with the device (inherent to the API). On the fast path the clipping
         itself is folded into the next ``step()``, which reuses its own norm: no extra pass.
-        A ``norm_type`` other than 2 moves the optimizer to the generic path. ``max_norm`` may
+        A ``norm_type`` other than 2 moves the optimizer to the generic path (a sharded or
+        FSDP2 one, which has none, raises ValueError). ``max_norm`` may
         be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes.
         """
         try:  # the rule of clip_by_global_norm's max_norm
