@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
+from fp16fx.facade.phase import Phase
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import StaticLossScale
 from fp16fx.step import StepInfo
-
-if TYPE_CHECKING:
-    from fp16fx.facade.optimizer import Phase
 
 logger = logging.getLogger("fp16fx")
 

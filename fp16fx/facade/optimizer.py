@@ -4,12 +4,11 @@ Layer: ``facade`` (docs/design.md): a stateful, apex-compatible object. It owns 
 math and no loss-scale math; it chooses an engine (``fast``: the functional API's compiled step
 over flat buffers, :mod:`fp16fx.facade.fast`; ``generic``: the wrapped optimizer on FP32
 masters, :mod:`fp16fx.facade.generic`) and keeps apex's methods, attributes and checkpoint
-keys. Its few states between two steps live in one :class:`Phase`.
+keys. Its few states between two steps live in one :class:`~fp16fx.facade.phase.Phase`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections import OrderedDict, defaultdict
@@ -32,6 +31,7 @@ from fp16fx.facade.params import (
     param_names,
     replace_params,
 )
+from fp16fx.facade.phase import Phase
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
@@ -41,27 +41,6 @@ from fp16fx.transforms import check_hyperparam
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
-
-
-@dataclasses.dataclass
-class Phase:
-    """Where an ``FP16_Optimizer`` is between two steps (the table in its docstring).
-
-    Attributes:
-      grads: ``"stale"`` (none since the last step), ``"fresh"`` (new, not yet unscaled) or
-        ``"unscaled"`` (generic path: unscaled into the masters' grads and checked).
-      overflow: the value ``overflow`` reads, when known without looking at grads (loaded
-        from a state dict, or set); None: computed from the grads when read.
-      first_closure_call: apex's flag: the closure of the current ``step`` runs for the first
-        time (the generic path refreshes the FP16 params from the masters before later calls).
-    """
-
-    grads: Literal["stale", "fresh", "unscaled"] = "stale"
-    overflow: bool | None = None
-    first_closure_call: bool = True
-
-    def new_grads(self) -> None:
-        self.grads, self.overflow = "fresh", None
 
 
 class FP16_Optimizer(torch.optim.Optimizer):
@@ -108,22 +87,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
     grad norm in one all-reduce over the mesh (``process_group=group`` picks the group);
     ``state_dict()`` is then a dict for ``torch.distributed.checkpoint`` (docs/distributed.md).
 
-    Between two steps it is in one :class:`Phase`; the events move it so:
-
-    ===============================================  ===================  ==================
-    event                                            ``phase.grads``      ``overflow`` reads
-    ===============================================  ===================  ==================
-    built, ``step()``, ``zero_grad()``               stale                the last step's
-    ``load_state_dict(sd)``                          as it was            ``sd["overflow"]``
-    ``backward(loss, update_master_grads=False)``    fresh                these grads (sync)
-    ``add_param_group`` of params holding grads      fresh, if stale      these grads (sync)
-    ``update_master_grads()``, ``backward(loss)``    generic: unscaled    these grads (sync)
-    ``clip_master_grads(n)``                         generic: unscaled    these grads
-                                                     fast: fresh
-    ``step(closure)``                                stale after;         the last attempt's
-                                                     ``first_closure_call`` False while
-                                                     the closure re-runs
-    ===============================================  ===================  ==================
+    Between two steps it is in one :class:`~fp16fx.facade.phase.Phase`: whether the grads
+    are new, unscaled or already stepped, and what ``overflow`` reads (the table there).
 
     Args:
       init_optimizer: the ``torch.optim.Optimizer`` to wrap (built on the model's params).
