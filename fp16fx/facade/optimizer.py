@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import torch
 
-from fp16fx import dtensors
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, handover, shard_group
@@ -332,7 +331,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         before = self._engine.grad_stamp()
         (loss.float() * self._scaler.state.scale).backward(retain_graph=retain_graph)
         if before.unchanged():
-            self._reached_nothing()
+            raise self._params.reached_nothing()
         self._phase.new_grads()
         if update_master_grads:
             self.update_master_grads()
@@ -371,7 +370,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.overflow = None
                 return self._stepped(None)
         else:
-            self._check_frozen()
+            self._params.check_frozen()
         self._phase.overflow = None
         engine = self._engine
         assert isinstance(engine, GenericEngine)
@@ -384,7 +383,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Runs the fast engine's step on the current grads, after the checks that refuse to
         step them (a param frozen at build time that has a grad now, a param moved out of
         its flat buffer). Raises Unsupported, before anything changed, to hand over."""
-        self._check_frozen()
+        self._params.check_frozen()
         fast = self._engine
         assert isinstance(fast, FastEngine)
         fast.check_params()
@@ -405,7 +404,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         assert isinstance(engine, GenericEngine)
         engine.resync_masters()
         result = closure.generic_step(
-            fn, engine, self._phase, self._scaler, self._check_frozen, first_loss
+            fn, engine, self._phase, self._scaler, self._params.check_frozen, first_loss
         )
         return self._stepped(result)
 
@@ -628,30 +627,3 @@ class FP16_Optimizer(torch.optim.Optimizer):
             if max_norm != NO_CLIP:
                 generic.clip(max_norm, 2.0)
             self._phase.grads = "unscaled"
-
-    def _reached_nothing(self) -> None:
-        """Raises: the loss just backpropagated reached none of the params trained here."""
-        trained = [p for ps in self._params.trainable for p in ps]
-        first = self._params.names.get(id(trained[0]), "a param") if trained else "none"
-        fsdp = (
-            " On FSDP2, model.set_requires_gradient_sync(False) also writes no gradient until "
-            "the synced backward: for the micro-batches before it, backpropagate "
-            "(loss.float() * optimizer.loss_scale) yourself, and optimizer.backward the last."
-            if dtensors.has_dtensors(trained)
-            else ""
-        )
-        raise RuntimeError(
-            f"optimizer.backward(loss): the loss reached none of the {len(trained)} params this "
-            f"FP16_Optimizer trains ({first}, ...). Were the model's params replaced after it "
-            "was built -- load_state_dict(..., assign=True), model.to(...), a new module? "
-            "Build the FP16_Optimizer after that, or load weights with assign=False." + fsdp
-        )
-
-    def _check_frozen(self) -> None:
-        for p in self._params.frozen:
-            if p.requires_grad and p.grad is not None:
-                raise RuntimeError(
-                    f"{self._params.names.get(id(p), 'a param')} had requires_grad=False when "
-                    "the FP16_Optimizer was built and now has a gradient; FP16_Optimizer does "
-                    "not train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
-                )

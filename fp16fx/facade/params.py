@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fp16fx import tree
+from fp16fx import dtensors, tree
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -105,3 +105,32 @@ class ParamSet:
     def master_of(self) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): its master}`` over every group."""
         return {id(p): m for ps, ms in zip(self.trainable, self.masters) for p, m in zip(ps, ms)}
+
+    def check_frozen(self) -> None:
+        """Raises RuntimeError, naming it, if a param frozen when the optimizer was built has
+        a gradient now (it was unfrozen since: the optimizer would not train it)."""
+        for p in self.frozen:
+            if p.requires_grad and p.grad is not None:
+                raise RuntimeError(
+                    f"{self.names.get(id(p), 'a param')} had requires_grad=False when "
+                    "the FP16_Optimizer was built and now has a gradient; FP16_Optimizer does "
+                    "not train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
+                )
+
+    def reached_nothing(self) -> RuntimeError:
+        """Returns the error for a loss whose backward reached none of the trained params."""
+        trained = [p for ps in self.trainable for p in ps]
+        first = self.names.get(id(trained[0]), "a param") if trained else "none"
+        fsdp = (
+            " On FSDP2, model.set_requires_gradient_sync(False) also writes no gradient until "
+            "the synced backward: for the micro-batches before it, backpropagate "
+            "(loss.float() * optimizer.loss_scale) yourself, and optimizer.backward the last."
+            if dtensors.has_dtensors(trained)
+            else ""
+        )
+        return RuntimeError(
+            f"optimizer.backward(loss): the loss reached none of the {len(trained)} params this "
+            f"FP16_Optimizer trains ({first}, ...). Were the model's params replaced after it "
+            "was built -- load_state_dict(..., assign=True), model.to(...), a new module? "
+            "Build the FP16_Optimizer after that, or load weights with assign=False." + fsdp
+        )
