@@ -25,6 +25,7 @@ import fp16fx.distributed as fdist
 from fp16fx import checkpoint, dtensors, saved_format, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
+from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
 from fp16fx.facade.grads import GradMemo, GradStamp
@@ -267,6 +268,7 @@ class FastEngine:
         policy: Any,
         segments: torch.Tensor | None = None,
         specs: list[GroupSpec] | None = None,
+        applied_steps: torch.Tensor | None = None,
     ) -> None:
         """Loads torch-format state ``per_param`` (keyed by param-group entry) and the FP32
         ``masters`` given (``{id(model param): value}``; the others keep theirs, or sharded,
@@ -274,6 +276,8 @@ class FastEngine:
         their masters rounded. ``segments`` (:meth:`segment_marks`' form) cuts the core's
         state where they change, beside the cuts the step counts make. ``specs``: the groups'
         new structure, if it changed (the transform is rebuilt for it, :meth:`_set_specs`).
+        ``applied_steps``: the core's count of applied steps (compact precision's dither
+        reads it), if saved.
 
         Raises ValueError, before changing anything, when a state does not fit its param (or,
         sharded, a bucket's params have different step counts).
@@ -288,8 +292,23 @@ class FastEngine:
         except BaseException:
             self.state, self.specs, self._written, self._clip_written = kept
             raise
+        if applied_steps is not None:
+            self.state.count.copy_(applied_steps)
         if self.sharded is None:
             self._dormant = self._unused(per_param)
+
+    def load_fsdp(self, saved: Mapping[str, Any], policy: Any) -> None:
+        """Loads an FSDP2 optimizer's core state ``saved`` (``FP16_Optimizer.state_dict()``'s
+        ``"state"``: :func:`fp16fx.distributed.fsdp.state_dict`'s form) under loss-scale
+        ``policy``. Raises, before changing anything, where it does not fit."""
+        state = self.state
+        try:
+            self.state = fsdp.load_state_dict(state.replace(policy=policy), saved, self.flat.params)
+        except BaseException:
+            self.state = state
+            raise
+        self.scaler.policy = policy
+        self.forget_written()
 
     def _unused(self, per_param: PerParamState) -> dict[int, dict[str, torch.Tensor]]:
         """Returns ``{id(param): the tensors of its state in per_param that its group's

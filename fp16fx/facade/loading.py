@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
-from fp16fx.distributed import fsdp
 from fp16fx.facade.checkpoint import (
     FLAGS,
     KEYS,
@@ -80,19 +79,9 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
     except Unsupported as err:
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs)
-    policy = _saved_policy(engine.scaler.policy, sd["state"])
-    state = engine.state
-    try:
-        engine.state = fsdp.load_state_dict(
-            state.replace(policy=policy), sd["state"], engine.flat.params
-        )
-    except BaseException:
-        engine.state = state
-        raise
-    engine.scaler.policy = policy
+    engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
-    engine.forget_written()
 
 
 def _saved_policy(policy: Any, sd: Any) -> Any:
@@ -366,7 +355,10 @@ def load(
         scaler.policy = plan.policy
         master_values = {id(p): value for p, value in plan.masters}
         if isinstance(engine, FastEngine):
-            engine.load(per_param, master_values, plan.policy, plan.param_segments, plan.specs)
+            engine.load(
+                per_param, master_values, plan.policy, plan.param_segments, plan.specs,
+                plan.applied_steps,
+            )  # fmt: skip
             if keep_groups:  # last: the groups hold the model's params, not new dicts
                 for group, loaded in zip(inner.param_groups, plan.groups):
                     group.update(loaded)
@@ -376,15 +368,10 @@ def load(
             with torch.no_grad():
                 for param, value in plan.masters:
                     master_of[id(param)].copy_(value)
-                for ps, ms in zip(params.trainable, params.masters):
-                    for p, master in zip(ps, ms):
-                        if master is not p:
-                            p.copy_(master)
+            engine.masters_to_model()
     except BaseException:
         inner.state, inner.param_groups, scaler.policy = saved
         raise
     with torch.no_grad():
         for dst, value in zip(scaler.state, plan.values):
             dst.fill_(value)
-        if isinstance(engine, FastEngine) and plan.applied_steps is not None:
-            engine.state.count.copy_(plan.applied_steps)
