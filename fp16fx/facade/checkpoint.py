@@ -43,7 +43,7 @@ from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.params import ParamSet
-from fp16fx.facade.policy import Scaler, scaler_to_dict
+from fp16fx.facade.policy import Scaler, ScaleValues, scaler_to_dict
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale
 
@@ -76,9 +76,10 @@ def _added(state: dict[torch.Tensor, Any], extra: dict[torch.Tensor, Any]) -> It
 def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     """Returns the entries beside the optimizer state: ``loss_scaler`` (a plain dict),
     ``dynamic_loss_scale``, and the ``flags`` (``overflow``, ``first_closure_call_this_step``)."""
-    scale, good_steps, overflows = torch.stack([t.double() for t in scaler.state]).tolist()
+    numbers = torch.stack([t.double() for t in scaler.state]).tolist()  # one sync
+    values = ScaleValues(**dict(zip(scaler.state._fields, numbers)))
     return {
-        "loss_scaler": scaler_to_dict(scaler.policy, (scale, good_steps, overflows)),
+        "loss_scaler": scaler_to_dict(scaler.policy, values),
         "dynamic_loss_scale": isinstance(scaler.policy, DynamicLossScale),
         **{key: flags[key] for key in FLAGS},
     }

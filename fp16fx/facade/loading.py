@@ -373,5 +373,5 @@ def load(
         inner.state, inner.param_groups, scaler.policy = saved
         raise
     with torch.no_grad():
-        for dst, value in zip(scaler.state, plan.values):
-            dst.fill_(value)
+        for name in ScaleValues._fields:  # LossScaleState's
+            getattr(scaler.state, name).fill_(getattr(plan.values, name))

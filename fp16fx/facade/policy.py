@@ -22,7 +22,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,8 +40,14 @@ NO_FLOOR = 2.0**-126
 NO_CEILING = 2.0**126
 
 FacadePolicy = DynamicLossScale | StaticLossScale
-#: ``(scale, good_steps, overflows)``: the values of a policy's LossScaleState.
-ScaleValues = tuple[float, int, int]
+
+
+class ScaleValues(NamedTuple):
+    """A policy's :class:`~fp16fx.scaling.LossScaleState` as Python numbers (a checkpoint's)."""
+
+    scale: float
+    good_steps: int
+    overflows: int
 
 
 @dataclasses.dataclass
@@ -163,13 +169,12 @@ def dynamic_fields(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def scaler_to_dict(policy: FacadePolicy, values: ScaleValues) -> dict[str, Any]:
     """Returns the checkpoint dict (Python primitives only) of ``policy`` in state ``values``."""
-    scale, good_steps, overflows = values
     out: dict[str, Any] = {
         "format": "fp16fx",
         "dynamic": isinstance(policy, DynamicLossScale),
-        "loss_scale": float(scale),
-        "good_steps": int(good_steps),
-        "overflows": int(overflows),
+        "loss_scale": float(values.scale),
+        "good_steps": int(values.good_steps),
+        "overflows": int(values.overflows),
     }
     if isinstance(policy, DynamicLossScale):
         out.update(dataclasses.asdict(policy))
@@ -215,7 +220,7 @@ def _dynamic(**fields: Any) -> DynamicLossScale:
 
 
 def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
-    """Returns ``(policy, (scale, good_steps, overflows))`` for a checkpoint's scaler dict.
+    """Returns ``(policy, its state's values)`` for a checkpoint's scaler dict.
 
     Formats: ``"fp16fx"`` (written by :func:`scaler_to_dict`) and the three that
     :func:`fp16fx.apex_checkpoint.apex_scaler_to_dict` produces (``"apex.amp"``,
@@ -231,7 +236,7 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
     scale = _get(d, "loss_scale", float)
     check_scale("loss_scaler['loss_scale']", scale)
     if fmt == "fp16fx":
-        values = (scale, _count(d, "good_steps"), _count(d, "overflows"))
+        values = ScaleValues(scale, _count(d, "good_steps"), _count(d, "overflows"))
         if not _get(d, "dynamic", bool):
             return StaticLossScale(scale), values
         fields = {f: d[f] for f in _FP16FX_KEYS if f in d}
@@ -241,7 +246,7 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
         return _dynamic(**fields), values
     if fmt == "apex.amp":
         if not _get(d, "dynamic", bool):
-            return StaticLossScale(scale), (scale, 0, 0)
+            return StaticLossScale(scale), ScaleValues(scale, good_steps=0, overflows=0)
         floor = d.get("min_loss_scale")
         min_scale = NO_FLOOR if not floor else _pow2(_get(d, "min_loss_scale", float), up=True)
         max_scale = _pow2(_get(d, "max_loss_scale", float), up=False)
@@ -251,7 +256,7 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
             min_scale=min_scale,
             max_scale=max_scale,
         )
-        return policy, (scale, _count(d, "unskipped"), 0)
+        return policy, ScaleValues(scale, good_steps=_count(d, "unskipped"), overflows=0)
     if fmt == "apex.fp16_utils.dynamic":
         # Legacy rule: grow when (cur_iter - last_overflow_iter) % window == 0, i.e. after
         # `window` clean iterations counted from the last overflow; floor 1, no ceiling.
@@ -266,9 +271,9 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
             max_scale=NO_CEILING,
         )
         clean = _get(d, "cur_iter", int) - _get(d, "last_overflow_iter", int) - 1
-        return policy, (scale, clean % window, 0)
+        return policy, ScaleValues(scale, good_steps=clean % window, overflows=0)
     if fmt == "apex.fp16_utils.static":
-        return StaticLossScale(scale), (scale, 0, 0)
+        return StaticLossScale(scale), ScaleValues(scale, good_steps=0, overflows=0)
     raise ValueError(
         f"loss_scaler has unknown format {fmt!r}; expected 'fp16fx' or an apex scaler as "
         "fp16fx.load_apex_checkpoint returns it ('apex.amp', 'apex.fp16_utils.dynamic', "
