@@ -273,6 +273,15 @@ def joined(
     return first.detach().as_strided((numel,), (1,), offset)
 
 
+def joined_segment(layout: Layout, seg: Segment, params: Any) -> torch.Tensor | None:
+    """Returns a segment's params as one flat tensor: ``params`` itself where it is one,
+    else its leaves :func:`joined` (None when they are not consecutive views of one)."""
+    if isinstance(params, torch.Tensor):
+        return params
+    bucket = layout.buckets[seg.bucket]
+    return joined(params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1])
+
+
 def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
     """Returns ``view`` (1-D: the bucket's values from offset ``start`` to its last leaf's end)
     extended over the bucket's padding, with that padding zeroed (no leaf covers it), when

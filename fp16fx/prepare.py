@@ -123,7 +123,7 @@ def prepare(
         grad_list = [flats[s.bucket][s.start : s.stop] for s in layout.segments]
     seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
     targets = [
-        _param_target(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
+        flat.joined_segment(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
     ]
     written = tuple(t is not None for t in targets)
     params, masters = _core_params(state, active, targets, scratch, gather)
@@ -220,14 +220,6 @@ def _segment_grads(
             own = packed[s.bucket][s.start : s.stop]
         out.append(own)
     return out
-
-
-def _param_target(layout: flat.Layout, seg: flat.Segment, params: Any) -> torch.Tensor | None:
-    """Returns the segment's params as one flat tensor, or None when they are not one."""
-    if isinstance(params, torch.Tensor):
-        return params
-    bucket = layout.buckets[seg.bucket]
-    return flat.joined(params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1])
 
 
 def _laid_out(state: MixedPrecisionState, grads: Any) -> list[torch.Tensor | None] | None:

@@ -131,14 +131,10 @@ class MixedPrecisionState:
         are; elsewhere a segment of separate leaves raises)."""
         out = []
         for seg, params in zip(self.layout.segments, self.param_segments):
-            if isinstance(params, tuple):
-                bucket = self.layout.buckets[seg.bucket]
-                params = flat.joined(
-                    params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1]
-                )
-                if params is None:
-                    raise ValueError("the params of a segment are not one flat tensor")
-            out.append(params)
+            joined = flat.joined_segment(self.layout, seg, params)
+            if joined is None:
+                raise ValueError("the params of a segment are not one flat tensor")
+            out.append(joined)
         return out
 
     def _tree(self, per_segment: Segments) -> Any:
