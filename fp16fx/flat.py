@@ -282,6 +282,20 @@ def joined_segment(layout: Layout, seg: Segment, params: Any) -> torch.Tensor | 
     return joined(params, bucket.shapes[seg.lo : seg.hi], bucket.offsets[seg.lo : seg.hi + 1])
 
 
+def whole_storage(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Returns one flat tensor over the storage that ``tensors`` (contiguous, of one dtype, in
+    any order) exactly tile, or None."""
+    first = tensors[0]
+    if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
+        return None
+    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
+    n = first.untyped_storage().nbytes() // first.element_size()
+    tiled = spans[0][0] == 0 and spans[-1][1] == n
+    if not tiled or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+        return None
+    return first.detach().as_strided((n,), (1,), 0)
+
+
 def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
     """Returns ``view`` (1-D: the bucket's values from offset ``start`` to its last leaf's end)
     extended over the bucket's padding, with that padding zeroed (no leaf covers it), when

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp16fx
 import fp16fx.distributed as fdist
+from fp16fx import flat
 from fp16fx.compile import StepFunction, compile_step
 from tests.fallbacks import watching
 
@@ -446,14 +447,12 @@ def test_fdist_init_passes_compact_precision_on_and_checks_its_names_first():
 
 
 def test_average_grads_sees_a_flat_buffer_as_one_tensor():
-    from fp16fx.distributed.api import _whole_storage
-
     params = {"a": torch.ones(3, 2, dtype=torch.float16), "b": torch.ones(5, dtype=torch.float16)}
     grads = fp16fx.grad_buffers(fp16fx.init(params, fp16fx.sgd(0.1), buckets=True))
-    whole = _whole_storage(list(grads.values()))
+    whole = flat.whole_storage(list(grads.values()))
     assert whole is not None and whole.shape == (11,)
-    assert _whole_storage([grads["a"]]) is None  # part of a buffer: reduced on its own
-    assert _whole_storage([torch.ones(2), torch.ones(2)]) is None
+    assert flat.whole_storage([grads["a"]]) is None  # part of a buffer: reduced on its own
+    assert flat.whole_storage([torch.ones(2), torch.ones(2)]) is None
 
 
 def test_loose_grads_are_coalesced_per_dtype_into_runs_of_at_most_25_mb():

@@ -6,13 +6,13 @@ Layer: ``distributed`` (docs/design.md).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
+from fp16fx import flat
 from fp16fx.consensus import default_consensus
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
 from fp16fx.precision import Precision
@@ -98,15 +98,15 @@ def average_grads(grads: Any, group: Any = None) -> None:
     loose: list[torch.Tensor] = []
     with torch.no_grad():
         for tensors in by_storage.values():
-            whole = _whole_storage(tensors)
+            whole = flat.whole_storage(tensors)
             if whole is None:
                 loose += tensors
             else:
                 all_reduce_mean(whole, group)
         for run in _coalesced_runs(loose):
-            flat = torch.cat([t.reshape(-1) for t in run])
-            all_reduce_mean(flat, group)
-            for t, part in zip(run, flat.split([t.numel() for t in run])):
+            joined = torch.cat([t.reshape(-1) for t in run])
+            all_reduce_mean(joined, group)
+            for t, part in zip(run, joined.split([t.numel() for t in run])):
                 t.copy_(part.view_as(t))
 
 
@@ -124,16 +124,3 @@ def _coalesced_runs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         run.append(t)
         filling[key] = (run, size + nbytes)
     return runs
-
-
-def _whole_storage(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Returns one flat tensor over the storage ``tensors`` exactly tile, or None."""
-    first = tensors[0]
-    if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
-        return None
-    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
-    n = first.untyped_storage().nbytes() // first.element_size()
-    tiled = spans[0][0] == 0 and spans[-1][1] == n
-    if not tiled or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
-        return None
-    return first.detach().as_strided((n,), (1,), 0)
