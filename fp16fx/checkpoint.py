@@ -23,9 +23,11 @@ Layer: ``step`` (docs/design.md). The dict holds only tensors and Python primiti
 
 Tensors are views of the live state (as ``torch.optim``'s ``state_dict``): save the dict, or
 copy it, before stepping again. ``segments`` (optional when loading: dicts saved before it,
-and consolidated sharded ones, lack it) says where the state was cut: a param that missed a
-gradient got a segment of its own, and the step sums the global gradient norm per segment,
-so a run resumes bitwise only over the same cuts, which equal step counts no longer show.
+consolidated sharded ones and FSDP2's lack it) says where the state was cut: a param that
+missed a gradient got a segment of its own, and the step sums the global gradient norm per
+segment, so a run resumes bitwise only over the same cuts, which equal step counts no longer
+show. A load cuts the state there (where the state is laid out alike), and keeps the cuts it
+had: resume into a fresh state.
 Loading checks everything first -- format, policy, optimizer (its keys), every shape and
 dtype -- and raises naming the first misfit, having changed nothing.
 It converts what it can: another precision (``Precision``), or params of another float dtype.
@@ -217,6 +219,18 @@ def _in_dtype_of(
     return out
 
 
+def param_rounded(entry: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Returns a compensated leaf's FP32-terms ``entry`` for a state of FP32 masters, whose
+    params are their masters rounded to nearest. A compensated pair's stored param need not
+    be: a correction of -128 units puts the master at the midpoint below it, which rounds to
+    the lower neighbour of an odd param (and a param written in place keeps its old
+    correction). Loaded as stored, the full state's next step would take the param for one
+    written since, and adopt it, dropping the master."""
+    if "master" not in entry:
+        return entry
+    return {**entry, "param": entry["master"].to(entry["param"].dtype)}
+
+
 def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
     an int8 moment's blocks where the state's sit -- so a raw copy is exact."""
@@ -278,12 +292,14 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         },
     }
     check_fits(mine, theirs, non_negative_keys(signs))
+    if saved.compensated and not state.precision.compensated:
+        theirs["params"] = {path: param_rounded(e) for path, e in theirs["params"].items()}
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]
     layout = state.layout.recut(marks)
     if "segments" in sd:  # the saved state's cuts, which equal step counts no longer show
-        layout = layout.recut([sd["segments"].get(path) for path in paths])
+        layout = layout.recut(_saved_cuts(layout, paths, sd["segments"]))
     if saved == state.precision:
         saved_entries = [sd["params"].get(path) for path in paths]
         layout = layout.recut(_block_restarts(layout, saved_entries, saved.block))
@@ -305,6 +321,20 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
                     master.copy_(param)
     load_shared(state, sd)
     return state
+
+
+def _saved_cuts(layout: flat.Layout, paths: list[str], segments: Mapping[str, int]) -> list[Any]:
+    """Returns per flat leaf its saved segment (``segments``), where every saved segment is
+    one run of params in one of ``layout``'s buckets (the saved state was laid out alike);
+    else no marks at all (in another layout -- a dtype changed, other buckets -- its cuts
+    would split buckets at every param that sat in another saved bucket)."""
+    marks = [segments.get(path) for path in paths]
+    runs = [
+        mark
+        for bucket in layout.buckets
+        for mark, _ in itertools.groupby(marks[i] for i in bucket.indices)
+    ]
+    return marks if len(runs) == len(set(runs)) else [None] * len(paths)
 
 
 def _block_restarts(

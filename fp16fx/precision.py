@@ -168,13 +168,16 @@ def split_master(
     below the midpoint above a power of two, or above an FP16 subnormal), ``p`` is the next
     value up and ``c`` the rest from there (otherwise such a master would stay put forever).
 
-    ``param``: a value of ``p`` to keep wherever the correction can reach the master from it
-    (a checkpoint's own param: loading its ``(param, master)`` then restores ``(p, c)``
-    exactly, although the master decoded from them need not round to ``p``)."""
+    ``param``: a value of ``p`` to keep wherever the correction can reach the master from it,
+    ``-2**(k-1)`` to ``2**(k-1) - 1`` units (a checkpoint's own param: loading its ``(param,
+    master)`` then restores ``(p, c)`` exactly, although the master decoded from them need
+    not round to ``p``)."""
     top = 2 ** (_CORRECTION[dtype][1] - 1)
     p = master.to(dtype)
-    if param is not None:
-        reach = (master - param.float()).abs() <= (top - 1) * _unit(param)[0]
+    if param is not None:  # a correction holds -top .. top - 1 units
+        rest = master - param.float()
+        unit_of_param = _unit(param)[0]
+        reach = (rest >= -top * unit_of_param) & (rest <= (top - 1) * unit_of_param)
         p = torch.where(reach, param.to(dtype), p)
     unit, per_unit = _unit(p)
     p32 = p.float()

@@ -196,11 +196,10 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
 
-    As in a full state's entry, the param is its master rounded to nearest. A compensated
-    pair's stored param need not be: where its correction is -128 units (-32768 for BF16)
-    the master is the midpoint below it, which rounds to the lower neighbour of an odd param.
-    (A full state loading the stored one would take it for a param written since, and adopt
-    it; encoded again, the rounded one gives back the same pair.)
+    A compensated leaf's param stays the stored one, which its master need not round to
+    (a correction of -128 units, or a param written in place since, which keeps its old
+    correction): encoded again from it, the pair comes back as stored. A full state takes
+    such a leaf with the param rounded from its master (``checkpoint.param_rounded``).
 
     Raises ValueError (``_NotStored``), naming the key, where a stored tensor is not of a
     dtype or shape its format stores (decoding it would silently give other numbers);
@@ -211,7 +210,6 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         out["master"] = entry["master"]
     elif "correction" in entry:
         out["master"] = decode_master(entry["param"], entry["correction"])
-        out["param"] = out["master"].to(entry["param"].dtype)
     for key, value in entry.items():
         if not key.startswith("opt") or key.endswith((".scales", ".offset")):
             continue

@@ -690,3 +690,23 @@ def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs)
         assert "set_requires_gradient_sync(False)" in r["message"]
         assert r["synced"].keys() == r["unsynced"].keys()
         assert all(torch.equal(r["synced"][k], r["unsynced"][k]) for k in r["synced"])
+
+
+def test_a_dcp_checkpoint_without_segments_loads(tmp_path):
+    """DCP loads only into a dict whose every key the checkpoint holds: the FSDP2 dict keeps
+    no ``segments`` (fp16fx.state_dict's, which older checkpoints lack; an FSDP2 state is cut
+    at every param anyway). One process, plain tensors: DCP and the dict work alike."""
+
+    def state():
+        params = {"w": torch.linspace(-1, 1, 8).half()}
+        return fp16fx.init(params, fp16fx.adam(1e-3), fp16fx.StaticLossScale(1.0)), params
+
+    saved, params = state()
+    saved, _ = fp16fx.step(saved, {"w": torch.ones(8).half()})
+    older = {k: v for k, v in fsdp.state_dict(saved, params).items() if k != "segments"}
+    dcp.save(older, checkpoint_id=str(tmp_path))
+    target, params = state()
+    template = fsdp.state_dict(target, params)
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    loaded = fsdp.load_state_dict(target, template, params)
+    assert torch.equal(loaded.master["w"], saved.master["w"])

@@ -49,7 +49,7 @@ from fp16fx.precision import (
     encode_master,
     encode_moment,
 )
-from fp16fx.saved_format import StateDictError
+from fp16fx.saved_format import StateDictError, canonical, precision_dict
 from fp16fx.segments import named_segments
 from tests.strategies import grads_like
 from tests.test_facade_checkpoint import save_and_load
@@ -1066,6 +1066,24 @@ def test_a_checkpoint_cut_by_step_counts_loads_into_int8_blocks_that_run_into_th
             q = encode_moment(saved[path][f"opt[1].{name}"], "int8", name == "nu", BLOCK, None)
             assert same_bits(loaded[path][f"opt[1].{name}.codes"], q.codes), (path, name)
             assert same_bits(loaded[path][f"opt[1].{name}.scales"], q.scales), (path, name)
+
+
+def test_a_compensated_state_comes_back_as_stored_through_fp32_terms():
+    """FP32 terms (FSDP2's DCP dict) keep each stored param, which its master need not round
+    to: a param written in place (a clamp) keeps its old correction. Encoded again from it,
+    every pair comes back as stored (rounding the param from its master moved 82 of 512)."""
+    state = _trained("compensated", "fp32")
+    with torch.no_grad():
+        for p in state.params.values():
+            p.clamp_(-0.5, 0.5)
+    saved = save_and_load(fp16fx.state_dict(state))
+    in_fp32_terms = {
+        **saved,
+        "precision": precision_dict(Precision()),
+        "params": {k: canonical(e, BLOCK) for k, e in saved["params"].items()},
+    }
+    target = fp16fx.load_state_dict(tail_state("compensated", "fp32", seed=9), in_fp32_terms)
+    assert differing(stored(state), stored(target)) == []
 
 
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():

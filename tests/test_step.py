@@ -493,3 +493,18 @@ def test_a_dict_without_segments_loads_as_before_and_a_malformed_one_is_refused(
         with pytest.raises(fp16fx.StateDictError, match=message):
             fp16fx.load_state_dict(target, {**sd, "segments": segments})
     assert all(torch.equal(target.master[k], v) for k, v in before.items())
+
+
+def test_saved_segments_apply_only_to_a_state_laid_out_alike():
+    """Saved over FP16 a, c and FP32 b, d (two buckets, each its own segment), loaded over
+    all-FP32 params (the model's dtype changed): one bucket, whose params came from two saved
+    segments in turn. Their marks cut it at every param; the saved layout says nothing here."""
+
+    def state(dtypes):
+        params = {k: torch.ones(3, dtype=dtype) for k, dtype in zip("abcd", dtypes)}
+        return fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+
+    half, single = torch.float16, torch.float32
+    sd = _saved_and_loaded(fp16fx.state_dict(state([half, single, half, single])))
+    assert sd["segments"] == {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert fp16fx.load_state_dict(state([single] * 4), sd).layout.cuts == ((0, 4),)

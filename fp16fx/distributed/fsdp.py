@@ -138,7 +138,9 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     (Int8 moments could not be saved as stored anyway: their block scales are cut where each
     rank's shard starts, which moves with the world size.)
     """
-    sd = checkpoint.state_dict_copy(state)
+    # Without segments: an FSDP2 state is cut at every param anyway, and DCP's load needs
+    # every key of this dict in the checkpoint (those saved before segments lack it).
+    sd = {key: v for key, v in checkpoint.state_dict_copy(state).items() if key != "segments"}
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block
         decoded = {path: saved_format.canonical(e, block) for path, e in sd["params"].items()}
