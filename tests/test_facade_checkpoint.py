@@ -347,12 +347,14 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(path, nam
     opt.load_state_dict(good)  # and a good dict still loads
 
 
-def test_a_load_that_fails_after_rebuilding_the_groups_puts_them_back(monkeypatch):
+@pytest.mark.parametrize("master", ["fp32", "compensated"])
+def test_a_load_that_fails_after_rebuilding_the_groups_puts_them_back(monkeypatch, master):
     """A dict that turns amsgrad on rebuilds the fast path's transform before its state is
     loaded: a failure then once left the new structure with fresh moments. (Every dict that
-    does not fit is refused before that point; this failure is forced.)"""
+    does not fit is refused before that point; this failure is forced.) Compensated, the
+    groups hold the model's params and take the loaded numbers before the rebuild."""
     model, twin = make_model(), make_model()
-    opt, twin_opt = wrap(model, "fast"), wrap(twin, "fast")
+    opt, twin_opt = wrap(model, "fast", master=master), wrap(twin, "fast", master=master)
     run(model, opt, range(2))
     run(twin, twin_opt, range(2))
     sd = copy.deepcopy(save_and_load(opt.state_dict()))

@@ -103,6 +103,34 @@ def test_compact_facade_resumes_bitwise_from_its_apex_format_checkpoint(master, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_a_compensated_optimizer_resumes_a_run_whose_momentum_was_switched_on(moments):
+    """The param groups hold the model's params, so the load wrote the saved numbers into
+    them last, after the engine had rebuilt its step from the old ones (momentum 0): the
+    momentum buffers were dropped, and the next step raised a KeyError for 'momentum'."""
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.0)
+
+    model = make_model()
+    opt = wrap(model, "compensated", moments, inner=sgd)
+    train(model, opt, 1)
+    opt.param_groups[0]["momentum"] = 0.9
+    train(model, opt, 2)
+    sd = save_and_load(opt.state_dict())
+    resumed = make_model()
+    resumed.load_state_dict(model.state_dict())
+    opt2 = wrap(resumed, "compensated", moments, inner=sgd)  # built as the run was
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["momentum"] == 0.9
+    assert all(
+        "momentum_buffer" in s for s in opt2.state_dict()["optimizer_state_dict"]["state"].values()
+    )
+    train(model, opt, 2)
+    train(resumed, opt2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
 def train_with_missing_grads(model: nn.Module, opt: FP16_Optimizer, missing: list) -> None:
     """Trains ``model`` one step per entry of ``missing``: the indices of the params that get
     no gradient in that step."""

@@ -339,6 +339,7 @@ def load(
     if isinstance(engine, FastEngine) and plan.specs is None:
         raise Unsupported("the loaded param groups need it")
     saved = (inner.state, inner.param_groups, scaler.policy)
+    group_contents = [dict(group) for group in inner.param_groups]
     try:
         # Where the groups hold the model's FP16 params, torch's load would cast the state to
         # FP16: it is read from the dict instead.
@@ -348,6 +349,10 @@ def load(
             for saved_group, group in zip(plan.osd["param_groups"], inner.param_groups):
                 ids.update(zip(saved_group["params"], group["params"]))
             per_param = {ids[key]: dict(value) for key, value in plan.osd["state"].items()}
+            # The loaded numbers first: the engine builds a changed structure's transform
+            # from them (momentum switched on: from the old momentum 0, it built no buffer).
+            for group, loaded in zip(inner.param_groups, plan.groups):
+                group.update(loaded)
         else:
             inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
             trained = [m for masters in params.masters for m in masters]
@@ -359,9 +364,6 @@ def load(
                 per_param, master_values, plan.policy, plan.param_segments, plan.specs,
                 plan.applied_steps,
             )  # fmt: skip
-            if keep_groups:  # last: the groups hold the model's params, not new dicts
-                for group, loaded in zip(inner.param_groups, plan.groups):
-                    group.update(loaded)
         else:
             inner.state.update(per_param)
             master_of = params.master_of()
@@ -371,6 +373,9 @@ def load(
             engine.masters_to_model()
     except BaseException:
         inner.state, inner.param_groups, scaler.policy = saved
+        for group, contents in zip(inner.param_groups, group_contents):
+            group.clear()
+            group.update(contents)
         raise
     with torch.no_grad():
         for name in ScaleValues._fields:  # LossScaleState's
