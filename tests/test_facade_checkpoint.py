@@ -347,6 +347,20 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(path, nam
     opt.load_state_dict(good)  # and a good dict still loads
 
 
+def test_a_dict_saved_after_amsgrad_was_switched_on_resumes_bitwise():
+    """Saved before the next step, the state has no max_exp_avg_sq yet, which the step would
+    start at zero: the load refused it as incomplete, even into the optimizer that saved it."""
+    model, resumed = make_model(), make_model(seed=1)
+    opt, resumed_opt = wrap(model, "fast"), wrap(resumed, "fast")
+    run(model, opt, range(2))
+    opt.param_groups[0]["amsgrad"] = True
+    ckpt = save_and_load({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    assert run(model, opt, range(2, 5)) == run(resumed, resumed_opt, range(2, 5))
+    assert_same_fingerprint(fingerprint(resumed, resumed_opt), fingerprint(model, opt))
+
+
 @pytest.mark.parametrize("master", ["fp32", "compensated"])
 def test_a_load_that_fails_after_rebuilding_the_groups_puts_them_back(monkeypatch, master):
     """A dict that turns amsgrad on rebuilds the fast path's transform before its state is

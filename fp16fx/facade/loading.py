@@ -152,8 +152,14 @@ def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
     return policy, values
 
 
-def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
-    """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading."""
+def _parse_optimizer(
+    inner: torch.optim.Optimizer, osd: Any, starts_max: bool
+) -> list[dict[str, Any]]:
+    """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading.
+
+    ``starts_max``: an AMSGrad group's state may lack ``max_exp_avg_sq`` (the fast path
+    starts it at zero, as when amsgrad is switched on: a dict saved then lacks it; torch's
+    own step would fail without it)."""
     if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
         raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
     saved_groups, groups = osd["param_groups"], inner.param_groups
@@ -195,7 +201,7 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
             )
         if adam and value:  # a param that stepped has them all: torch's step reads them
             needed = {"step", "exp_avg", "exp_avg_sq"}
-            needed |= {"max_exp_avg_sq"} if amsgrad[id(entries[key])] else set()
+            needed |= {"max_exp_avg_sq"} if amsgrad[id(entries[key])] and not starts_max else set()
             missing = sorted(needed - set(value))
             if missing:
                 raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks {missing}")
@@ -299,7 +305,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
     if unknown:
         raise _fail(f"it has unknown entries {unknown}")
     policy, values = _parse_scaler(sd)
-    groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
+    groups = _parse_optimizer(inner, sd["optimizer_state_dict"], isinstance(engine, FastEngine))
     masters = _parse_masters(params, sd["fp32_from_fp16"])
     specs = None
     if isinstance(engine, FastEngine):
