@@ -321,9 +321,11 @@ def check_codes(params: Mapping[str, Any], signs: Mapping[str, bool]) -> None:
     :func:`canonical_params` or :func:`check_fits` passed) whose codes are not the kind the
     loading state's moment takes -- ``signs``, ``{key: never negative}``
     (:func:`fp16fx.checkpoint.moment_signs`): uint8 codes for a non-negative moment, int8 for
-    a signed one; decoded as the other kind they would give other numbers -- or whose block
-    scales no encoding gives (each is a finite block maximum, at least FP32's smallest
-    normal). One sync per moment; meta tensors, a layout without values, are skipped."""
+    a signed one; decoded as the other kind they would give other numbers -- or that hold a
+    signed code of -128 or block scales no encoding gives (each is a finite block maximum, at
+    least FP32's smallest normal). One sync per check; meta tensors, a layout without values,
+    are skipped. (A block's scale above all of its values would need the whole block, which
+    may span several params' entries: not checked.)"""
     for path, entry in params.items():
         for key, codes in entry.items():
             if not key.endswith(".codes"):
@@ -337,6 +339,11 @@ def check_codes(params: Mapping[str, Any], signs: Mapping[str, bool]) -> None:
                         f"{where}[{key!r}] has dtype {codes.dtype}; this {kind} moment's codes "
                         f"are {wanted}"
                     )
+            if codes.dtype == torch.int8 and not codes.is_meta and bool((codes == -128).any()):
+                raise misfit(
+                    f"{where}[{key!r}] holds the code -128, which no encoding gives (signed "
+                    "codes are -127 to 127)"
+                )
             scales = entry[f"{name}.scales"]
             valid = torch.isfinite(scales) & (scales >= ZERO_BLOCK_SCALE)
             if not scales.is_meta and not bool(valid.all()):

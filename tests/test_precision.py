@@ -916,6 +916,10 @@ def _mismatches():
             r"\['w'\]\['opt\[1\].mu.codes'\] has dtype torch.uint8; this signed moment's "
             r"codes are torch.int8",
         ),
+        "a signed code of -128": (
+            changed("opt[1].mu.codes", lambda t: torch.where(t == t.min(), -128, t).to(t.dtype)),
+            r"\['w'\]\['opt\[1\].mu.codes'\] holds the code -128, which no encoding gives",
+        ),
         "negative block scales": (
             changed("opt[1].mu.scales", torch.neg),
             r"\['w'\]\['opt\[1\].mu.scales'\] holds a scale that is not finite and at least",
