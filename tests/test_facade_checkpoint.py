@@ -359,6 +359,11 @@ def test_a_dict_saved_after_amsgrad_was_switched_on_resumes_bitwise():
     resumed_opt.load_state_dict(ckpt["optimizer"])
     assert run(model, opt, range(2, 5)) == run(resumed, resumed_opt, range(2, 5))
     assert_same_fingerprint(fingerprint(resumed, resumed_opt), fingerprint(model, opt))
+    generic = wrap(make_model(), "generic")  # torch's own step reads the maximum: refused
+    before = fingerprint(make_model(), generic)
+    with pytest.raises(ValueError, match=r"\['state'\]\[0\] lacks \['max_exp_avg_sq'\]"):
+        generic.load_state_dict(ckpt["optimizer"])
+    assert_same_fingerprint(fingerprint(make_model(), generic), before)
 
 
 @pytest.mark.parametrize("master", ["fp32", "compensated"])

@@ -119,10 +119,11 @@ def _by_path(state: MixedPrecisionState, params: Any) -> dict[str, torch.Tensor]
 
 
 def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
-    """Returns ``fp16fx.state_dict(state)`` with each per-param tensor as a DTensor laid out
-    like its param, for ``torch.distributed.checkpoint`` (which then saves each rank's part and
-    reshards on load). 0-d tensors (loss scale, counts, hyperparameters) and primitives stay
-    as they are: they are equal on every rank, and DCP keeps one copy.
+    """Returns ``fp16fx.state_dict(state)`` (without ``segments``) with each per-param tensor
+    as a DTensor laid out like its param, for ``torch.distributed.checkpoint`` (which then
+    saves each rank's part and reshards on load). 0-d tensors (loss scale, counts,
+    hyperparameters) and primitives stay as they are: they are equal on every rank, and DCP
+    keeps one copy.
 
     ``params``: the DTensor params given to ``init`` (e.g. ``dict(model.named_parameters())``).
     Every tensor is a copy: ``dcp.load`` into this dict writes nothing live, and
@@ -132,14 +133,17 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     A compact state (docs/precision.md) gives its entries in FP32 terms, as copies
     (:func:`fp16fx.saved_format.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
     which :func:`load_state_dict` encodes back. So a DCP checkpoint is the same whatever
-    precision saved it, and any state loads it (rounded to nearest into its own precision);
+    precision saved it, and any state loads it (rounded to nearest into its own precision;
+    into FP32 masters, the params as saved, which a compensated pair may hold off its
+    master's rounding: the next step adopts those, docs/precision.md);
     a state like the one that saved it, at the same world size, loads it bitwise, since
     decoding and encoding to nearest give back the same param, correction, codes and scales.
     (Int8 moments could not be saved as stored anyway: their block scales are cut where each
     rank's shard starts, which moves with the world size.)
     """
-    # Without segments: an FSDP2 state is cut at every param anyway, and DCP's load needs
-    # every key of this dict in the checkpoint (those saved before segments lack it).
+    # Without segments: an FSDP2 state keeps each DTensor param in a segment of its own
+    # anyway, and DCP's load needs every key of this dict in the checkpoint (those saved
+    # before segments lack it).
     sd = {key: v for key, v in checkpoint.state_dict_copy(state).items() if key != "segments"}
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block

@@ -152,14 +152,12 @@ def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
     return policy, values
 
 
-def _parse_optimizer(
-    inner: torch.optim.Optimizer, osd: Any, starts_max: bool
-) -> list[dict[str, Any]]:
+def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
     """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading.
 
-    ``starts_max``: an AMSGrad group's state may lack ``max_exp_avg_sq`` (the fast path
-    starts it at zero, as when amsgrad is switched on: a dict saved then lacks it; torch's
-    own step would fail without it)."""
+    An AMSGrad group's state may lack ``max_exp_avg_sq`` here: the fast path starts it at
+    zero, as when amsgrad is switched on (a dict saved then lacks it). Where torch's own step
+    will run the groups, :func:`_require_amsgrad_maximum` refuses that."""
     if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
         raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
     saved_groups, groups = osd["param_groups"], inner.param_groups
@@ -184,7 +182,6 @@ def _parse_optimizer(
         raise _fail("optimizer_state_dict['state'] must be a dict")
     known = _STATE_KEYS.get(type(inner))
     adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW)
-    amsgrad = {id(p): bool(g.get("amsgrad")) for g in merged for p in g["params"]}
     for key, value in state.items():
         if key not in entries:
             raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
@@ -200,9 +197,7 @@ def _parse_optimizer(
                 "does not keep (was it saved from another optimizer?)"
             )
         if adam and value:  # a param that stepped has them all: torch's step reads them
-            needed = {"step", "exp_avg", "exp_avg_sq"}
-            needed |= {"max_exp_avg_sq"} if amsgrad[id(entries[key])] and not starts_max else set()
-            missing = sorted(needed - set(value))
+            missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(value))
             if missing:
                 raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks {missing}")
         for field, tensor in value.items():
@@ -215,6 +210,20 @@ def _parse_optimizer(
                 if field.endswith("exp_avg_sq") and bool((tensor < 0).any()):
                     raise _fail(f"{where} holds negative values: a second moment cannot")
     return merged
+
+
+def _require_amsgrad_maximum(
+    inner: torch.optim.Optimizer, osd: Mapping[str, Any], groups: list[dict[str, Any]]
+) -> None:
+    """Raises unless each param that stepped in an AMSGrad group has its ``max_exp_avg_sq``:
+    torch's own step reads it (a checked ``optimizer_state_dict``; ``groups`` merged)."""
+    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    for saved, group in zip(osd["param_groups"], groups):
+        for key in saved["params"] if group.get("amsgrad") else ():
+            state = osd["state"].get(key)
+            if state and "max_exp_avg_sq" not in state:
+                raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks ['max_exp_avg_sq']")
 
 
 def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:
@@ -305,7 +314,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
     if unknown:
         raise _fail(f"it has unknown entries {unknown}")
     policy, values = _parse_scaler(sd)
-    groups = _parse_optimizer(inner, sd["optimizer_state_dict"], isinstance(engine, FastEngine))
+    groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
     masters = _parse_masters(params, sd["fp32_from_fp16"])
     specs = None
     if isinstance(engine, FastEngine):
@@ -325,6 +334,8 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
                     "which a sharded FP16_Optimizer does not have"
                 )
             engine.check_structure(specs)
+    if specs is None:  # the wrapped optimizer will step the groups
+        _require_amsgrad_maximum(inner, sd["optimizer_state_dict"], groups)
     trained = sum(len(ps) for ps in params.trainable)
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
