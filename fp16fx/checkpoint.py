@@ -219,18 +219,6 @@ def _in_dtype_of(
     return out
 
 
-def param_rounded(entry: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Returns a compensated leaf's FP32-terms ``entry`` for a state of FP32 masters, whose
-    params are their masters rounded to nearest. A compensated pair's stored param need not
-    be: a correction of -128 units puts the master at the midpoint below it, which rounds to
-    the lower neighbour of an odd param (and a param written in place keeps its old
-    correction). Loaded as stored, the full state's next step would take the param for one
-    written since, and adopt it, dropping the master."""
-    if "master" not in entry:
-        return entry
-    return {**entry, "param": entry["master"].to(entry["param"].dtype)}
-
-
 def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
     an int8 moment's blocks where the state's sit -- so a raw copy is exact."""
@@ -258,7 +246,9 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     FP32-master checkpoint into a compensated state, int8 moments into FP32 ones...) is
     decoded to FP32 and stored in the state's: the masters and moments are rounded to nearest
     (a compensated master: to ``1/256`` of an FP16 ulp, from the saved param wherever its
-    correction reaches the saved master). So is one saved over params of another float dtype
+    correction reaches the saved master; into FP32 masters, compensated ones load exactly,
+    and each param as :func:`fp16fx.saved_format.canonical` gives it: its master rounded, but
+    where written in place since). So is one saved over params of another float dtype
     (FP16, BF16 or FP32: the model's dtype changed): each param's FP32 master (an FP32
     param is its own) is kept, and the param becomes that master rounded to nearest.
 
@@ -292,8 +282,6 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         },
     }
     check_fits(mine, theirs, non_negative_keys(signs))
-    if saved.compensated and not state.precision.compensated:
-        theirs["params"] = {path: param_rounded(e) for path, e in theirs["params"].items()}
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]

@@ -24,6 +24,7 @@ from fp16fx.precision import (
     correction_dtype,
     decode_master,
     decode_moment,
+    encode_master,
 )
 from fp16fx.scaling import check_scale
 from fp16fx.transforms import check_hyperparam
@@ -196,10 +197,9 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
 
-    A compensated leaf's param stays the stored one, which its master need not round to
-    (a correction of -128 units, or a param written in place since, which keeps its old
-    correction): encoded again from it, the pair comes back as stored. A full state takes
-    such a leaf with the param rounded from its master (``checkpoint.param_rounded``).
+    A compensated leaf's param is the one a state of FP32 masters holds for it
+    (:func:`_full_param`): its master rounded to nearest, or the stored param where it was
+    written in place since. Encoded again from it, the pair comes back as stored.
 
     Raises ValueError (``_NotStored``), naming the key, where a stored tensor is not of a
     dtype or shape its format stores (decoding it would silently give other numbers);
@@ -210,6 +210,7 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         out["master"] = entry["master"]
     elif "correction" in entry:
         out["master"] = decode_master(entry["param"], entry["correction"])
+        out["param"] = _full_param(out["master"], entry["param"], entry["correction"])
     for key, value in entry.items():
         if not key.startswith("opt") or key.endswith((".scales", ".offset")):
             continue
@@ -219,6 +220,23 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         else:
             out[key] = value.float() if value.is_floating_point() else value  # counts stay
     return out
+
+
+def _full_param(
+    master: torch.Tensor, param: torch.Tensor, correction: torch.Tensor
+) -> torch.Tensor:
+    """Returns the param of a compensated pair as a state of FP32 masters holds it: the
+    master rounded to nearest wherever encoding the master from there gives the pair back
+    (always, but where a correction of -128 units puts the master at the midpoint below an
+    odd param, which rounds to its lower neighbour); elsewhere the param was written in place
+    since, keeping its old correction, and stays as stored (such a state adopts a written
+    param). Loaded as stored, the midpoint's param would be taken for a written one, and its
+    master dropped."""
+    rounded = master.to(param.dtype)
+    again, corrected = encode_master(master, param.dtype, None, param=rounded)
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16}[param.dtype]
+    alike = (again.view(bits) == param.view(bits)) & (corrected == correction)
+    return torch.where(alike, rounded, param)
 
 
 class _NotStored(ValueError):

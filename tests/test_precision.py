@@ -1090,14 +1090,48 @@ def test_a_compensated_state_comes_back_as_stored_through_fp32_terms():
     assert differing(stored(state), stored(target)) == []
 
 
+def test_fp32_terms_of_a_compensated_state_load_into_fp32_masters_as_the_state_itself_does():
+    """FSDP2's DCP dict is in FP32 terms and says nothing of compensated pairs: each param in
+    it is the one a state of FP32 masters holds, the master rounded, but where written in
+    place (a clamp). It kept every stored param, and a midpoint's was adopted at the next
+    step (its master moved by half an ulp), where the compact dict itself gave the rounded
+    one."""
+    state = _trained("compensated", "fp32")
+    for entry in fp16fx.state_dict(state)["params"].values():  # midpoints below odd params
+        odd = (entry["param"].view(torch.int16) & 1) == 1
+        entry["correction"][
+            odd & (torch.arange(entry["param"].numel()) % 7 == 0).view_as(odd)
+        ] = -128
+    with torch.no_grad():
+        for p in state.params.values():
+            p.clamp_(-0.5, 0.5)  # written in place: adopted
+    saved = save_and_load(fp16fx.state_dict(state))
+    in_fp32_terms = {
+        **saved,
+        "precision": precision_dict(Precision()),
+        "params": {k: canonical(e, BLOCK) for k, e in saved["params"].items()},
+    }
+    direct = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), saved)
+    through = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), in_fp32_terms)
+    assert differing(stored(direct), stored(through)) == []
+    grads = scaled_grads(direct, 5)
+    (a, _), (b, _) = fp16fx.step(direct, grads), fp16fx.step(through, grads)
+    assert differing(stored(a), stored(b)) == []
+
+
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():
     """The masters load exactly, and each param is its master rounded, as in any full state:
     a pair whose correction is -128 decodes to the midpoint below its param, which rounds to
     the lower neighbour of an odd param. (The param was loaded as saved: the next step took
-    it for one written since, and dropped the master.)"""
+    it for one written since, and dropped the master.) Steps make such pairs now and then;
+    here every fifth value of a param that is no power of two is one (over a power of two,
+    -128 units reach the FP16 value below: only a param written in place has it)."""
     sd = save_and_load(fp16fx.state_dict(_trained("compensated", "int8")))
-    for entry in sd["params"].values():  # steps make such pairs now and then; make some here
-        entry["correction"].view(-1)[::5] = -128
+    for entry in sd["params"].values():
+        param, correction = entry["param"].view(-1), entry["correction"].view(-1)
+        every_fifth = torch.arange(len(param)) % 5 == 0
+        no_power_of_two = (param.view(torch.int16) & 0x3FF) != 0
+        correction[every_fifth & no_power_of_two] = -128
     source = fp16fx.load_state_dict(tail_state("compensated", "int8", seed=3), sd)
     target = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), save_and_load(sd))
     moved = 0

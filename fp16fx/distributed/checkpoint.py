@@ -267,8 +267,6 @@ def load_state_dict(
         else:
             block = saved.block
             canonical = [[saved_format.canonical(e, block) for e in es] for es in per_bucket]
-            if saved.compensated and not precision.compensated:
-                canonical = [[checkpoint.param_rounded(e) for e in es] for es in canonical]
             _store_converted(state, canonical)
         checkpoint.load_shared(state.shard, sd)
 
