@@ -59,6 +59,7 @@ from fp16fx.saved_format import (
     check_codes,
     check_dense,
     check_fits,
+    full_param,
     leaf_scalars,
     misfit,
     past_range,
@@ -247,8 +248,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     decoded to FP32 and stored in the state's: the masters and moments are rounded to nearest
     (a compensated master: to ``1/256`` of an FP16 ulp, from the saved param wherever its
     correction reaches the saved master; into FP32 masters, compensated ones load exactly,
-    and each param as :func:`fp16fx.saved_format.canonical` gives it: its master rounded, but
-    where written in place since). So is one saved over params of another float dtype
+    each param as :func:`fp16fx.saved_format.full_param` gives it). So is one saved over
+    params of another float dtype
     (FP16, BF16 or FP32: the model's dtype changed): each param's FP32 master (an FP32
     param is its own) is kept, and the param becomes that master rounded to nearest.
 
@@ -302,11 +303,14 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
                             dst.copy_(sd["params"][path][key])
         else:
             store(state, canon)
-        # An FP32 param kept as a leaf of its own has an FP32 master copy: it is the param.
         if not state.precision.compensated:
             for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
-                if param is not None and param.dtype == torch.float32:
+                if param is None:
+                    continue
+                if param.dtype == torch.float32:  # a leaf of its own has a master copy of it
                     master.copy_(param)
+                else:  # a compensated pair's param may differ from its master's rounding
+                    param.copy_(full_param(param, master))
     load_shared(state, sd)
     return state
 

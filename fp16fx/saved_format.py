@@ -24,7 +24,6 @@ from fp16fx.precision import (
     correction_dtype,
     decode_master,
     decode_moment,
-    encode_master,
 )
 from fp16fx.scaling import check_scale
 from fp16fx.transforms import check_hyperparam
@@ -197,9 +196,8 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     """Returns a saved leaf's entry in FP32 terms, whatever precision it was saved in: its
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
 
-    A compensated leaf's param is the one a state of FP32 masters holds for it
-    (:func:`_full_param`): its master rounded to nearest, or the stored param where it was
-    written in place since. Encoded again from it, the pair comes back as stored.
+    A compensated leaf's param stays the stored one: encoded again from it, the pair comes
+    back as stored. A state of FP32 masters takes it as :func:`full_param` says.
 
     Raises ValueError (``_NotStored``), naming the key, where a stored tensor is not of a
     dtype or shape its format stores (decoding it would silently give other numbers);
@@ -210,7 +208,6 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
         out["master"] = entry["master"]
     elif "correction" in entry:
         out["master"] = decode_master(entry["param"], entry["correction"])
-        out["param"] = _full_param(out["master"], entry["param"], entry["correction"])
     for key, value in entry.items():
         if not key.startswith("opt") or key.endswith((".scales", ".offset")):
             continue
@@ -222,21 +219,18 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     return out
 
 
-def _full_param(
-    master: torch.Tensor, param: torch.Tensor, correction: torch.Tensor
-) -> torch.Tensor:
-    """Returns the param of a compensated pair as a state of FP32 masters holds it: the
-    master rounded to nearest wherever encoding the master from there gives the pair back
-    (always, but where a correction of -128 units puts the master at the midpoint below an
-    odd param, which rounds to its lower neighbour); elsewhere the param was written in place
-    since, keeping its old correction, and stays as stored (such a state adopts a written
-    param). Loaded as stored, the midpoint's param would be taken for a written one, and its
-    master dropped."""
+def full_param(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Returns the param a state of FP32 masters holds for a saved FP16/BF16 ``param`` and its
+    FP32 ``master``: the master rounded to nearest where ``param`` is as near to it, else
+    ``param`` (written since the last step: the step adopts it).
+
+    A compensated pair's param is as near and need not be the rounding: a correction of -128
+    units puts the master at the midpoint below it, a tie that rounding to nearest-even may
+    settle on the other neighbour. Loaded as it is, the next step would take it for a written
+    param, and drop the master."""
     rounded = master.to(param.dtype)
-    again, corrected = encode_master(master, param.dtype, None, param=rounded)
-    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16}[param.dtype]
-    alike = (again.view(bits) == param.view(bits)) & (corrected == correction)
-    return torch.where(alike, rounded, param)
+    tie = (master.double() - param.double()).abs() == (master.double() - rounded.double()).abs()
+    return torch.where(tie, rounded, param)
 
 
 class _NotStored(ValueError):

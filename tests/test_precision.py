@@ -1091,11 +1091,10 @@ def test_a_compensated_state_comes_back_as_stored_through_fp32_terms():
 
 
 def test_fp32_terms_of_a_compensated_state_load_into_fp32_masters_as_the_state_itself_does():
-    """FSDP2's DCP dict is in FP32 terms and says nothing of compensated pairs: each param in
-    it is the one a state of FP32 masters holds, the master rounded, but where written in
-    place (a clamp). It kept every stored param, and a midpoint's was adopted at the next
-    step (its master moved by half an ulp), where the compact dict itself gave the rounded
-    one."""
+    """FSDP2's DCP dict is in FP32 terms and says nothing of compensated pairs. Loaded into
+    FP32 masters, it kept every stored param, and a midpoint's was adopted at the next step
+    (its master moved by half an ulp), where the compact dict itself gave the rounded one.
+    A param written in place (a clamp) loads as written either way."""
     state = _trained("compensated", "fp32")
     for entry in fp16fx.state_dict(state)["params"].values():  # midpoints below odd params
         odd = (entry["param"].view(torch.int16) & 1) == 1
@@ -1117,6 +1116,32 @@ def test_fp32_terms_of_a_compensated_state_load_into_fp32_masters_as_the_state_i
     grads = scaled_grads(direct, 5)
     (a, _), (b, _) = fp16fx.step(direct, grads), fp16fx.step(through, grads)
     assert differing(stored(a), stored(b)) == []
+
+
+@pytest.mark.parametrize("through_fp32_terms", [False, True], ids=["compact", "fp32-terms"])
+def test_a_midpoint_pair_loads_into_fp32_masters_as_its_masters_rounding(through_fp32_terms):
+    """A correction of -128 puts the master at the midpoint below its param: a tie, which
+    rounding to nearest-even settles on the other neighbour for an odd param (1.000977 goes
+    to 1.0, -1.000977 to -1.001953; -1.999023 to -2.0, a power of two whose unit is twice
+    its own: encoding from it gives another pair, (-2.0, 64), for the same master, so only
+    the stored param gives the pair back, and FP32 terms keep it). Loaded as stored, the next step
+    took the param for a written one and dropped the master by half an ulp. A param written
+    in place (0.5, over a correction made for another) loads as written, and is adopted."""
+    values = [1.0009765625, -1.9990234375, -1.0009765625, 0.5]  # odd, odd, odd, written
+    params = {"w": torch.tensor(values, dtype=torch.float16)}
+    state = fp16fx.init(params, fp16fx.sgd(0.0), POLICY, master="compensated")
+    fp16fx.state_dict(state)["params"]["w"]["correction"].fill_(-128)
+    master = state.master["w"].clone()
+    sd = save_and_load(fp16fx.state_dict(state))
+    if through_fp32_terms:  # as FSDP2's DCP dict holds it
+        sd = {**sd, "precision": precision_dict(Precision()),
+              "params": {k: canonical(e, BLOCK) for k, e in sd["params"].items()}}  # fmt: skip
+    full = fp16fx.init({"w": torch.zeros(4).half()}, fp16fx.sgd(0.0), POLICY)
+    full = fp16fx.load_state_dict(full, sd)
+    assert full.params["w"].tolist() == [1.0, -2.0, -1.001953125, 0.5]  # the even neighbours
+    stepped, _ = fp16fx.step(full, {"w": torch.zeros(4).half()})
+    assert same_bits(stepped.master["w"][:3], master[:3])  # kept: the decoded masters
+    assert stepped.master["w"][3].item() == 0.5  # adopted: the written param
 
 
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():

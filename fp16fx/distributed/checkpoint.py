@@ -310,12 +310,20 @@ def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
                 for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
                     full[checkpoint.blocks_of(start, end, block)] = entry[key]
                 dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
+            elif key == "param":
+                state.flat.param_buffers[b].copy_(_whole_param(state, bucket, saved))
             else:
-                full = _joined(bucket, saved, key)
-                if key == "param":
-                    state.flat.param_buffers[b].copy_(full)
-                else:
-                    dst.copy_(full[mine_slice])
+                dst.copy_(_joined(bucket, saved, key)[mine_slice])
+
+
+def _whole_param(state: ShardedState, bucket: Any, saved: list[Any]) -> torch.Tensor:
+    """Returns a bucket's whole saved params, as every rank writes them: in a state of FP32
+    masters, each as :func:`fp16fx.saved_format.full_param` gives it (from the whole saved
+    masters: each rank holds only its slice of them after the load)."""
+    params = _joined(bucket, saved, "param")
+    if state.shard.precision.compensated or "master" not in saved[0]:
+        return params
+    return saved_format.full_param(params, _joined(bucket, saved, "master").to(params.device))
 
 
 def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
@@ -333,6 +341,7 @@ def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
             # Encoded where the state lives (the checkpoint may have been loaded elsewhere).
             full = _joined(bucket, saved, key).to(state.flat.param_buffers[b].device)
             if key == "param":
+                full = _whole_param(state, bucket, saved).to(full.device)
                 state.flat.param_buffers[b].copy_(full)
             entry[key] = full[mine_slice]
         slices.append(entry)
