@@ -247,7 +247,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     FP32-master checkpoint into a compensated state, int8 moments into FP32 ones...) is
     decoded to FP32 and stored in the state's: the masters and moments are rounded to nearest
     (a compensated master: to ``1/256`` of an FP16 ulp, from the saved param wherever its
-    correction reaches the saved master; into FP32 masters, compensated ones load exactly,
+    correction reaches the saved master; compensated ones into FP32 masters load exactly,
     each param as :func:`fp16fx.saved_format.full_param` gives it). So is one saved over
     params of another float dtype
     (FP16, BF16 or FP32: the model's dtype changed): each param's FP32 master (an FP32
@@ -309,7 +309,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
                     continue
                 if param.dtype == torch.float32:  # a leaf of its own has a master copy of it
                     master.copy_(param)
-                else:  # a compensated pair's param may differ from its master's rounding
+                elif saved.compensated:  # a pair's param may tie with its master's rounding
                     param.copy_(full_param(param, master))
     load_shared(state, sd)
     return state

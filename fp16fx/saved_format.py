@@ -197,7 +197,8 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
     ``param``, its ``master`` (FP16/BF16 params), and every optimizer tensor decoded.
 
     A compensated leaf's param stays the stored one: encoded again from it, the pair comes
-    back as stored. A state of FP32 masters takes it as :func:`full_param` says.
+    back as stored. (A state of FP32 masters loading a compensated dict takes it as
+    :func:`full_param` says; in FP32 terms it cannot tell such a param from a written one.)
 
     Raises ValueError (``_NotStored``), naming the key, where a stored tensor is not of a
     dtype or shape its format stores (decoding it would silently give other numbers);
@@ -220,17 +221,18 @@ def canonical(entry: Mapping[str, torch.Tensor], block: int) -> dict[str, torch.
 
 
 def full_param(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """Returns the param a state of FP32 masters holds for a saved FP16/BF16 ``param`` and its
-    FP32 ``master``: the master rounded to nearest where ``param`` is as near to it, else
-    ``param`` (written since the last step: the step adopts it).
+    """Returns the param a state of FP32 masters holds for a compensated pair's FP16/BF16
+    ``param`` and decoded ``master``: the master rounded to nearest where ``param`` is as near
+    to it and differs, else ``param``.
 
-    A compensated pair's param is as near and need not be the rounding: a correction of -128
-    units puts the master at the midpoint below it, a tie that rounding to nearest-even may
-    settle on the other neighbour. Loaded as it is, the next step would take it for a written
-    param, and drop the master."""
+    A correction of -128 units puts the master at the midpoint below its param: a tie, which
+    rounding to nearest-even settles on the other neighbour of an odd param. Loaded as it
+    is, the full state's next step would take it for a written param (``step.adopt_written``)
+    and drop the master. (Differences of FP16/BF16 values from an FP32 master within an ulp
+    are exact in FP32.)"""
     rounded = master.to(param.dtype)
-    tie = (master.double() - param.double()).abs() == (master.double() - rounded.double()).abs()
-    return torch.where(tie, rounded, param)
+    tie = (master - param.float()).abs() == (master - rounded.float()).abs()
+    return torch.where(tie & (rounded != param), rounded, param)
 
 
 class _NotStored(ValueError):

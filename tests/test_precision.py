@@ -1090,58 +1090,46 @@ def test_a_compensated_state_comes_back_as_stored_through_fp32_terms():
     assert differing(stored(state), stored(target)) == []
 
 
-def test_fp32_terms_of_a_compensated_state_load_into_fp32_masters_as_the_state_itself_does():
-    """FSDP2's DCP dict is in FP32 terms and says nothing of compensated pairs. Loaded into
-    FP32 masters, it kept every stored param, and a midpoint's was adopted at the next step
-    (its master moved by half an ulp), where the compact dict itself gave the rounded one.
-    A param written in place (a clamp) loads as written either way."""
-    state = _trained("compensated", "fp32")
-    for entry in fp16fx.state_dict(state)["params"].values():  # midpoints below odd params
-        odd = (entry["param"].view(torch.int16) & 1) == 1
-        entry["correction"][
-            odd & (torch.arange(entry["param"].numel()) % 7 == 0).view_as(odd)
-        ] = -128
-    with torch.no_grad():
-        for p in state.params.values():
-            p.clamp_(-0.5, 0.5)  # written in place: adopted
-    saved = save_and_load(fp16fx.state_dict(state))
-    in_fp32_terms = {
-        **saved,
-        "precision": precision_dict(Precision()),
-        "params": {k: canonical(e, BLOCK) for k, e in saved["params"].items()},
-    }
-    direct = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), saved)
-    through = fp16fx.load_state_dict(tail_state("fp32", "fp32", seed=9), in_fp32_terms)
-    assert differing(stored(direct), stored(through)) == []
-    grads = scaled_grads(direct, 5)
-    (a, _), (b, _) = fp16fx.step(direct, grads), fp16fx.step(through, grads)
-    assert differing(stored(a), stored(b)) == []
-
-
-@pytest.mark.parametrize("through_fp32_terms", [False, True], ids=["compact", "fp32-terms"])
-def test_a_midpoint_pair_loads_into_fp32_masters_as_its_masters_rounding(through_fp32_terms):
+def test_a_midpoint_pair_loads_into_fp32_masters_as_its_masters_rounding():
     """A correction of -128 puts the master at the midpoint below its param: a tie, which
     rounding to nearest-even settles on the other neighbour for an odd param (1.000977 goes
     to 1.0, -1.000977 to -1.001953; -1.999023 to -2.0, a power of two whose unit is twice
     its own: encoding from it gives another pair, (-2.0, 64), for the same master, so only
-    the stored param gives the pair back, and FP32 terms keep it). Loaded as stored, the next step
-    took the param for a written one and dropped the master by half an ulp. A param written
-    in place (0.5, over a correction made for another) loads as written, and is adopted."""
+    the stored param gives the pair back). Loaded as stored, the next step took the param
+    for a written one and dropped the master by half an ulp. A param written in place (0.5,
+    over a correction made for another) loads as written, and is adopted."""
     values = [1.0009765625, -1.9990234375, -1.0009765625, 0.5]  # odd, odd, odd, written
     params = {"w": torch.tensor(values, dtype=torch.float16)}
     state = fp16fx.init(params, fp16fx.sgd(0.0), POLICY, master="compensated")
     fp16fx.state_dict(state)["params"]["w"]["correction"].fill_(-128)
     master = state.master["w"].clone()
     sd = save_and_load(fp16fx.state_dict(state))
-    if through_fp32_terms:  # as FSDP2's DCP dict holds it
-        sd = {**sd, "precision": precision_dict(Precision()),
-              "params": {k: canonical(e, BLOCK) for k, e in sd["params"].items()}}  # fmt: skip
     full = fp16fx.init({"w": torch.zeros(4).half()}, fp16fx.sgd(0.0), POLICY)
     full = fp16fx.load_state_dict(full, sd)
     assert full.params["w"].tolist() == [1.0, -2.0, -1.001953125, 0.5]  # the even neighbours
     stepped, _ = fp16fx.step(full, {"w": torch.zeros(4).half()})
     assert same_bits(stepped.master["w"][:3], master[:3])  # kept: the decoded masters
     assert stepped.master["w"][3].item() == 0.5  # adopted: the written param
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_full_checkpoint_loads_a_param_written_at_a_tie_as_written(dtype):
+    """A full run's master sits on a midpoint, and its param was written to the odd
+    neighbour since (a clamp): as near, but not the rounding. Loaded into a full state the
+    param is the written one, and the next step adopts it, as the run that never stopped."""
+    ulp = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    state = fp16fx.init({"w": torch.ones(2, dtype=dtype)}, fp16fx.sgd(0.0), POLICY)
+    with torch.no_grad():
+        state.master["w"].fill_(1 + ulp / 2)  # rounds to 1.0 (even)
+        state.params["w"].fill_(1 + ulp)  # written: as near, odd
+    loaded = fp16fx.load_state_dict(
+        fp16fx.init({"w": torch.zeros(2, dtype=dtype)}, fp16fx.sgd(0.0), POLICY),
+        save_and_load(fp16fx.state_dict(state)),
+    )
+    assert loaded.params["w"].tolist() == [1 + ulp] * 2
+    grads = {"w": torch.zeros(2, dtype=dtype)}
+    (a, _), (b, _) = fp16fx.step(state, grads), fp16fx.step(loaded, grads)
+    assert same_bits(a.master["w"], b.master["w"]) and a.master["w"].tolist() == [1 + ulp] * 2
 
 
 def test_a_compact_checkpoint_loads_into_a_full_state_as_its_decoded_values():

@@ -24,7 +24,7 @@ import torch
 
 from fp16fx import checkpoint, flat, saved_format, tree
 from fp16fx.distributed.sharded import ShardedState, check_sharded
-from fp16fx.precision import ZERO_BLOCK_SCALE, Precision
+from fp16fx.precision import ZERO_BLOCK_SCALE, Precision, encode_master
 
 FORMAT = "fp16fx.sharded/2"
 ShardDict = dict[str, Any]
@@ -267,7 +267,7 @@ def load_state_dict(
         else:
             block = saved.block
             canonical = [[saved_format.canonical(e, block) for e in es] for es in per_bucket]
-            _store_converted(state, canonical)
+            _store_converted(state, canonical, saved.compensated)
         checkpoint.load_shared(state.shard, sd)
 
 
@@ -311,25 +311,35 @@ def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
                     full[checkpoint.blocks_of(start, end, block)] = entry[key]
                 dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
             elif key == "param":
-                state.flat.param_buffers[b].copy_(_whole_param(state, bucket, saved))
+                state.flat.param_buffers[b].copy_(_whole_param(state, bucket, saved, False))
             else:
                 dst.copy_(_joined(bucket, saved, key)[mine_slice])
 
 
-def _whole_param(state: ShardedState, bucket: Any, saved: list[Any]) -> torch.Tensor:
-    """Returns a bucket's whole saved params, as every rank writes them: in a state of FP32
-    masters, each as :func:`fp16fx.saved_format.full_param` gives it (from the whole saved
-    masters: each rank holds only its slice of them after the load)."""
+def _whole_param(
+    state: ShardedState, bucket: Any, saved: list[Any], from_compensated: bool
+) -> torch.Tensor:
+    """Returns a bucket's whole params as a load writes them on every rank, alike: the saved
+    ones, or from saved FP32-terms masters (``"master"`` entries), those of the state's own
+    precision: each rank encodes only its slice of the masters, from the whole params. A
+    compensated state's are the params :func:`fp16fx.precision.encode_master` keeps or
+    moves; a full state's, from a compensated dict, as
+    :func:`fp16fx.saved_format.full_param` gives them."""
     params = _joined(bucket, saved, "param")
-    if state.shard.precision.compensated or "master" not in saved[0]:
+    if "master" not in saved[0]:
         return params
-    return saved_format.full_param(params, _joined(bucket, saved, "master").to(params.device))
+    masters = _joined(bucket, saved, "master").to(params.device)
+    if state.shard.precision.compensated:
+        return encode_master(masters, params.dtype, None, param=params)[0]
+    return saved_format.full_param(params, masters) if from_compensated else params
 
 
-def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
-    """Writes saved entries in FP32 terms into the whole params and this rank's slices,
-    encoded in the state's precision by ``fp16fx.checkpoint.store`` (the bucket's padding
-    zero)."""
+def _store_converted(
+    state: ShardedState, per_bucket: list[list[Any]], from_compensated: bool
+) -> None:
+    """Writes saved entries in FP32 terms (of a compensated dict: ``from_compensated``) into
+    the whole params and this rank's slices, encoded in the state's precision by
+    ``fp16fx.checkpoint.store`` (the bucket's padding zero)."""
     slices = []
     for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
         mine_slice = state.sharding.slice(bucket)
@@ -341,7 +351,7 @@ def _store_converted(state: ShardedState, per_bucket: list[list[Any]]) -> None:
             # Encoded where the state lives (the checkpoint may have been loaded elsewhere).
             full = _joined(bucket, saved, key).to(state.flat.param_buffers[b].device)
             if key == "param":
-                full = _whole_param(state, bucket, saved).to(full.device)
+                full = _whole_param(state, bucket, saved, from_compensated).to(full.device)
                 state.flat.param_buffers[b].copy_(full)
             entry[key] = full[mine_slice]
         slices.append(entry)

@@ -133,7 +133,8 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     A compact state (docs/precision.md) gives its entries in FP32 terms, as copies
     (:func:`fp16fx.saved_format.canonical`: each FP16/BF16 param's FP32 master, FP32 moments),
     which :func:`load_state_dict` encodes back. So a DCP checkpoint is the same whatever
-    precision saved it, and any state loads it (rounded to nearest into its own precision);
+    precision saved it, and any state loads it (rounded to nearest into its own precision;
+    into FP32 masters, a compensated pair's param as written: docs/precision.md);
     a state like the one that saved it, at the same world size, loads it bitwise, since
     decoding and encoding to nearest give back the same param, correction, codes and scales.
     (Int8 moments could not be saved as stored anyway: their block scales are cut where each
