@@ -225,11 +225,13 @@ def full_param(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     ``param`` and decoded ``master``: the master rounded to nearest where ``param`` is as near
     to it and differs, else ``param``.
 
-    A correction of -128 units puts the master at the midpoint below its param: a tie, which
-    rounding to nearest-even settles on the other neighbour of an odd param. Loaded as it
-    is, the full state's next step would take it for a written param (``step.adopt_written``)
-    and drop the master. (Differences of FP16/BF16 values from an FP32 master within an ulp
-    are exact in FP32.)"""
+    A correction of -128 units (FP16; BF16's -32768) puts the master at the midpoint below
+    its param: a tie, which rounding to nearest-even settles on the other neighbour of an
+    odd param. Loaded as it is, the full state's next step would take it for a written param
+    (``step.adopt_written``) and drop the master. (Differences of FP16/BF16 values from an
+    FP32 master within an ulp are exact in FP32.) Not covered: BF16 values below 2**-118,
+    whose correction's unit (2**-126) exceeds half their ulp; their next step may adopt the
+    param, moving the master by at most 2**-126."""
     rounded = master.to(param.dtype)
     tie = (master - param.float()).abs() == (master - rounded.float()).abs()
     return torch.where(tie & (rounded != param), rounded, param)

@@ -233,6 +233,13 @@ def converting_sources() -> dict[str, Any]:
             grads = compact_grads(0, state.loss_scale.scale)
             grads = {k: None if k == missing else g for k, g in grads.items()}
             sources[name], _ = fp16fx.step(state, grads)
+    # Two FP32 masters in the last half unit below the midpoint above their params, one in
+    # each rank's half: into compensated precision, their params move one ulp up.
+    with torch.no_grad():
+        for param, master in ((sources["fp32"].params[k], sources["fp32"].master[k]) for k in "ab"):
+            p = param.view(-1)[0].float()
+            unit = 2.0 ** (torch.frexp(p).exponent - 11) / 256  # ulp / 256
+            master.view(-1)[0] = p + 127.75 * unit
     return sources
 
 
@@ -243,6 +250,8 @@ def load_converted(rank: int, world: int, out: Path) -> None:
         sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
         fdist.load_state_dict(sharded, fp16fx.state_dict(source))
         torch.save(fdist.state_dict(sharded), out / f"converted_{name}_{world}_{rank}.pt")
+        whole = [b.clone() for b in sharded.flat.param_buffers]
+        torch.save(whole, out / f"whole_params_{name}_{world}_{rank}.pt")
 
 
 def refused_load() -> dict[str, Any]:
@@ -464,6 +473,15 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
         assert zero in refused["zero_scales"]
         assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
         assert refused["unchanged"]
+
+
+@pytest.mark.parametrize("name", ["restarted", "fp32"])
+def test_a_converted_load_writes_the_same_whole_params_on_every_rank(runs, name):
+    """Each rank encodes only its slice of the masters, but holds the whole params: from an
+    FP32 checkpoint, a param whose master's rest rounds to 128 units moves one ulp up, and
+    the other ranks' parts kept the saved one until the next step's all-gather."""
+    whole = [torch.load(runs["dir"] / f"whole_params_{name}_2_{r}.pt") for r in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(*whole))
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])
