@@ -659,6 +659,19 @@ def test_a_structural_option_turned_off_and_on_again_resumes_its_state_as_torch_
     close(masters["fast"], masters["generic"], rtol=1e-4, atol=1e-5)  # as in the test above
 
 
+def test_amsgrad_and_maximize_switched_on_together_hand_over_with_the_maximum_at_zero():
+    # The fast path starts a new AMSGrad maximum at zero; torch's step, taking over for
+    # maximize, read one that was not there (KeyError: 'max_exp_avg_sq').
+    model = TwoHeads()
+    opt = wrap(model, "fast", torch.optim.Adam(model.parameters(), lr=1e-2))
+    train(model, opt, 2)
+    opt.param_groups[0].update(amsgrad=True, maximize=True)
+    train(model, opt, 1)
+    assert opt.path == "generic"
+    for state in opt.state.values():
+        assert torch.equal(state["max_exp_avg_sq"], state["exp_avg_sq"])  # max(0, v) = v
+
+
 @pytest.mark.parametrize("how", ["set later", "in an added group"])
 def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
     """torch.optim.SGD refuses nesterov with dampening only when built, and steps it when a

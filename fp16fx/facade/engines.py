@@ -166,7 +166,14 @@ def handover(
         reason, type(optimizer).__name__,
     )  # fmt: skip
     if keep_state:
-        optimizer.state.update(fast.export())
+        exported = fast.export()
+        for group in optimizer.param_groups:
+            for entry in group["params"] if group.get("amsgrad") else ():
+                state = exported.get(entry)
+                if state and "max_exp_avg_sq" not in state:  # amsgrad just switched on: the
+                    # fast path would start the maximum at zero; torch's step needs it
+                    state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+        optimizer.state.update(exported)
     stepped_finite = None if fast.last_info is None else fast.last_info.finite
     return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler, stepped_finite)
 
