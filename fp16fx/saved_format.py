@@ -150,17 +150,27 @@ def _check_values(sd: Mapping[str, Any]) -> None:
             raise misfit(f"{where} is {int(count)}, a count below 0")
 
 
+def value_fault(value: torch.Tensor, non_negative: bool = False) -> str | None:
+    """Returns why no run saves the floating-point ``value`` -- it holds inf or NaN, or, where
+    it is ``non_negative`` (Adam's second moment), negative values -- or None (one sync:
+    loading is rare; meta tensors, a layout without values, are passed)."""
+    if value.is_meta or not value.is_floating_point():
+        return None
+    if not bool(torch.isfinite(value).all()):
+        return "holds inf or NaN (saved from a run that diverged?)"
+    if non_negative and bool((value < 0).any()):
+        return "holds negative values, which this moment never takes"
+    return None
+
+
 def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: bool) -> None:
     """Raises StateDictError unless a leaf's saved ``value`` is one no run saves into NaN: a
     finite param, master and moment, a step count >= 0, a ``non_negative`` moment (Adam's
-    second) without negative values (one sync a tensor: loading is rare)."""
-    if value.is_meta:
-        return
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise misfit(f"{where} holds inf or NaN (saved from a run that diverged?)")
-    if non_negative and value.is_floating_point() and bool((value < 0).any()):
-        raise misfit(f"{where} holds negative values, which this moment never takes")
-    if key.endswith(".count") and value.ndim == 0 and float(value) < 0:
+    second) without negative values (:func:`value_fault`)."""
+    why = value_fault(value, non_negative)
+    if why is not None:
+        raise misfit(f"{where} {why}")
+    if not value.is_meta and key.endswith(".count") and value.ndim == 0 and float(value) < 0:
         raise misfit(f"{where} is {float(value):g}, a step count below 0")
 
 

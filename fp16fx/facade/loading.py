@@ -36,7 +36,7 @@ from fp16fx.facade.groups import (
 )
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
-from fp16fx.saved_format import past_range
+from fp16fx.saved_format import past_range, value_fault
 from fp16fx.scaling import DynamicLossScale
 from fp16fx.tree import is_finite
 
@@ -116,7 +116,13 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"the state dict does not fit this FP16_Optimizer: {message}")
 
 
-def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _check_tensor(
+    name: str,
+    value: Any,
+    like: torch.Tensor,
+    dtype: torch.dtype | None,
+    non_negative: bool = False,
+) -> None:
     if not isinstance(value, torch.Tensor):
         raise _fail(f"{name} is a {type(value).__name__}, not a tensor")
     if value.is_meta or value.layout != torch.strided:
@@ -128,8 +134,9 @@ def _check_tensor(name: str, value: Any, like: torch.Tensor, dtype: torch.dtype 
         raise _fail(f"{name} has dtype {value.dtype}, expected {dtype}")
     if not value.is_floating_point():
         raise _fail(f"{name} has dtype {value.dtype}, expected a floating-point tensor")
-    if not bool(torch.isfinite(value).all()):  # one sync a tensor: loading is rare
-        raise _fail(f"{name} holds inf or NaN (saved from a run that diverged?)")
+    why = value_fault(value, non_negative)
+    if why is not None:
+        raise _fail(f"{name} {why}")
 
 
 def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
@@ -206,9 +213,7 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
                 if not _is_count(tensor):
                     raise _fail(f"{where} is {tensor!r}, not a step count")
             elif tensor is not None:
-                _check_tensor(where, tensor, entries[key], None)
-                if field.endswith("exp_avg_sq") and bool((tensor < 0).any()):
-                    raise _fail(f"{where} holds negative values: a second moment cannot")
+                _check_tensor(where, tensor, entries[key], None, field.endswith("exp_avg_sq"))
     return merged
 
 
