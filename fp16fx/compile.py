@@ -222,15 +222,13 @@ def _refuse_aliases(prepared: Prepared, grads: Any) -> None:
     """Raises ValueError, naming the grad, if a gradient the core reads shares memory with a
     tensor it writes: an in-place step would overwrite it while reading it. (Empty storages
     hold no memory to share; they all have address 0.)"""
-    written = {
-        t.untyped_storage().data_ptr()
-        for t in optree.tree_leaves(prepared.trained)
-        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()
-    }
+    leaves = optree.tree_leaves(prepared.trained)
+    written = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    written.discard(0)  # empty storages
     layout = prepared.state.layout
     active = [seg for seg, on in zip(layout.segments, prepared.active) if on]
     for seg, g in zip(active, prepared.grads):
-        if g.untyped_storage().nbytes() and g.untyped_storage().data_ptr() in written:
+        if g.untyped_storage().data_ptr() in written:
             leaf = layout.buckets[seg.bucket].indices[seg.lo]
             name = tree.leaf_names(grads, root="grads")[leaf]
             raise ValueError(

@@ -89,8 +89,7 @@ def check_fits(
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
     if sd.get("format") != FORMAT:
         raise misfit(f"its format is {sd.get('format')!r}, expected {FORMAT!r}")
-    required = {key: value for key, value in template.items() if key != "segments"}
-    _check_keys("the state dict", {key: v for key, v in sd.items() if key != "segments"}, required)
+    _check_keys("the state dict", without_segments(sd), without_segments(template))
     if "segments" in sd:
         _check_segments(sd["segments"], template["params"])
     if sd["policy"] != template["policy"]:
@@ -112,6 +111,11 @@ def check_fits(
             value = sd["params"][path][key]
             _check_tensor(f"{where}[{key!r}]", value, like)
             _check_leaf_value(f"{where}[{key!r}]", key, value, key in non_negative)
+
+
+def without_segments(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns state dict ``sd`` without its optional ``segments`` entry."""
+    return {key: value for key, value in sd.items() if key != "segments"}
 
 
 def _check_segments(segments: Any, params: Mapping[str, Any]) -> None:

@@ -200,7 +200,7 @@ def template(state: ShardedState, *, canonical: bool = False) -> dict[str, Any]:
                 for key, value in slice_entry.items()
             }
     # A sharded state keeps one segment per bucket: a saved dict's segments are not its own.
-    return {**{key: v for key, v in mine.items() if key != "segments"}, "params": params}
+    return {**saved_format.without_segments(mine), "params": params}
 
 
 def _leaf_shape(
@@ -311,7 +311,7 @@ def _copy_as_stored(state: ShardedState, per_bucket: list[list[Any]]) -> None:
                     full[checkpoint.blocks_of(start, end, block)] = entry[key]
                 dst.copy_(full[checkpoint.blocks_of(mine_slice.start, mine_slice.stop, block)])
             elif key == "param":
-                state.flat.param_buffers[b].copy_(_whole_param(state, bucket, saved, False))
+                state.flat.param_buffers[b].copy_(_joined(bucket, saved, key))
             else:
                 dst.copy_(_joined(bucket, saved, key)[mine_slice])
 
@@ -326,12 +326,13 @@ def _whole_param(
     moves; a full state's, from a compensated dict, as
     :func:`fp16fx.saved_format.full_param` gives them."""
     params = _joined(bucket, saved, "param")
-    if "master" not in saved[0]:
+    compensated = state.shard.precision.compensated
+    if "master" not in saved[0] or not (compensated or from_compensated):
         return params
     masters = _joined(bucket, saved, "master").to(params.device)
-    if state.shard.precision.compensated:
+    if compensated:
         return encode_master(masters, params.dtype, None, param=params)[0]
-    return saved_format.full_param(params, masters) if from_compensated else params
+    return saved_format.full_param(params, masters)
 
 
 def _store_converted(
@@ -349,10 +350,12 @@ def _store_converted(
                 entry[key] = value
                 continue
             # Encoded where the state lives (the checkpoint may have been loaded elsewhere).
-            full = _joined(bucket, saved, key).to(state.flat.param_buffers[b].device)
-            if key == "param":
-                full = _whole_param(state, bucket, saved, from_compensated).to(full.device)
+            device = state.flat.param_buffers[b].device
+            if key == "param":  # whole, alike on every rank
+                full = _whole_param(state, bucket, saved, from_compensated).to(device)
                 state.flat.param_buffers[b].copy_(full)
+            else:
+                full = _joined(bucket, saved, key).to(device)
             entry[key] = full[mine_slice]
         slices.append(entry)
     checkpoint.store(state.shard, slices)

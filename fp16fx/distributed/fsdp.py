@@ -143,7 +143,7 @@ def state_dict(state: MixedPrecisionState, params: Any) -> dict[str, Any]:
     # Without segments: an FSDP2 state keeps each DTensor param in a segment of its own
     # anyway, and DCP's load needs every key of this dict in the checkpoint (those saved
     # before segments lack it).
-    sd = {key: v for key, v in checkpoint.state_dict_copy(state).items() if key != "segments"}
+    sd = saved_format.without_segments(checkpoint.state_dict_copy(state))
     if state.precision != FP32:  # in FP32 terms (see above)
         block = state.precision.block
         decoded = {path: saved_format.canonical(e, block) for path, e in sd["params"].items()}

@@ -364,7 +364,7 @@ class FastEngine:
                 entry["master"] = master.detach().float().reshape(p.shape)
             params[path] = entry
         sd = {
-            **{key: value for key, value in template.items() if key != "segments"},  # given
+            **saved_format.without_segments(template),  # the segments are given
             "policy": checkpoint.policy_dict(policy),
             "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
             "params": params,
@@ -390,11 +390,12 @@ class FastEngine:
         """Rebuilds the transform for new group ``specs`` (if they changed), its state fresh
         (masters stay).
 
-        Raises ValueError for a sharded or FSDP2 engine, whose structure is fixed.
+        Raises ValueError for a sharded engine, whose structure is fixed (an FSDP2 one loads
+        no torch-format state, and checks its structure before a rebuild).
         """
         if specs == self.specs:
             return
-        if self.sharded is not None or self.fsdp:
+        if self.sharded is not None:
             self.check_structure(specs)
             return
         groups = self.optimizer.param_groups

@@ -441,7 +441,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if isinstance(self._engine, FastEngine):
             if order == 2.0:
                 finite, norm = self._engine.check()
-                self._phase.grads, self._phase.overflow = "fresh", None  # read: these grads
+                self._phase.new_grads()  # overflow reads these grads
                 if not bool(finite):
                     return -1.0
                 self._engine.clip_current_grads(float(max_norm))
