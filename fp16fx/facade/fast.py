@@ -203,6 +203,14 @@ class FastEngine:
         """Returns what the param group holds for model param ``param`` (its FP32 master)."""
         return self._entries[id(param)]
 
+    def _entries_in_order(self) -> list[torch.Tensor]:
+        """Returns each param's entry (:meth:`entry`), in ``flat.params`` order."""
+        return [self.entry(p) for p in self.flat.params]
+
+    def _param_specs(self) -> list[GroupSpec]:
+        """Returns each param's group structure, in ``flat.params`` order."""
+        return [self.specs[label] for label in self.labels]
+
     def _require_unsharded(self, what: str) -> None:
         if self.sharded is not None:
             raise RuntimeError(
@@ -229,7 +237,7 @@ class FastEngine:
         groups = self.optimizer.param_groups
         on_device = [groups[k].get("capturable") or groups[k].get("fused") for k in self.labels]
         device = self.scaler.state.scale.device
-        entries = [self.entry(p) for p in self.flat.params]
+        entries = self._entries_in_order()
         exported = torch_state.export(
             self._leaves_fp32(), entries, [device if here else None for here in on_device]
         )
@@ -257,9 +265,8 @@ class FastEngine:
 
     def check_state(self, per_param: PerParamState, specs: Sequence[GroupSpec]) -> None:
         """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it."""
-        for k, p in enumerate(self.flat.params):
-            entry = self.entry(p)
-            torch_state.check(specs[self.labels[k]], entry, per_param.get(entry, {}))
+        for label, entry in zip(self.labels, self._entries_in_order()):
+            torch_state.check(specs[label], entry, per_param.get(entry, {}))
 
     def load(
         self,
@@ -295,7 +302,9 @@ class FastEngine:
         if applied_steps is not None:
             self.state.count.copy_(applied_steps)
         if self.sharded is None:
-            self._dormant = self._unused(per_param)
+            self._dormant = torch_state.unused(
+                per_param, self.flat.params, self._entries_in_order(), self._param_specs()
+            )
 
     def load_fsdp(self, saved: Mapping[str, Any], policy: Any) -> None:
         """Loads an FSDP2 optimizer's core state ``saved`` (``FP16_Optimizer.state_dict()``'s
@@ -310,24 +319,6 @@ class FastEngine:
         self.scaler.policy = policy
         self.forget_written()
 
-    def _unused(self, per_param: PerParamState) -> dict[int, dict[str, torch.Tensor]]:
-        """Returns ``{id(param): the tensors of its state in per_param that its group's
-        structure does not use}`` (copies, in FP32)."""
-        unused = {}
-        for k, p in enumerate(self.flat.params):
-            saved, used = (
-                per_param.get(self.entry(p), {}),
-                torch_state.keys(self.specs[self.labels[k]]),
-            )
-            dormant = {
-                name: saved[name].detach().to(p.device, torch.float32, copy=True)
-                for name in torch_state.TORCH_NAMES.values()
-                if name not in used and isinstance(saved.get(name), torch.Tensor)
-            }
-            if dormant:
-                unused[id(p)] = dormant
-        return unused
-
     def _load(
         self,
         per_param: PerParamState,
@@ -341,28 +332,18 @@ class FastEngine:
             template = checkpoint.state_dict(self.state)
         else:
             template = fdist.checkpoint.template(self.sharded, canonical=True)
-        paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
-        params = {}
-        block = self.state.precision.block
-        for k, (path, p) in enumerate(zip(paths, self.flat.params)):
-            mine = saved_format.canonical(template["params"][path], block)
-            spec = self.specs[self.labels[k]]
-            opt = {key: value for key, value in mine.items() if key.startswith("opt")}
-            entry = torch_state.from_torch(spec, opt, per_param.get(self.entry(p), {}))
-            if id(p) in masters:
-                master = masters[id(p)]
-            elif self.sharded is None:
-                master = mine.get("master", p)
-            else:  # the template is shapes only: no rank holds a sharded master whole
-                master = p
-            # A compensated param stays where its correction reaches the master (load the
-            # model's weights first, and saving and loading is exact); else it is rounded.
-            keep = self.state.precision.compensated and p.dtype != torch.float32
-            entry["param"] = p.detach().clone() if keep else master.detach().to(p.dtype)
-            entry["param"] = entry["param"].reshape(p.shape)
-            if "master" in mine:
-                entry["master"] = master.detach().float().reshape(p.shape)
-            params[path] = entry
+        params = torch_state.core_entries(
+            template["params"],
+            tree.leaf_paths(tree.flatten(self.flat.params)[1]),
+            self.flat.params,
+            self._entries_in_order(),
+            self._param_specs(),
+            per_param,
+            masters,
+            block=self.state.precision.block,
+            keep_compensated=self.state.precision.compensated,
+            template_holds_masters=self.sharded is None,
+        )
         sd = {
             **saved_format.without_segments(template),  # the segments are given
             "policy": checkpoint.policy_dict(policy),

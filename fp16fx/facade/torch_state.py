@@ -4,7 +4,8 @@ Layer: ``facade`` (docs/design.md). Bookkeeping only: which entry of a param's p
 core's state (:func:`fp16fx.checkpoint.per_leaf`: ``opt[...].mu``, ``opt[...].count``...)
 torch.optim calls ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer`` and
 ``step``. torch keeps no state for a param before its first step, and SGD without momentum
-keeps none at all.
+keeps none at all. Loading goes through the core's own state dict in FP32 terms
+(:func:`core_entries`), so that the core's checks and encodings apply unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fp16fx import saved_format
 from fp16fx.facade.groups import GroupSpec
 
 #: torch.optim's per-param state, keyed by the tensor its param group holds.
@@ -126,3 +128,67 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
         if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
             raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
+
+
+def core_entries(
+    template: Mapping[str, Mapping[str, torch.Tensor]],
+    paths: Sequence[str],
+    params: Sequence[torch.Tensor],
+    entries: Sequence[torch.Tensor],
+    specs: Sequence[GroupSpec],
+    per_param: PerParamState,
+    masters: Mapping[int, torch.Tensor],
+    *,
+    block: int,
+    keep_compensated: bool,
+    template_holds_masters: bool,
+) -> dict[str, dict[str, Any]]:
+    """Returns the ``"params"`` of a core state dict in FP32 terms that holds torch.optim's
+    state ``per_param`` (keyed by param-group entry) for ``params``: ``template`` is the
+    core's current ``"params"``, ``paths[i]`` param ``i``'s key there, ``entries[i]`` its
+    entry and ``specs[i]`` its group's structure; ``block`` the state's int8 block.
+
+    A param's FP32 master is ``masters[id(param)]`` if given, else the template's (where
+    ``template_holds_masters``: a sharded template is shapes only) or the param's own value;
+    the param is its master rounded, or, with ``keep_compensated``, stays as it is (a
+    compensated param stays where its correction reaches the master: load the model's weights
+    first, and saving and loading is exact; else it is rounded).
+    """
+    out = {}
+    for path, p, entry, spec in zip(paths, params, entries, specs, strict=True):
+        mine = saved_format.canonical(template[path], block)
+        opt = {key: value for key, value in mine.items() if key.startswith("opt")}
+        leaf = from_torch(spec, opt, per_param.get(entry, {}))
+        master = masters.get(id(p))
+        if master is None:
+            master = mine.get("master", p) if template_holds_masters else p
+        keep = keep_compensated and p.dtype != torch.float32
+        leaf["param"] = (p.detach().clone() if keep else master.detach().to(p.dtype)).reshape(
+            p.shape
+        )
+        if "master" in mine:
+            leaf["master"] = master.detach().float().reshape(p.shape)
+        out[path] = leaf
+    return out
+
+
+def unused(
+    per_param: PerParamState,
+    params: Sequence[torch.Tensor],
+    entries: Sequence[torch.Tensor],
+    specs: Sequence[GroupSpec],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Returns ``{id(param): the tensors of its state in per_param that its group's structure
+    (``specs[i]``) does not use}``, copies in FP32 on the param's device: torch.optim keeps
+    them (amsgrad or momentum off, then on again, resumes them)."""
+    out = {}
+    for p, entry, spec in zip(params, entries, specs, strict=True):
+        saved, used = per_param.get(entry, {}), keys(spec)
+        dormant = {
+            name: saved[name].detach().to(p.device, torch.float32, copy=True)
+            for name in TORCH_NAMES.values()
+            if name not in used and isinstance(saved.get(name), torch.Tensor)
+        }
+        if dormant:
+            out[id(p)] = dormant
+    return out
