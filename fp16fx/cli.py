@@ -3,7 +3,8 @@
 Each subcommand's module provides ``add_parser(subparsers)``, which adds its parser and sets
 ``handler`` (a ``(args) -> int`` function) as a default. This file holds no library logic: to
 add a subcommand, add its module to :data:`SUBCOMMANDS`. Subcommand modules import their
-optional dependencies lazily, so every subcommand is always listed.
+optional dependencies lazily, so every subcommand is always listed. Argument types that
+several subcommands share (:func:`seed`) live here too.
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "seed"]
 
 #: Modules providing a subcommand, in the order ``fp16fx --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("fp16fx.train", "fp16fx.bench")
+
+
+def seed(text: str) -> int:
+    """The argparse type of a ``--seed``: an integer ``torch.manual_seed`` takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is outside torch's seeds, [-2**63, 2**64)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -99,6 +99,14 @@ def test_compact_sharded_bytes_per_param_at_d2_through_the_cli(capsys) -> None:
         # Not only --world-sizes': torch's own error once named no option; -1 s was taken.
         (["--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
         (["--time-budget", "-1"], "argument --time-budget: must be a finite number >= 0"),
+        # Once a traceback per contender, and exit 0.
+        (["--seed", str(10**23)], "argument --seed: 100000000000000000000000 is outside"),
+        (["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got -1"),
+        (["--rounds", "0"], "argument --rounds: must be an integer >= 1, got 0"),
+        # Once ignored silently: the sharded measurement has none of these.
+        (["--world-sizes", "2", "--rounds", "3"], "drop --rounds"),
+        (["--world-sizes", "2", "--interleave", "--no-compile-times"], "drop --interleave, --no"),
     ],
 )
 def test_cli_rejects_bad_arguments_before_spawning_or_measuring(argv, message, capsys) -> None:

@@ -180,6 +180,36 @@ def test_unwritable_save_path_fails_before_training(capsys, tmp_path) -> None:
         assert_one_line_error(code, err, "it names a directory, not a file")
 
 
+def test_a_refused_run_creates_no_directory(capsys, tmp_path) -> None:
+    """The check of --save once made its directories, left behind by a run refused next."""
+    new = tmp_path / "new"
+    for argv in (
+        ["--plot", "curves.txt"],
+        ["--resume", str(tmp_path / "missing.pt")],
+    ):
+        code, _, err = train_cli(capsys, "--save", str(new / "sub" / "ck.pt"), *argv)
+        assert code == 1 and err
+        assert not new.exists()
+
+
+def test_plot_and_checkpoint_paths_are_checked_before_training(capsys, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code, _, err = train_cli(capsys, "--plot", str(blocker / "curves.png"))
+    assert_one_line_error(code, err, f"cannot write the plot {blocker / 'curves.png'}")
+    assert "a-file is not a directory" in err
+    code, _, err = train_cli(capsys, "--save", str(blocker / "sub" / "ck.pt"))
+    assert_one_line_error(code, err, "a-file is not a directory")
+    # The plot would have overwritten the checkpoint, or the checkpoint resumed from.
+    same = str(tmp_path / "run.png")
+    code, _, err = train_cli(capsys, "--save", same, "--plot", same)
+    assert_one_line_error(code, err, f"--plot and --save name the same file, {same}")
+    blocker.rename(tmp_path / "run.png")
+    roundabout = str(tmp_path / ".." / tmp_path.name / "run.png")
+    code, _, err = train_cli(capsys, "--resume", same, "--plot", roundabout)
+    assert_one_line_error(code, err, "--plot and --resume name the same file")
+
+
 def test_plot_without_matplotlib_fails_before_training(capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = train_cli(capsys, "--plot", "curves.png")
@@ -194,7 +224,7 @@ def test_without_the_train_extra_the_error_says_how_to_install_it(capsys, monkey
 
 
 def test_plot_is_written_after_a_run(capsys, tmp_path) -> None:
-    path = tmp_path / "curves.png"
+    path = tmp_path / "plots" / "curves.png"  # its directory made when it is written
     code, out, err = train_cli(
         capsys, "--api", "functional", "--epochs", "1", "--limit", "64", "--plot", str(path)
     )

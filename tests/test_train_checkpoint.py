@@ -6,7 +6,9 @@ bitwise equal to an uninterrupted run's (CPU kernels are deterministic).
 
 from __future__ import annotations
 
+import datetime
 import os
+import stat
 
 import pytest
 import torch
@@ -212,6 +214,65 @@ def saved(capsys, tmp_path) -> str:
     path = str(tmp_path / "ck.pt")
     assert train_cli(capsys, "--api", "functional", "--epochs", "1", "--save", path, *SMALL)[0] == 0
     return path
+
+
+def test_a_saved_checkpoint_keeps_the_mode_of_the_file_it_replaces(tmp_path) -> None:
+    """A checkpoint was once always written 0600 (mkstemp's), whatever the umask."""
+    path = tmp_path / "ck.pt"
+    save_atomic({"epoch": 1}, str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    path.chmod(0o640)
+    save_atomic({"epoch": 2}, str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert torch.load(path, weights_only=True)["epoch"] == 2
+
+
+def test_malformed_checkpoint_fields_are_named(capsys, tmp_path, saved) -> None:
+    """A wrong type once ended in a TypeError or AttributeError traceback."""
+    for key, value, said in [
+        ("epoch", "1", "its 'epoch' is '1'"),
+        ("epoch", None, "its 'epoch' is None"),
+        ("epoch", -1, "its 'epoch' is -1"),
+        ("run", [1, 2], "its 'run' is a list"),
+        ("history", 3, "its 'history' is a int"),
+    ]:
+        ckpt = torch.load(saved, weights_only=True)
+        ckpt[key] = value
+        bad = str(tmp_path / "bad.pt")
+        torch.save(ckpt, bad)
+        code, _, err = train_cli(capsys, "--api", "functional", "--epochs", "3", "--resume", bad)
+        assert code == 1 and f"checkpoint {bad} is malformed: {said}" in one_line(err)
+
+
+def test_a_pickle_of_objects_is_refused_without_torchs_unsafe_advice(capsys, tmp_path) -> None:
+    path = str(tmp_path / "objects.pt")
+    torch.save({"when": datetime.date(2026, 1, 1)}, path)
+    code, _, err = train_cli(capsys, "--resume", path)
+    line = one_line(err)
+    assert code == 1 and "holds Python objects other than tensors" in line
+    assert "weights_only set to False" not in line
+
+
+def test_an_interrupt_before_any_save_says_nothing_was_saved(
+    capsys, tmp_path, monkeypatch, saved
+) -> None:
+    """The message once named --save's file as the last checkpoint, although no epoch had
+    finished to write it."""
+
+    def interrupt(stepper, batches):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "evaluate", interrupt)
+    fresh = str(tmp_path / "fresh.pt")
+    code, _, err = train_cli(capsys, "--api", "functional", "--save", fresh, *SMALL)
+    assert code == 130 and f"no epoch finished, so nothing was saved to {fresh}" in err
+    assert not os.path.exists(fresh)
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "2", "--resume", saved, "--save", saved, *SMALL
+    )
+    assert code == 130 and f"{saved} is the last checkpoint" in err
 
 
 def test_corrupted_checkpoint_is_refused(capsys, tmp_path, saved) -> None:

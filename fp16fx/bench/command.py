@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fp16fx import cli
 from fp16fx.bench.harness import BenchOptions, run_bench
 from fp16fx.bench.measure import ROOFLINE_BYTES_PER_PARAM
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
@@ -62,19 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--leaves", type=int, help="custom parameter set: number of tensors")
     parser.add_argument(
         "--steps",
-        type=int,
+        type=_at_least(1),
         default=DEFAULT_STEPS,
         help=f"timed steps per contender (default {DEFAULT_STEPS})",
     )
     parser.add_argument(
         "--warmup",
-        type=int,
+        type=_at_least(0),
         default=DEFAULT_WARMUP,
         help=f"untimed steps before timing (default {DEFAULT_WARMUP})",
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_at_least(1),
         default=1,
         help="measure every contender this many times, in alternating order, and the copy "
         "bandwidth at the start of each round; report the median of the rounds' medians and "
@@ -142,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop timing a contender after this many seconds of timed steps (at least 5 "
         f"steps run; default {DEFAULT_TIME_BUDGET_S:g}; 0 = no limit)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of params and grads")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="seed of params and grads")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
@@ -279,6 +280,20 @@ def _run_sharded(args: argparse.Namespace) -> int:
     if args.only:
         raise SystemExit(
             "fp16fx bench: --world-sizes measures fp16fx's sharded step only; drop --only"
+        )
+    ignored = [
+        flag
+        for flag, given in (
+            ("--rounds", args.rounds != 1),
+            ("--interleave", args.interleave),
+            ("--no-compile-times", not args.compile_times),
+        )
+        if given
+    ]
+    if ignored:
+        raise SystemExit(
+            "fp16fx bench: --world-sizes measures one round of the sharded step, with no "
+            f"compile times; drop {', '.join(ignored)}"
         )
     if args.device != "cpu":
         raise SystemExit("fp16fx bench: --world-sizes runs on CPU with gloo only for now")

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
+import stat
 from typing import Any
 
 import torch
+
+from fp16fx.train import outputs
 
 __all__ = [
     "FORMAT",
@@ -57,20 +60,14 @@ class CheckpointError(ValueError):
 
 
 def check_writable(path: str) -> None:
-    """Returns None when a checkpoint can be written at ``path`` (creating its directory).
+    """Returns None when a checkpoint can be written at ``path``; creates nothing.
 
     Checked before training starts, so that a bad ``--save`` fails in a second, not after the
     first epoch. Raises :class:`CheckpointError` naming the problem.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
-        raise CheckpointError(f"cannot save to {path!r}: it names a directory, not a file")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".fp16fx-probe-"):
-            pass
-    except OSError as exc:
-        raise CheckpointError(f"cannot save to {path}: {exc.strerror or exc}") from None
+    reason = outputs.problem(path)
+    if reason is not None:
+        raise CheckpointError(f"cannot save to {path}: {reason}")
 
 
 def save_atomic(obj: Any, path: str) -> None:
@@ -78,15 +75,20 @@ def save_atomic(obj: Any, path: str) -> None:
 
     The bytes go to a temporary file next to ``path`` (same file system), which is flushed,
     fsync-ed and renamed over ``path`` with ``os.replace``; the directory is then fsync-ed so
-    that the rename itself survives a power cut. On any error the temporary file is removed and
-    ``path`` is left as it was; the error is raised as :class:`CheckpointError`.
+    that the rename itself survives a power cut. The file keeps the permissions of the one it
+    replaces (a new one: the umask's). The directory is created if it does not exist. On any
+    error the temporary file is removed and ``path`` is left as it was; the error is raised as
+    :class:`CheckpointError`.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp_path = None
     try:
-        fd, tmp_path = tempfile.mkstemp(
-            dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-        )
+        outputs.make_parent(path)
+        name = f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp"
+        tmp_path = os.path.join(directory, name)
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
+        if os.path.isfile(path):
+            os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -129,12 +131,22 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     """
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights only load failed" in str(exc).lower():  # torch's advice would be unsafe
+            raise CheckpointError(
+                f"{path} is not an fp16fx train checkpoint: it holds Python objects other than "
+                "tensors and primitives, which fp16fx does not load (weights_only=True)"
+            ) from None
+        # torch's own reader says what is wrong with a torch file (a truncated archive); the
+        # unpickler's errors on other bytes ("105", "pop from empty list") say nothing.
+        first = str(exc).strip().splitlines()[0] if isinstance(exc, RuntimeError) else ""
+        detail = f" ({first[:200]})" if first else ""
         raise CheckpointError(
-            f"checkpoint {path} is corrupted or not a torch checkpoint ({first[:200]})"
+            f"checkpoint {path} is corrupted or not a torch checkpoint{detail}"
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(
@@ -143,6 +155,13 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     missing = [key for key in _REQUIRED if key not in ckpt]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
+    epoch = ckpt["epoch"]
+    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+        raise CheckpointError(f"checkpoint {path} is malformed: its 'epoch' is {epoch!r}")
+    for key in ("run", "stepper", "rng", "history"):
+        if not isinstance(ckpt[key], dict):
+            got = type(ckpt[key]).__name__
+            raise CheckpointError(f"checkpoint {path} is malformed: its {key!r} is a {got}")
     saved_run = ckpt["run"]
     for key, value in run.items():
         if key not in saved_run and key not in _IDENTITY_DEFAULTS:

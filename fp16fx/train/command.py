@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 
+from fp16fx import cli
 from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.scaling import check_scale
 from fp16fx.train.checkpoint import CheckpointError
@@ -87,16 +89,6 @@ def _loss_scale(text: str) -> LossScale:
     return value
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not -(2**63) <= value < 2**64:  # what torch.manual_seed takes
-        raise argparse.ArgumentTypeError(f"{value} is outside torch's seeds, [-2**63, 2**64)")
-    return value
-
-
 def _listing(table: dict[str, object]) -> str:
     return "; ".join(f"{name}: {getattr(spec, 'description', '')}" for name, spec in table.items())
 
@@ -134,7 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cosine",
         help="cosine decay to 0 over the run (default) or constant",
     )
-    how.add_argument("--seed", type=_seed, default=0, help="model init and batch order (default 0)")
+    how.add_argument(
+        "--seed", type=cli.seed, default=0, help="model init and batch order (default 0)"
+    )
     how.add_argument(
         "--loss-scale",
         type=_loss_scale,
@@ -325,6 +319,28 @@ def _report_worker(exc: WorkerError) -> int:
     return _fail(str(exc))
 
 
+def _file_identity(path: str | None) -> tuple[int, int] | None:
+    """Returns the inode and modification time of the file at ``path`` (None: no file). An
+    atomic save replaces the file, so a save changes both."""
+    try:
+        info = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return None if info is None else (info.st_ino, info.st_mtime_ns)
+
+
+def _last_checkpoint(config: TrainConfig, saved_before: tuple[int, int] | None) -> str:
+    """Says where an interrupted run can resume from: its ``--save`` if this run wrote it
+    (the file changed since it started, when it was ``saved_before``), else its ``--resume``."""
+    if config.save is None:
+        return ""
+    now = _file_identity(config.save)
+    if now is not None and now != saved_before:
+        return f"; the last checkpoint is {config.save}"
+    since = f"; {config.resume} is the last checkpoint" if config.resume else ""
+    return f"; no epoch finished, so nothing was saved to {config.save}{since}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``fp16fx train`` with parsed ``args``; print the summary; return the exit code.
 
@@ -333,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     1; Ctrl-C returns 130. Under torchrun, each process reports its own failure.
     """
     config = config_from_args(args)
+    saved_before = _file_identity(config.save)
     try:
         _start(config, args)
     except USER_ERRORS as exc:
@@ -348,8 +365,8 @@ def run(args: argparse.Namespace) -> int:
             "(pip install 'fp16fx[train]')"
         )
     except KeyboardInterrupt:
-        where = f"; the last checkpoint is {config.save}" if config.save else ""
-        print(f"\nfp16fx train: interrupted{where}", file=sys.stderr)
+        last = _last_checkpoint(config, saved_before)
+        print(f"\nfp16fx train: interrupted{last}", file=sys.stderr)
         return 130
     return 0
 

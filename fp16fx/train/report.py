@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fp16fx.train import outputs
 from fp16fx.train.loop import History
 
 __all__ = ["PlotError", "RunSummary", "check_plotting", "format_summary", "save_plot"]
@@ -83,7 +84,8 @@ def format_summary(title: str, runs: list[RunSummary]) -> str:
 def check_plotting(path: str) -> None:
     """Returns None when ``path`` can receive a plot; raises :class:`PlotError` otherwise.
 
-    Called before training, so that a missing matplotlib fails at once, not after the run.
+    Called before training, so that a missing matplotlib or an unwritable path fails at once,
+    not after the run. Creates nothing (a missing directory is made when the plot is written).
     """
     try:
         import matplotlib  # noqa: F401
@@ -93,6 +95,9 @@ def check_plotting(path: str) -> None:
         ) from None
     if not path.lower().endswith((".png", ".pdf", ".svg")):
         raise PlotError(f"--plot {path}: the file name must end in .png, .pdf or .svg")
+    reason = outputs.problem(path)
+    if reason is not None:
+        raise PlotError(f"cannot write the plot {path}: {reason}")
 
 
 def save_plot(path: str, runs: list[RunSummary]) -> None:
@@ -126,6 +131,7 @@ def save_plot(path: str, runs: list[RunSummary]) -> None:
         ax.legend()
     fig.tight_layout()
     try:
+        outputs.make_parent(path)
         fig.savefig(path, dpi=100)
     except OSError as exc:
         raise PlotError(f"could not write the plot {path}: {exc.strerror or exc}") from None

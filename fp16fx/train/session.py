@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fp16fx.precision import MASTERS, MOMENTS
-from fp16fx.train import checkpoint
+from fp16fx.train import checkpoint, outputs
 from fp16fx.train.data import DATASETS, DataError, ImageBatches, TrainTestData, load_dataset
 from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.loop import History, fit
@@ -256,10 +256,13 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
     if config.fsdp and config.api != "facade":
         raise SetupError("--fsdp trains with FP16_Optimizer: use --api facade")
+    if config.plot is not None:
+        for flag, other in (("--save", config.save), ("--resume", config.resume)):
+            if other is not None and outputs.same_file(config.plot, other):
+                raise SetupError(f"--plot and {flag} name the same file, {config.plot}")
+        check_plotting(config.plot)
     if config.save is not None:
         checkpoint.check_writable(config.save)
-    if config.plot is not None:
-        check_plotting(config.plot)
 
 
 def _resume(
