@@ -11,14 +11,12 @@ import os
 import statistics
 from math import prod
 
-import optree
 import pytest
 import torch
 import torchvision
 
 from fp16fx.bench import command, harness, interleave, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
-from fp16fx.bench.fp16fx_runners import Fp16fxEagerRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.report import format_report, to_json
 from fp16fx.bench.runner import (
@@ -275,16 +273,42 @@ def test_list_names_every_registered_contender_and_marks_the_opt_in_ones(
     assert "[not in the default set]" in rows["fp16fx-compiled-leaves"]
 
 
-def test_fp16fx_eager_runner_takes_real_steps() -> None:
-    params, grads = presets.make_param_set(TINY_SHAPES)
-    runner = Fp16fxEagerRunner(BenchConfig())
+#: Each fp16fx contender's masters, after a few steps, against torch.optim.Adam's: per value,
+#: ``steps * (lr * moments + |w| * rest)``. ``rest``: a compensated master's correction unit
+#: relative to its weight (2**-8 of an FP16 ulp, 2**-16 of a BF16 one: at most 2**-18 and
+#: 2**-23 of |w|), by which each step's stochastic rounding may land off. ``moments``: BF16
+#: moments are rounded to 2**-8 relative, which moves an update by about 2**-7 of lr at
+#: most; an int8 moment's error is relative to its block's largest value, so a small one can
+#: move its update by a large part of lr (a quarter: 4x the largest seen). FP32 masters and
+#: moments: the baselines' 1e-6.
+_OFF_BY = {"fp32": 0.0, "bf16": 2.0**-7, "int8": 0.25}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "runner_cls",
+    [c for c in runner_classes() if c.name.startswith("fp16fx")],
+    ids=lambda cls: cls.name,
+)
+def test_fp16fx_contenders_step_as_torch_adam(runner_cls: type[Runner], dtype) -> None:
+    """A contender doing other or less work would show as a speed-up: each must take the
+    baselines' steps (an fp16fx one once ignored the config's betas and eps)."""
+    cfg = BenchConfig(dtype=dtype, betas=(0.8, 0.99), eps=1e-6)  # not fp16fx.adam's defaults
+    params, grads = presets.make_param_set(TINY_SHAPES, loss_scale=cfg.loss_scale, dtype=dtype)
+    runner = runner_cls(cfg)
     runner.setup(params, grads)
-    before = [p.detach().clone() for p in params]
-    runner.step()
-    runner.step()
-    after = optree.tree_leaves(runner.state.params)
-    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    assert storage_bytes(runner.persistent_tensors()) >= 16 * sum(prod(s) for s in TINY_SHAPES)
+    steps = 4
+    for _ in range(steps):
+        runner.step()
+    compensated = getattr(runner_cls, "master", "fp32") == "compensated"
+    rest = (2.0**-18 if dtype == torch.float16 else 2.0**-23) if compensated else 0.0
+    moments = _OFF_BY[getattr(runner_cls, "moments", "fp32")]
+    expected = _reference_masters(TINY_SHAPES, cfg, steps=steps)
+    for got, want in zip(runner.masters(), expected, strict=True):
+        bound = 1e-6 + steps * (cfg.lr * moments + want.abs().clamp(min=2.0**-14) * rest)
+        assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    assert storage_bytes(runner.persistent_tensors()) >= 7 * sum(prod(s) for s in TINY_SHAPES)
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ class _FunctionalRunner(Runner):
     """Shared setup of the functional contenders: ``state = fp16fx.init(...)``."""
 
     def make_transform(self) -> fp16fx.GradientTransformation:
-        """Return the fp16fx optimizer transform: ``fp16fx.adam(lr)`` (default betas/eps)."""
-        return fp16fx.adam(lr=self.config.lr)
+        """Return the fp16fx optimizer transform: ``fp16fx.adam`` with the config's numbers."""
+        cfg = self.config
+        return fp16fx.adam(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
     def setup(self, params: list[Tensor], grads: list[Tensor]) -> None:
         self.grad_tree: Any = grads
@@ -65,6 +66,10 @@ class _FunctionalRunner(Runner):
 
     def persistent_tensors(self) -> Iterable[Tensor]:
         return [t for t in optree.tree_leaves((self.state, self.grad_tree)) if t is not None]
+
+    def masters(self) -> list[Tensor]:
+        """The FP32 masters (a compensated state's decoded: copies)."""
+        return optree.tree_leaves(self.state.master)
 
 
 @register_runner
@@ -200,3 +205,6 @@ class Fp16fxFacadeRunner(Runner):
         grads = [p.grad for p in self.params if p.grad is not None]
         kept = optree.tree_leaves(self.opt.state_dict())
         return [*self.params, *grads, *(t for t in kept if isinstance(t, Tensor))]
+
+    def masters(self) -> list[Tensor]:
+        return [m for group in self.opt.fp32_from_fp16_groups for m in group]
