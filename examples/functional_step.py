@@ -87,13 +87,18 @@ def main(argv: list[str] | None = None) -> None:
 
         idx = torch.randint(0, len(x_train), (args.batch_size,), generator=gen)
         grads, loss = grad_fn(state.params, x_train[idx], y_train[idx])
+        before = None
         if i == args.steps // 2:
             # Simulate an FP16 overflow: the step is skipped exactly, the loss scale halves.
             grads["0.weight"] = torch.full_like(grads["0.weight"], math.inf)
+            before = {name: p.clone() for name, p in state.params.items()}
         state, info = step(state, grads)  # in place: the same state object comes back
         if not info["finite"]:  # a host sync; fine in an example
+            unchanged = before is not None and all(
+                torch.equal(before[name], p) for name, p in state.params.items()
+            )
             print(
-                f"step {i + 1:4d}  overflow: step skipped, params unchanged; "
+                f"step {i + 1:4d}  overflow: step skipped, params unchanged: {unchanged}; "
                 f"loss scale now {state.loss_scale.scale.item():g}"
             )
 

@@ -516,7 +516,7 @@ def test_overflow_at_the_minimum_scale_is_reported_even_when_not_verbose(path, c
 
 @pytest.mark.parametrize("path", PATHS)
 def test_add_param_group_trains_the_new_params_with_masters(path):
-    model, extra = TwoHeads(), nn.Linear(8, 2).half()
+    model = TwoHeads()
     opt = wrap(model, path, torch.optim.Adam(model.trunk.parameters(), lr=1e-2))
     train(model, opt, 1)
     opt.add_param_group(
@@ -531,7 +531,6 @@ def test_add_param_group_trains_the_new_params_with_masters(path):
     train(model, opt, 2)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(model.a.weight, entries[0].half())
-    assert extra.weight.dtype == torch.float16
 
 
 @pytest.mark.parametrize("path", PATHS)

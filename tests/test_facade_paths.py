@@ -100,7 +100,10 @@ def call(model: nn.ModuleList, opt: FP16_Optimizer, op: tuple) -> object:
 
         try:
             return float(opt.step(closure).detach()), len(calls)
-        except FloatingPointError:  # a static scale cannot make an inf loss finite
+        except FloatingPointError as err:  # a static or floored scale cannot help an inf loss
+            floored = "at the minimum loss scale" in str(err)
+            if not inf_first or (opt.dynamic_loss_scale and not floored):
+                raise  # a dynamic one lowers the scale and calls the closure again
             return math.nan, len(calls)
     if name == "loss_scale":
         opt.loss_scale = args[0]

@@ -380,7 +380,7 @@ def test_a_compact_optimizer_refuses_to_hand_over_to_the_generic_path():
         opt.clip_master_grads(1.0, norm_type=1)
 
 
-def test_fp16fx_train_runs_in_compact_precision():
+def test_fp16fx_train_runs_in_compact_precision(capsys):
     for api in ("facade", "functional"):
         code = command.main(
             [
@@ -388,4 +388,6 @@ def test_fp16fx_train_runs_in_compact_precision():
                 "--epochs", "1", "--limit", "64", "--no-compile", "--batch-size", "32",
             ]
         )  # fmt: skip
+        out = capsys.readouterr().out
         assert code == 0
+        assert "compensated master, int8 moments" in out  # the stepper's, as it was built

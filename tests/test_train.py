@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fp16fx import cli
-from fp16fx.train import command
+from fp16fx.train import command, session
+from fp16fx.train.models import build_model
 
 
 def train_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -62,11 +63,22 @@ def test_functional_api_learns_digits_to_95_percent(capsys) -> None:
     assert "fp16fx.step over fp16fx.adam, torch.func.grad of functional_call" in out
 
 
-def test_compare_fp32_trains_both_from_the_same_start(capsys) -> None:
+def test_compare_fp32_trains_both_from_the_same_start(capsys, monkeypatch) -> None:
+    built = []
+
+    def build_and_record(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        built.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return model
+
+    monkeypatch.setattr(session, "build_model", build_and_record)
     code, out, err = train_cli(
         capsys, "--compare-fp32", "--epochs", "2", "--limit", "640", "--quiet"
     )
     assert code == 0, err
+    fp16_start, fp32_start = built
+    assert fp16_start.keys() == fp32_start.keys()
+    assert all(torch.equal(fp16_start[k], fp32_start[k]) for k in fp16_start)
     assert err == ""  # --quiet: nothing but the table
     rows = table(out)
     fp16, fp32 = (accuracy(c) for c in rows["test accuracy"])
