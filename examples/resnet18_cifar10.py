@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad()
             outputs = model(inputs)
             loss = criterion(outputs.float(), labels)  # the loss in FP32
-            optimizer.backward(loss)  # scales the loss, backprops, unscales into the masters
+            optimizer.backward(loss)  # scales the loss and backprops; step() unscales and checks
             # Fixed: the original called optimizer.update(), which apex never had; step() it
             # is (fp16fx also accepts update() as an alias). An overflowing step is skipped.
             optimizer.step()

@@ -6,6 +6,7 @@ Layer: ``step`` (docs/design.md). The dict holds only tensors and Python primiti
     {
         "format": "fp16fx.state/1",
         "policy": {"type": "DynamicLossScale", "init_scale": 65536.0, ...},
+        "precision": {"master": "fp32", "moments": "fp32", "block": 256},  # how it is stored
         "loss_scale": {"scale": tensor, "good_steps": tensor, "overflows": tensor},
         "count": tensor,                             # applied steps
         "hyperparams": {"opt[2]['lr']": tensor, ...}, # by place in the optimizer's state

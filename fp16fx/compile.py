@@ -1,10 +1,11 @@
 """Turning the step into fused kernels with ``torch.compile``; the math stays in ``step``.
 
 Layer: ``compile`` (docs/design.md): the one module of the library that calls
-``torch.compile``. The compiled region sees a few flat tensors per state (one per segment):
-the bookkeeping around it (checking the grads, cutting segments, rebuilding the state) runs on
-the host and costs microseconds. Hyperparameters, the loss scale and step counts are tensor
-inputs, so changing them never recompiles.
+``torch.compile`` (``fp16fx bench`` compiles its torch baselines itself). The compiled region
+sees a few flat tensors per state (one per segment): the bookkeeping around it (checking the
+grads, cutting segments, rebuilding the state) runs on the host and costs microseconds.
+Hyperparameters, the loss scale and step counts are tensor inputs, so changing them never
+recompiles.
 
 Each state layout -- which buckets and segments, which of them have gradients, which policy --
 gets a compiled region of its own, made from a fresh copy of the core's code: torch's
@@ -58,8 +59,8 @@ def _fresh_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 #:   temporary. An int8 moment's new value is read by its block's maximum, its encoding and
 #:   the update; stored, it costs 8 B/param of FP32 temporaries, written and read back.
 #:   Recomputed in each pass from the 1-byte codes it is cheaper: resnet18's compensated
-#:   int8 step takes ~60 ms instead of ~110 on the 2-core CPU (docs/precision.md), the other
-#:   modes are unchanged.
+#:   int8 step took 48 ms instead of 107 on the 2-core CPU (docs/precision.md), the other
+#:   modes unchanged.
 _INDUCTOR_SETTINGS = {"emulate_precision_casts": True, "realize_reads_threshold": 16}
 
 #: Inductor's C++ backend warns once per fused loop that reads both FP16 and BF16 (FP16 params

@@ -9,7 +9,10 @@ Modules: :mod:`~fp16fx.bench.runner` (the :class:`Runner` interface and registry
 :mod:`~fp16fx.bench.presets` (parameter sets), :mod:`~fp16fx.bench.baselines` (torch-native
 and apex-style contenders), :mod:`~fp16fx.bench.fp16fx_runners` (fp16fx's contenders),
 :mod:`~fp16fx.bench.measure` (timers, roofline, memory, compile caches),
-:mod:`~fp16fx.bench.harness` (running them), :mod:`~fp16fx.bench.report` (table, JSON),
+:mod:`~fp16fx.bench.options` (what a run measures), :mod:`~fp16fx.bench.harness` (running
+them), :mod:`~fp16fx.bench.interleave` (``--interleave``: every contender's step i in one loop
+iteration), :mod:`~fp16fx.bench.results` (what was measured), :mod:`~fp16fx.bench.report`
+(table, JSON),
 :mod:`~fp16fx.bench.sharded` and :mod:`~fp16fx.bench.sharded_worker` (``--world-sizes``: the
 sharded step per rank in local gloo processes) and :mod:`~fp16fx.bench.command` (the command
 line).
