@@ -167,6 +167,13 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--epochs", "0"], ["--epochs must be >= 1"]),
         (["--lr", "inf"], ["--lr must be a finite number > 0, got inf"]),
         (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
+        # Checked before the data loads (and, with --nproc-per-node, before any process).
+        (["--limit", "0"], ["--limit must be >= 1, got 0"]),
+        (["--data-dir", "/tmp"], ["--dataset digits reads none (drop --data-dir"]),
+        (
+            ["--limit", "10"],
+            ["--batch-size 32 (the default) exceeds the 10 training images (--limit 10)"],
+        ),
         (["--resume", "/nonexistent/ck.pt"], ["checkpoint /nonexistent/ck.pt does not exist"]),
     ],
 )

@@ -89,13 +89,15 @@ class TrainTestData:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
-    """A data set's loader and the training defaults that suit it."""
+    """A data set's loader and the training defaults that suit it; ``local_copy``: whether it
+    is read from ``--data-dir``."""
 
     load: Callable[[str | None], TrainTestData]
     description: str
     epochs: int
     batch_size: int
     lr: float
+    local_copy: bool = False
 
 
 #: Fixed seed of the digits train/test split: every run tests on the same images.
@@ -200,7 +202,9 @@ DATASETS: dict[str, DatasetSpec] = {
     "digits": DatasetSpec(
         _load_digits, "scikit-learn's 8x8 handwritten digits (bundled)", 6, 32, 3e-3
     ),
-    "cifar10": DatasetSpec(_load_cifar10, "CIFAR-10 from a local copy (--data-dir)", 30, 128, 2e-3),
+    "cifar10": DatasetSpec(
+        _load_cifar10, "CIFAR-10 from a local copy (--data-dir)", 30, 128, 2e-3, local_copy=True
+    ),
     "fake": DatasetSpec(_load_fake, "torchvision FakeData (random images)", 1, 32, 1e-3),
 }
 

@@ -184,8 +184,6 @@ def _resumed(config: TrainConfig) -> dict[str, Any] | None:
 def _limited(data: TrainTestData, limit: int | None) -> TrainTestData:
     if limit is None:
         return data
-    if limit < 1:
-        raise SetupError(f"--limit must be >= 1, got {limit}")
     return dataclasses.replace(data, train=data.train.head(limit), test=data.test.head(limit))
 
 
@@ -244,7 +242,12 @@ def _check(config: TrainConfig) -> None:
         raise ModelError(f"unknown model {config.model!r} (choose from: {', '.join(MODELS)})")
     if config.dataset not in DATASETS:
         raise DataError(f"unknown dataset {config.dataset!r} (choose from: {', '.join(DATASETS)})")
-    for name in ("epochs", "batch_size"):
+    if config.data_dir is not None and not DATASETS[config.dataset].local_copy:
+        raise SetupError(
+            f"--data-dir is where a local copy of cifar10 lives; --dataset {config.dataset} "
+            "reads none (drop --data-dir, or add --dataset cifar10)"
+        )
+    for name in ("epochs", "batch_size", "limit"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -366,9 +369,12 @@ def train(config: TrainConfig) -> TrainResult:
     epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
     global_batch = batch_size * processes.size
     if global_batch > len(data.train):
+        default = " (the default)" if config.batch_size is None else ""
         per_process = f" x {processes.size} processes" if processes.size > 1 else ""
+        limited = f" (--limit {config.limit})" if config.limit is not None else ""
         raise SetupError(
-            f"--batch-size {batch_size}{per_process} exceeds the {len(data.train)} training images"
+            f"--batch-size {batch_size}{default}{per_process} exceeds the {len(data.train)} "
+            f"training images{limited}"
         )
     distributed = processes.size > 1
     if config.fsdp and not distributed:
