@@ -94,13 +94,11 @@ def main(argv: list[str] | None = None) -> None:
             before = {name: p.clone() for name, p in state.params.items()}
         state, info = step(state, grads)  # in place: the same state object comes back
         if not info["finite"]:  # a host sync; fine in an example
-            unchanged = before is not None and all(
-                torch.equal(before[name], p) for name, p in state.params.items()
-            )
-            print(
-                f"step {i + 1:4d}  overflow: step skipped, params unchanged: {unchanged}; "
-                f"loss scale now {state.loss_scale.scale.item():g}"
-            )
+            scale = state.loss_scale.scale.item()
+            print(f"step {i + 1:4d}  overflow: step skipped; loss scale now {scale:g}")
+            if before is not None:  # the simulated one: were the params left alone?
+                unchanged = all(torch.equal(before[k], p) for k, p in state.params.items())
+                print(f"           params unchanged: {unchanged}")
 
         if i == 0:
             graphs_after_first_step = counters["stats"]["unique_graphs"]

@@ -235,8 +235,8 @@ def test_malformed_checkpoint_fields_are_named(capsys, tmp_path, saved) -> None:
         ("epoch", "1", "its 'epoch' is '1'"),
         ("epoch", None, "its 'epoch' is None"),
         ("epoch", -1, "its 'epoch' is -1"),
-        ("run", [1, 2], "its 'run' is a list"),
-        ("history", 3, "its 'history' is a int"),
+        ("run", [1, 2], "its 'run' is not a dict (list)"),
+        ("history", 3, "its 'history' is not a dict (int)"),
     ]:
         ckpt = torch.load(saved, weights_only=True)
         ckpt[key] = value
@@ -244,6 +244,35 @@ def test_malformed_checkpoint_fields_are_named(capsys, tmp_path, saved) -> None:
         torch.save(ckpt, bad)
         code, _, err = train_cli(capsys, "--api", "functional", "--epochs", "3", "--resume", bad)
         assert code == 1 and f"checkpoint {bad} is malformed: {said}" in one_line(err)
+
+
+def test_a_checkpoint_path_is_checked_by_writing_and_nothing_is_left(tmp_path) -> None:
+    """The check makes a new --save's directories and a file named like the save's temporary
+    one, and removes them: what the file system refuses shows before training."""
+    checkpoint.check_writable(str(tmp_path / "new" / "sub" / "ck.pt"))
+    assert os.listdir(tmp_path) == []
+    # 242 bytes fit a name, but not its temporary file's, 14 longer (255 at most): such a
+    # name once failed only when the first epoch's save did.
+    with pytest.raises(CheckpointError, match="File name too long"):
+        checkpoint.check_writable(str(tmp_path / ("L" * 239 + ".pt")))
+    save_atomic({"epoch": 1}, str(tmp_path / ("L" * 238 + ".pt")))  # the longest that fits
+
+
+def test_an_unreadable_or_foreign_file_is_named_as_such(tmp_path, monkeypatch) -> None:
+    """Bytes that are no pickle were once said to hold Python objects (torch wraps every
+    unpickling error of a weights-only load alike), and an unreadable file to be corrupted."""
+    for name, data in [("json.pt", b'{"a": 1}'), ("image.png", b"\x89PNG\r\n\x1a\n" * 8)]:
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=r"is corrupted or not a torch checkpoint$"):
+            load_checkpoint(str(path), {})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(torch, "load", denied)
+    with pytest.raises(CheckpointError, match=r"^cannot read checkpoint .*: Permission denied$"):
+        load_checkpoint(str(tmp_path / "json.pt"), {})
 
 
 def test_a_pickle_of_objects_is_refused_without_torchs_unsafe_advice(capsys, tmp_path) -> None:

@@ -286,14 +286,13 @@ def _run_sharded(args: argparse.Namespace) -> int:
         for flag, given in (
             ("--rounds", args.rounds != 1),
             ("--interleave", args.interleave),
-            ("--no-compile-times", not args.compile_times),
         )
         if given
     ]
     if ignored:
         raise SystemExit(
-            "fp16fx bench: --world-sizes measures one round of the sharded step, with no "
-            f"compile times; drop {', '.join(ignored)}"
+            "fp16fx bench: --world-sizes measures one round of the sharded step, not "
+            f"interleaved; drop {', '.join(ignored)}"
         )
     if args.device != "cpu":
         raise SystemExit("fp16fx bench: --world-sizes runs on CPU with gloo only for now")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 from typing import Any
 
@@ -84,12 +83,12 @@ def save_atomic(obj: Any, path: str) -> None:
     tmp_path = None
     try:
         outputs.make_parent(path)
-        name = f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp"
-        tmp_path = os.path.join(directory, name)
-        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
-        if os.path.isfile(path):
-            os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
+        name = outputs.temporary_name(path)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
+        tmp_path = name
         with os.fdopen(fd, "wb") as f:
+            if os.path.isfile(path):
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -135,16 +134,19 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     except Exception as exc:
-        if "weights only load failed" in str(exc).lower():  # torch's advice would be unsafe
+        if "Unsupported global" in str(exc):  # torch's advice (weights_only=False) is unsafe
             raise CheckpointError(
                 f"{path} is not an fp16fx train checkpoint: it holds Python objects other than "
                 "tensors and primitives, which fp16fx does not load (weights_only=True)"
             ) from None
-        # torch's own reader says what is wrong with a torch file (a truncated archive); the
-        # unpickler's errors on other bytes ("105", "pop from empty list") say nothing.
+        # torch's reader says what is wrong with a torch file (a truncated archive); the
+        # unpickler's errors on other bytes ("105", "pop from empty list") say nothing, and
+        # its weights_only messages advise an unsafe load.
         first = str(exc).strip().splitlines()[0] if isinstance(exc, RuntimeError) else ""
-        detail = f" ({first[:200]})" if first else ""
+        detail = f" ({first[:200]})" if first and "weights_only" not in first else ""
         raise CheckpointError(
             f"checkpoint {path} is corrupted or not a torch checkpoint{detail}"
         ) from None
@@ -161,7 +163,9 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     for key in ("run", "stepper", "rng", "history"):
         if not isinstance(ckpt[key], dict):
             got = type(ckpt[key]).__name__
-            raise CheckpointError(f"checkpoint {path} is malformed: its {key!r} is a {got}")
+            raise CheckpointError(
+                f"checkpoint {path} is malformed: its {key!r} is not a dict ({got})"
+            )
     saved_run = ckpt["run"]
     for key, value in run.items():
         if key not in saved_run and key not in _IDENTITY_DEFAULTS:

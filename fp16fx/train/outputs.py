@@ -3,34 +3,52 @@ checked without leaving anything behind, so that a refused run changes nothing o
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
+import secrets
 
-__all__ = ["make_parent", "problem", "same_file"]
+__all__ = ["make_parent", "problem", "same_file", "temporary_name"]
 
 
 def problem(path: str) -> str | None:
-    """Returns why a file cannot be written at ``path``, or None when it can. Creates nothing:
-    a directory that does not exist yet is made when the file is written (:func:`make_parent`),
-    and only its nearest existing ancestor is checked now."""
+    """Returns why a file cannot be written at ``path``, or None when it can.
+
+    Checked by doing it: the missing directories are made, a file named as
+    :func:`temporary_name` names one is created, and both are removed again, so that what the
+    file system refuses (permissions, a read-only or full disk, a name too long) shows now and
+    nothing is left behind. (The directories are made for good when the file is written:
+    :func:`make_parent`.)"""
     if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
         return "it names a directory, not a file"
     directory = os.path.dirname(os.path.abspath(path))
-    existing = directory
+    missing, existing = [], directory
     while not os.path.lexists(existing):
+        missing.append(existing)
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{existing} is not a directory"
-    if existing != directory:
-        if os.access(existing, os.W_OK | os.X_OK):
-            return None
-        return f"cannot create a directory in {existing}: permission denied"
-    try:  # a real write: os.access cannot see every refusal (ACLs, full or read-only disks)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".fp16fx-probe-"):
-            pass
+    made = []
+    try:
+        for new in reversed(missing):
+            os.mkdir(new)
+            made.append(new)
+        probe = temporary_name(path)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
     except OSError as exc:
         return exc.strerror or str(exc)
+    finally:
+        for new in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(new)
     return None
+
+
+def temporary_name(path: str) -> str:
+    """Returns a new name beside ``path`` for a file that will be renamed to ``path``: 14
+    characters longer than its name, as ``tempfile.mkstemp``'s are."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
 
 
 def make_parent(path: str) -> None:
