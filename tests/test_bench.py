@@ -217,6 +217,30 @@ def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
     assert "error: RuntimeError: boom" in format_report(result)
 
 
+def test_the_command_fails_when_every_contender_failed(capsys) -> None:
+    """It once exited 0 with nothing measured (e.g. params too many to allocate)."""
+
+    @register_runner
+    class Broken(Runner):
+        name = "test-broken-cli"
+        label = "always fails"
+        order = 99
+
+        def setup(self, params, grads) -> None:
+            raise MemoryError("no room")
+
+        def step(self) -> None: ...
+
+        def persistent_tensors(self):
+            return []
+
+    argv = ["--params", "1000", "--leaves", "2", "--steps", "1", "--warmup", "0", "--quiet"]
+    assert command.main([*argv, "--only", "test-broken-cli"]) == 1
+    out, err = capsys.readouterr()
+    assert "MemoryError: no room" in out and "every contender failed" in err
+    assert command.main([*argv, "--only", "test-broken-cli", "--only", "torch-fused"]) == 0
+
+
 @pytest.mark.compile
 def test_compiled_runner_gets_cold_and_warm_compile_times(monkeypatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/user-cache")

@@ -18,6 +18,7 @@ from fp16fx.bench.harness import BenchOptions, run_bench
 from fp16fx.bench.measure import ROOFLINE_BYTES_PER_PARAM
 from fp16fx.bench.presets import PRESETS, Preset, custom_shapes, preset
 from fp16fx.bench.report import format_report, to_json
+from fp16fx.bench.results import ROOFLINE, BenchResult
 from fp16fx.bench.runner import BenchConfig, Runner, runner_classes
 from fp16fx.bench.sharded import (
     ShardedOptions,
@@ -227,7 +228,8 @@ def _list_contenders() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``fp16fx bench`` with parsed ``args``; print the table or JSON; return 0."""
+    """Run ``fp16fx bench`` with parsed ``args``; print the table or JSON; return 0, or 1 if
+    every contender failed."""
     if args.list:
         print(_list_contenders())
         return 0
@@ -252,7 +254,17 @@ def run(args: argparse.Namespace) -> int:
         interleave=args.interleave,
         config=_config(args),
     )
-    return _measure_and_print(args, lambda say: run_bench(opts, say), to_json, format_report)
+    result = _measure_and_print(args, lambda say: run_bench(opts, say), to_json, format_report)
+    return 1 if _every_contender_failed(result) else 0
+
+
+def _every_contender_failed(result: BenchResult) -> bool:
+    """Whether no contender measured anything (the table says why); then the run fails."""
+    rows = [row for p in result.presets for row in p.results if row.name != ROOFLINE]
+    if rows and all(row.status == "error" for row in rows):
+        print("fp16fx bench: every contender failed", file=sys.stderr)
+        return True
+    return False
 
 
 def _measure_and_print(
@@ -260,15 +272,15 @@ def _measure_and_print(
     measure: Callable[[Callable[[str], None] | None], Any],
     as_json: Callable[[Any], str],
     as_text: Callable[[Any], str],
-) -> int:
+) -> Any:
     """Runs ``measure`` (progress on stderr unless ``--quiet``), prints its result as text or
-    ``--json``, and returns 0; bad options or a failed run exit with one line."""
+    ``--json``, and returns it; bad options or a failed run exit with one line."""
     try:
         result = measure(None if args.quiet else _progress)
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"fp16fx bench: {exc}") from None
     sys.stdout.write(as_json(result) + "\n" if args.json else as_text(result))
-    return 0
+    return result
 
 
 def _progress(message: str) -> None:
@@ -307,9 +319,10 @@ def _run_sharded(args: argparse.Namespace) -> int:
         config=_config(args),
         precision=Precision(args.master or "fp32", args.moments or "fp32"),
     )
-    return _measure_and_print(
+    _measure_and_print(
         args, lambda say: run_sharded(opts, say), sharded_to_json, format_sharded_report
     )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
