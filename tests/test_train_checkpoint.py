@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp16fx import cli
-from fp16fx.train import checkpoint, loop
+from fp16fx.train import checkpoint, command, loop
 from fp16fx.train.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from fp16fx.train.models import build_model, to_half
 
@@ -302,6 +302,11 @@ def test_an_interrupt_before_any_save_says_nothing_was_saved(
         capsys, "--api", "functional", "--epochs", "2", "--resume", saved, "--save", saved, *SMALL
     )
     assert code == 130 and f"{saved} is the last checkpoint" in err
+    # Under torchrun, a rank other than 0 saves nothing and cannot see what rank 0 saved.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    config = command.config_from_args(cli.build_parser().parse_args(["train", "--save", fresh]))
+    assert command._last_checkpoint(config, None) == ""
 
 
 def test_corrupted_checkpoint_is_refused(capsys, tmp_path, saved) -> None:

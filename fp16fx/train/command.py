@@ -331,8 +331,11 @@ def _file_identity(path: str | None) -> tuple[int, int] | None:
 
 def _last_checkpoint(config: TrainConfig, saved_before: tuple[int, int] | None) -> str:
     """Says where an interrupted run can resume from: its ``--save`` if this run wrote it
-    (the file changed since it started, when it was ``saved_before``), else its ``--resume``."""
-    if config.save is None:
+    (the file changed since it started, when it was ``saved_before``), else its ``--resume``.
+    Rank 0 alone saves, so under torchrun the others say nothing of it (the file may be on
+    another machine)."""
+    env = Processes.from_env()
+    if config.save is None or (env is not None and not env.is_main):
         return ""
     now = _file_identity(config.save)
     if now is not None and now != saved_before:
