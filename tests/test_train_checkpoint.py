@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import stat
+import threading
 
 import pytest
 import torch
@@ -246,11 +248,15 @@ def test_malformed_checkpoint_fields_are_named(capsys, tmp_path, saved) -> None:
         assert code == 1 and f"checkpoint {bad} is malformed: {said}" in one_line(err)
 
 
-def test_a_checkpoint_path_is_checked_by_writing_and_nothing_is_left(tmp_path) -> None:
+def test_a_checkpoint_path_is_checked_by_writing(tmp_path) -> None:
     """The check makes a new --save's directories and a file named like the save's temporary
-    one, and removes them: what the file system refuses shows before training."""
+    one, which it removes: what the file system refuses shows before training."""
     checkpoint.check_writable(str(tmp_path / "new" / "sub" / "ck.pt"))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path / "new" / "sub") == []
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="it exists and is not a regular file"):
+        checkpoint.check_writable(str(fifo))  # a save would have replaced it
     # 242 bytes fit a name, but not its temporary file's, 14 longer (255 at most): such a
     # name once failed only when the first epoch's save did.
     with pytest.raises(CheckpointError, match="File name too long"):
@@ -258,21 +264,40 @@ def test_a_checkpoint_path_is_checked_by_writing_and_nothing_is_left(tmp_path) -
     save_atomic({"epoch": 1}, str(tmp_path / ("L" * 238 + ".pt")))  # the longest that fits
 
 
-def test_an_unreadable_or_foreign_file_is_named_as_such(tmp_path, monkeypatch) -> None:
+def test_an_unreadable_or_foreign_file_is_named_as_such(tmp_path, monkeypatch, saved) -> None:
     """Bytes that are no pickle were once said to hold Python objects (torch wraps every
-    unpickling error of a weights-only load alike), and an unreadable file to be corrupted."""
-    for name, data in [("json.pt", b'{"a": 1}'), ("image.png", b"\x89PNG\r\n\x1a\n" * 8)]:
+    unpickling error of a weights-only load alike), an unreadable file to be corrupted, and
+    a truncated checkpoint to be unreadable (torch's reader raises OSError on a short one)."""
+    data = pathlib.Path(saved).read_bytes()
+    for name, head in [
+        ("json.pt", b'{"a": 1}'),
+        ("image.png", b"\x89PNG\r\n\x1a\n" * 8),
+        *((f"cut{n}.pt", data[:n]) for n in (100, 4104, 5000, len(data) - 1)),
+    ]:
         path = tmp_path / name
-        path.write_bytes(data)
-        with pytest.raises(CheckpointError, match=r"is corrupted or not a torch checkpoint$"):
+        path.write_bytes(head)
+        with pytest.raises(CheckpointError, match=r"is corrupted or not a torch checkpoint"):
             load_checkpoint(str(path), {})
+    fifo = str(tmp_path / "fifo.pt")
+    os.mkfifo(fifo)
+    refused = []  # in a thread: opened for reading, a pipe blocks until a writer comes
+    reader = threading.Thread(target=lambda: refused.append(_refusal(fifo)), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert refused == [f"checkpoint {fifo} is not a regular file"]
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(torch, "load", denied)
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)  # the file, not torch
     with pytest.raises(CheckpointError, match=r"^cannot read checkpoint .*: Permission denied$"):
         load_checkpoint(str(tmp_path / "json.pt"), {})
+
+
+def _refusal(path: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, {})
+    return str(info.value)
 
 
 def test_a_pickle_of_objects_is_refused_without_torchs_unsafe_advice(capsys, tmp_path) -> None:

@@ -13,14 +13,12 @@ read with ``torch.load(weights_only=True)`` (no pickled code runs)::
         "history": {...},                            # loop.History.to_dict()
     }
 
-:func:`save_atomic` writes a temporary file in the target's directory, flushes and fsyncs it,
-then ``os.replace``-s it over the target: a crash or error at any point leaves either the old
-checkpoint or the new one, never a torn file.
+:func:`save_atomic` writes it atomically (:func:`fp16fx.train.outputs.write_atomic`): a crash
+or error at any point leaves either the old checkpoint or the new one, never a torn file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from typing import Any
@@ -59,10 +57,11 @@ class CheckpointError(ValueError):
 
 
 def check_writable(path: str) -> None:
-    """Returns None when a checkpoint can be written at ``path``; creates nothing.
+    """Returns None when a checkpoint can be written at ``path`` (its directory is made).
 
     Checked before training starts, so that a bad ``--save`` fails in a second, not after the
-    first epoch. Raises :class:`CheckpointError` naming the problem.
+    first epoch (:func:`fp16fx.train.outputs.problem`). Raises :class:`CheckpointError`
+    naming the problem.
     """
     reason = outputs.problem(path)
     if reason is not None:
@@ -70,51 +69,15 @@ def check_writable(path: str) -> None:
 
 
 def save_atomic(obj: Any, path: str) -> None:
-    """Writes ``obj`` with ``torch.save`` to ``path`` atomically.
-
-    The bytes go to a temporary file next to ``path`` (same file system), which is flushed,
-    fsync-ed and renamed over ``path`` with ``os.replace``; the directory is then fsync-ed so
-    that the rename itself survives a power cut. The file keeps the permissions of the one it
-    replaces (a new one: the umask's). The directory is created if it does not exist. On any
-    error the temporary file is removed and ``path`` is left as it was; the error is raised as
-    :class:`CheckpointError`.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp_path = None
+    """Writes ``obj`` with ``torch.save`` to ``path`` atomically
+    (:func:`fp16fx.train.outputs.write_atomic`): a crash or error at any point leaves either
+    the old checkpoint or the new one. Raises :class:`CheckpointError` on any error, ``path``
+    left as it was."""
     try:
-        outputs.make_parent(path)
-        name = outputs.temporary_name(path)
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
-        tmp_path = name
-        with os.fdopen(fd, "wb") as f:
-            if os.path.isfile(path):
-                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-        tmp_path = None
-        _fsync_directory(directory)
+        outputs.write_atomic(path, lambda f: torch.save(obj, f))
     except Exception as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise CheckpointError(f"could not save checkpoint {path}: {reason}") from exc
-    finally:
-        if tmp_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows: directories cannot be opened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
@@ -128,16 +91,19 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
         checkpoint, or written for other settings -- the message says which.
     """
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read forever
+            raise CheckpointError(f"checkpoint {path} is not a regular file")
+        file = open(path, "rb")  # noqa: SIM115 (closed below; its errors are not torch's)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+    try:
+        with file:
+            ckpt = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        if "Unsupported global" in str(exc):  # torch's advice (weights_only=False) is unsafe
+        if "unsupported global" in str(exc).lower():  # torch's advice (weights_only=False)
             raise CheckpointError(
                 f"{path} is not an fp16fx train checkpoint: it holds Python objects other than "
                 "tensors and primitives, which fp16fx does not load (weights_only=True)"

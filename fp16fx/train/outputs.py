@@ -1,61 +1,110 @@
-"""The files ``fp16fx train`` writes (``--save``, ``--plot``): checked before any work, and
-checked without leaving anything behind, so that a refused run changes nothing on disk."""
+"""The files ``fp16fx train`` writes (``--save`` checkpoints, ``--plot`` images): checked
+before the run by doing what writing them will do, and written atomically."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import stat
+from collections.abc import Callable
+from typing import BinaryIO
 
-__all__ = ["make_parent", "problem", "same_file", "temporary_name"]
+__all__ = ["problem", "same_file", "write_atomic"]
 
 
 def problem(path: str) -> str | None:
-    """Returns why a file cannot be written at ``path``, or None when it can.
+    """Returns why :func:`write_atomic` cannot write ``path``, or None when it can.
 
-    Checked by doing it: the missing directories are made, a file named as
-    :func:`temporary_name` names one is created, and both are removed again, so that what the
-    file system refuses (permissions, a read-only or full disk, a name too long) shows now and
-    nothing is left behind. (The directories are made for good when the file is written:
-    :func:`make_parent`.)"""
+    Found by doing what the write will do: the file's directory is made if it is missing (it
+    stays: the write needs it), and a file named as the write's temporary one is created and
+    removed. So what the file system refuses -- permissions, a read-only disk, a name too
+    long -- shows now, not after training. (A full disk shows only when the file is written.)
+    """
     if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
         return "it names a directory, not a file"
-    directory = os.path.dirname(os.path.abspath(path))
-    missing, existing = [], directory
-    while not os.path.lexists(existing):
-        missing.append(existing)
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is not a directory"
-    made = []
+    if os.path.lexists(path) and not os.path.isfile(path):
+        return "it exists and is not a regular file (a device, a pipe or a dangling link)"
+    probe = None
     try:
-        for new in reversed(missing):
-            os.mkdir(new)
-            made.append(new)
-        probe = temporary_name(path)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.unlink(probe)
+        _make_parent(path)
+        name = _temporary_name(path)
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe = name
+    except (FileExistsError, NotADirectoryError) as exc:
+        return _not_a_directory(path) or exc.strerror or str(exc)
     except OSError as exc:
         return exc.strerror or str(exc)
     finally:
-        for new in reversed(made):
+        if probe is not None:
             with contextlib.suppress(OSError):
-                os.rmdir(new)
+                os.unlink(probe)
     return None
 
 
-def temporary_name(path: str) -> str:
-    """Returns a new name beside ``path`` for a file that will be renamed to ``path``: 14
-    characters longer than its name, as ``tempfile.mkstemp``'s are."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Writes the file ``path`` with ``write(f)``, atomically.
 
-
-def make_parent(path: str) -> None:
-    """Creates the directory ``path`` goes into, if it does not exist (raises OSError)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    The bytes go to a temporary file beside ``path`` (the same file system), which is
+    flushed, fsync-ed and renamed over ``path`` with ``os.replace``; the directory is then
+    fsync-ed so that the rename itself survives a power cut. A crash at any point leaves the
+    old file or the new one, never a torn one. The file keeps the permissions of the one it
+    replaces (a new one: the umask's); a missing directory is made. On any error the
+    temporary file is removed, ``path`` is left as it was, and the error raised.
+    """
+    _make_parent(path)
+    name = _temporary_name(path)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if os.path.isfile(path):
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    _fsync_directory(_directory(path))
 
 
 def same_file(a: str, b: str) -> bool:
     """Whether paths ``a`` and ``b`` name one file (after links, ``..`` and the like)."""
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _directory(path: str) -> str:
+    # As written, not normalised: the kernel resolves "link/.." through the link.
+    return os.path.dirname(path) or "."
+
+
+def _make_parent(path: str) -> None:
+    os.makedirs(_directory(path), exist_ok=True)
+
+
+def _temporary_name(path: str) -> str:
+    """A new name beside ``path``, 14 characters longer than its name (as mkstemp's are)."""
+    return os.path.join(_directory(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+
+
+def _not_a_directory(path: str) -> str | None:
+    """Names the nearest ancestor of ``path`` that exists and is not a directory, if any."""
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    return None if os.path.isdir(ancestor) else f"{ancestor} is not a directory"
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

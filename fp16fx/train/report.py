@@ -84,8 +84,9 @@ def format_summary(title: str, runs: list[RunSummary]) -> str:
 def check_plotting(path: str) -> None:
     """Returns None when ``path`` can receive a plot; raises :class:`PlotError` otherwise.
 
-    Called before training, so that a missing matplotlib or an unwritable path fails at once,
-    not after the run. Creates nothing (a missing directory is made when the plot is written).
+    Called before training, so that a missing matplotlib fails at once, not after the run.
+    (Whether the file can be written is checked last, with the checkpoint's:
+    :func:`fp16fx.train.outputs.problem`.)
     """
     try:
         import matplotlib  # noqa: F401
@@ -95,9 +96,6 @@ def check_plotting(path: str) -> None:
         ) from None
     if not path.lower().endswith((".png", ".pdf", ".svg")):
         raise PlotError(f"--plot {path}: the file name must end in .png, .pdf or .svg")
-    reason = outputs.problem(path)
-    if reason is not None:
-        raise PlotError(f"cannot write the plot {path}: {reason}")
 
 
 def save_plot(path: str, runs: list[RunSummary]) -> None:
@@ -130,9 +128,9 @@ def save_plot(path: str, runs: list[RunSummary]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    try:
-        outputs.make_parent(path)
-        fig.savefig(path, dpi=100)
+    try:  # atomically, as a checkpoint: a crash leaves the old image or the new one
+        kind = path.rsplit(".", 1)[-1].lower()
+        outputs.write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=kind))
     except OSError as exc:
         raise PlotError(f"could not write the plot {path}: {exc.strerror or exc}") from None
     finally:

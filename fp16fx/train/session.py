@@ -28,7 +28,7 @@ from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.loop import History, fit
 from fp16fx.train.models import MODELS, ModelError, build_model, to_half
 from fp16fx.train.parallel import Processes
-from fp16fx.train.report import RunSummary, check_plotting
+from fp16fx.train.report import PlotError, RunSummary, check_plotting
 from fp16fx.train.steppers import LossScale, Stepper, TorchStepper, make_stepper
 
 __all__ = [
@@ -165,6 +165,7 @@ def preflight(config: TrainConfig) -> None:
     _check(config)
     resolve_device(config.device)
     _resumed(config)
+    _check_outputs(config)
 
 
 def _resumed(config: TrainConfig) -> dict[str, Any] | None:
@@ -264,6 +265,16 @@ def _check(config: TrainConfig) -> None:
             if other is not None and outputs.same_file(config.plot, other):
                 raise SetupError(f"--plot and {flag} name the same file, {config.plot}")
         check_plotting(config.plot)
+
+
+def _check_outputs(config: TrainConfig) -> None:
+    """Checks that ``--plot`` and ``--save`` can be written, by doing what writing them will
+    (their directories are made): after every other check, so that a run refused for
+    anything else leaves nothing behind."""
+    if config.plot is not None:
+        reason = outputs.problem(config.plot)
+        if reason is not None:
+            raise PlotError(f"cannot write the plot {config.plot}: {reason}")
     if config.save is not None:
         checkpoint.check_writable(config.save)
 
@@ -379,6 +390,7 @@ def train(config: TrainConfig) -> TrainResult:
     distributed = processes.size > 1
     if config.fsdp and not distributed:
         raise SetupError("--fsdp shards the model over processes: add --nproc-per-node N (N > 1)")
+    _check_outputs(config)
     torch.manual_seed(config.seed)
     stepper = _fp16_stepper(config, data, device, distributed)
     per_process = f" ({processes.size} processes x {batch_size})" if distributed else ""
