@@ -194,7 +194,7 @@ def test_unwritable_save_path_fails_before_training(capsys, tmp_path) -> None:
     code, _, err = train_cli(capsys, "--save", str(blocker / "ck.pt"))
     assert_one_line_error(code, err, f"cannot save to {blocker / 'ck.pt'}")
     # A directory, also one not made yet: the latter once failed after the first epoch.
-    for directory in (str(tmp_path), str(tmp_path / "not-yet") + "/", ""):
+    for directory in (str(tmp_path), str(tmp_path / "not-yet") + "/", "", "not-yet/."):
         code, _, err = train_cli(capsys, "--save", directory)
         assert_one_line_error(code, err, "it names a directory, not a file")
 
@@ -205,6 +205,7 @@ def test_a_refused_run_creates_no_directory(capsys, tmp_path) -> None:
     for argv in (
         ["--plot", "curves.txt"],
         ["--resume", str(tmp_path / "missing.pt")],
+        ["--limit", "10"],  # refused once the data is loaded
     ):
         code, _, err = train_cli(capsys, "--save", str(new / "sub" / "ck.pt"), *argv)
         assert code == 1 and err

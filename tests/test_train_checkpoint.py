@@ -300,13 +300,48 @@ def _refusal(path: str) -> str:
     return str(info.value)
 
 
+class _RunsACommand:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_checkpoint_that_does_not_fit_creates_no_save_directory(capsys, tmp_path, saved):
+    """--save's directory was once made before the checkpoint's state was found not to fit."""
+    ckpt = torch.load(saved, weights_only=True)
+    ckpt["stepper"] = {}
+    bad = str(tmp_path / "bad.pt")
+    torch.save(ckpt, bad)
+    new = tmp_path / "new"
+    argv = ["--api", "functional", "--epochs", "2", "--resume", bad, *SMALL]
+    code, _, err = train_cli(capsys, *argv, "--save", str(new / "ck.pt"))
+    assert code == 1 and "the checkpoint does not fit this run" in one_line(err)
+    assert not new.exists()
+
+
 def test_a_pickle_of_objects_is_refused_without_torchs_unsafe_advice(capsys, tmp_path) -> None:
-    path = str(tmp_path / "objects.pt")
-    torch.save({"when": datetime.date(2026, 1, 1)}, path)
-    code, _, err = train_cli(capsys, "--resume", path)
-    line = one_line(err)
-    assert code == 1 and "holds Python objects other than tensors" in line
-    assert "weights_only set to False" not in line
+    for name, value in [("objects.pt", datetime.date(2026, 1, 1)), ("evil.pt", _RunsACommand())]:
+        path = str(tmp_path / name)
+        torch.save({"value": value}, path)
+        code, _, err = train_cli(capsys, "--resume", path)
+        line = one_line(err)
+        assert code == 1 and "holds Python objects other than tensors" in line
+        assert "weights_only set to False" not in line
+    # Cut short, an old-format (non-zip) file names a cut-off global: corrupted, not objects.
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(100)}, legacy, _use_new_zipfile_serialization=False)
+    data = legacy.read_bytes()
+    for n in range(1, len(data), 7):
+        legacy.write_bytes(data[:n])
+        with pytest.raises(CheckpointError, match="is corrupted or not a torch checkpoint"):
+            load_checkpoint(str(legacy), {})
+
+
+def test_a_checkpoint_saved_through_a_link_keeps_the_link(tmp_path) -> None:
+    target, link = tmp_path / "run3.pt", tmp_path / "latest.pt"
+    save_atomic({"epoch": 1}, str(target))
+    link.symlink_to(target.name)
+    save_atomic({"epoch": 2}, str(link))
+    assert link.is_symlink() and torch.load(target, weights_only=True)["epoch"] == 2
 
 
 def test_an_interrupt_before_any_save_says_nothing_was_saved(

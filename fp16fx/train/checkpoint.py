@@ -20,7 +20,9 @@ or error at any point leaves either the old checkpoint or the new one, never a t
 from __future__ import annotations
 
 import os
+import re
 import stat
+import sys
 from typing import Any
 
 import torch
@@ -80,6 +82,17 @@ def save_atomic(obj: Any, path: str) -> None:
         raise CheckpointError(f"could not save checkpoint {path}: {reason}") from exc
 
 
+def _names_an_object(refusal: str) -> bool:
+    """Whether a weights-only load was refused for a Python object that exists: the global
+    torch names is in a module already imported (a truncated file names a cut-off one, and a
+    name in a checkpoint is not worth importing a module for)."""
+    found = re.search(r"unsupported global:? (?:GLOBAL )?([\w.]+)", refusal, re.IGNORECASE)
+    if found is None:
+        return False
+    module, _, name = found.group(1).rpartition(".")
+    return hasattr(sys.modules.get(module), name)
+
+
 def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     """Returns the checkpoint at ``path`` after checking that it was written for ``run``.
 
@@ -103,7 +116,7 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
         with file:
             ckpt = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        if "unsupported global" in str(exc).lower():  # torch's advice (weights_only=False)
+        if _names_an_object(str(exc)):  # not torch's advice (weights_only=False): unsafe
             raise CheckpointError(
                 f"{path} is not an fp16fx train checkpoint: it holds Python objects other than "
                 "tensors and primitives, which fp16fx does not load (weights_only=True)"

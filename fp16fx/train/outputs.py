@@ -21,24 +21,31 @@ def problem(path: str) -> str | None:
     removed. So what the file system refuses -- permissions, a read-only disk, a name too
     long -- shows now, not after training. (A full disk shows only when the file is written.)
     """
-    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
+    if os.path.isdir(path) or path.endswith(os.sep) or os.path.basename(path) in ("", ".", ".."):
         return "it names a directory, not a file"
     if os.path.lexists(path) and not os.path.isfile(path):
         return "it exists and is not a regular file (a device, a pipe or a dangling link)"
-    probe = None
+    path = _target(path)
+    if _owned_by_another_in_a_sticky_directory(path):
+        return (
+            "it belongs to another user, in a directory (like /tmp) where only they may replace it"
+        )
+    name = None
     try:
         _make_parent(path)
-        name = _temporary_name(path)
-        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        probe = name
+        candidate = _temporary_name(path)
+        os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        name = candidate  # ours to remove (a name taken already is someone else's)
+        os.unlink(name)  # the write's rename needs this right too
+        name = None
     except (FileExistsError, NotADirectoryError) as exc:
         return _not_a_directory(path) or exc.strerror or str(exc)
     except OSError as exc:
         return exc.strerror or str(exc)
     finally:
-        if probe is not None:
+        if name is not None:  # interrupted, or not removable: as far as it can be
             with contextlib.suppress(OSError):
-                os.unlink(probe)
+                os.unlink(name)
     return None
 
 
@@ -50,12 +57,16 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
     fsync-ed so that the rename itself survives a power cut. A crash at any point leaves the
     old file or the new one, never a torn one. The file keeps the permissions of the one it
     replaces (a new one: the umask's); a missing directory is made. On any error the
-    temporary file is removed, ``path`` is left as it was, and the error raised.
+    temporary file is removed, ``path`` is left as it was, and the error raised. A ``path``
+    that is a link to a file writes that file (the link stays).
     """
+    path = _target(path)
     _make_parent(path)
     name = _temporary_name(path)
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
     try:
+        # Inside the try, so that an interrupt right after it removes the file; a name taken
+        # already (FileExistsError, one in 2**32) is someone else's, not removed.
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
         with os.fdopen(fd, "wb") as f:
             if os.path.isfile(path):
                 os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
@@ -63,6 +74,8 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(name, path)
+    except FileExistsError:
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(name)
@@ -73,6 +86,23 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
 def same_file(a: str, b: str) -> bool:
     """Whether paths ``a`` and ``b`` name one file (after links, ``..`` and the like)."""
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _target(path: str) -> str:
+    """The file a write to ``path`` replaces: a link's target (the link stays), else ``path``."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def _owned_by_another_in_a_sticky_directory(path: str) -> bool:
+    """Whether ``path`` exists in a sticky directory (``/tmp``) and belongs to another user,
+    so that renaming a file over it is refused (and the first save would fail)."""
+    try:
+        mine, directory = os.stat(path), os.stat(_directory(path))
+    except OSError:
+        return False
+    sticky = directory.st_mode & stat.S_ISVTX
+    owners = (mine.st_uid, directory.st_uid)
+    return bool(sticky) and os.geteuid() != 0 and os.geteuid() not in owners
 
 
 def _directory(path: str) -> str:

@@ -165,7 +165,6 @@ def preflight(config: TrainConfig) -> None:
     _check(config)
     resolve_device(config.device)
     _resumed(config)
-    _check_outputs(config)
 
 
 def _resumed(config: TrainConfig) -> dict[str, Any] | None:
@@ -269,8 +268,9 @@ def _check(config: TrainConfig) -> None:
 
 def _check_outputs(config: TrainConfig) -> None:
     """Checks that ``--plot`` and ``--save`` can be written, by doing what writing them will
-    (their directories are made): after every other check, so that a run refused for
-    anything else leaves nothing behind."""
+    (their directories are made): last, once the data, the model and the checkpoint's state
+    are loaded, so that a run refused for anything else leaves nothing behind. Every process
+    checks, so that all fail alike (rank 0 alone writes)."""
     if config.plot is not None:
         reason = outputs.problem(config.plot)
         if reason is not None:
@@ -303,10 +303,12 @@ def _run(
     save_to: str | None = None,
     announce: tuple[str, ...] = (),
     name: str = "",
+    check_outputs: bool = False,
 ) -> History:
     """Returns the history of training ``stepper``, resumed from and saved to checkpoints.
 
-    ``announce`` are log lines written once the run is set up (after any error in resuming).
+    ``announce`` are log lines written once the run is set up (after any error in resuming);
+    ``check_outputs``: check ``--save`` and ``--plot`` then (:func:`_check_outputs`).
     """
     generator = torch.Generator().manual_seed(config.seed)
     batch_size = _batch_size(config)
@@ -315,6 +317,8 @@ def _run(
     history = History()
     if resume_from is not None:
         history = _resume(stepper, resume_from, generator, device)
+    if check_outputs:
+        _check_outputs(config)
     for line in announce:
         logger.info("%s", line)
     if resume_from is not None:
@@ -390,7 +394,6 @@ def train(config: TrainConfig) -> TrainResult:
     distributed = processes.size > 1
     if config.fsdp and not distributed:
         raise SetupError("--fsdp shards the model over processes: add --nproc-per-node N (N > 1)")
-    _check_outputs(config)
     torch.manual_seed(config.seed)
     stepper = _fp16_stepper(config, data, device, distributed)
     per_process = f" ({processes.size} processes x {batch_size})" if distributed else ""
@@ -411,6 +414,7 @@ def train(config: TrainConfig) -> TrainResult:
         save_to=config.save,
         announce=(title, f"FP16: {stepper.label}"),
         name="FP16" if config.compare_fp32 else "",
+        check_outputs=True,
     )
     runs = [_summary("FP16", stepper, history, processes)]
     if config.compare_fp32:
