@@ -180,11 +180,11 @@ def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: b
 
 def is_step_count(key: str, value: torch.Tensor) -> bool:
     """Whether a saved leaf's entry ``key`` is one of its optimizer state's step counts: a 0-d
-    integer tensor (not an int8 block's offset; a 0-d param's moments are 0-d too, but
-    floating)."""
+    integer tensor (not an int8 block's offset; a 0-d param's moments are 0-d too: floating,
+    or stored as int8 ``.codes``)."""
     return (
         key.startswith("opt")
-        and not key.endswith(".offset")
+        and not key.endswith((".offset", ".codes"))
         and value.ndim == 0
         and not value.is_floating_point()
     )

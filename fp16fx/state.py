@@ -255,19 +255,11 @@ def init(
         optimizer, policy or precision is not one, or a compensated state's params are not
         flat or all FP32 (the message names it); nothing is changed.
     """
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(
-            f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
-        )
+    check_optimizer(optimizer)
     precision = Precision(master, moments)
     params, mesh, group = dtensors.local_shards(params)
     leaves, treedef = tree.check_params(params)
-    policy = default_policy(leaves) if loss_scale is None else loss_scale
-    if isinstance(policy, type) or not callable(getattr(policy, "adjust", None)):
-        raise TypeError(
-            f"loss_scale must be a loss-scale policy such as fp16fx.DynamicLossScale() (an "
-            f"instance), got {policy!r}"
-        )
+    policy = checked_policy(loss_scale, leaves)
     labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
     # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
     # already in them (FlatParams(..., multiple)); else the params as given.
@@ -278,7 +270,7 @@ def init(
         consensus = _mesh_consensus(consensus, mesh, group, buckets)
         layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
     if precision.compensated:
-        _check_compensable(layout, leaves, buckets)
+        check_compensable(layout, leaves, buckets)
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -300,7 +292,7 @@ def init(
             if own is not None and bucket.dtype == torch.float32:
                 masters.append(own)  # an FP32 param is its own master
             elif precision.compensated:  # the param is its master: nothing to correct yet
-                assert own is not None  # _check_compensable
+                assert own is not None  # check_compensable
                 masters.append(torch.zeros_like(own, dtype=correction_dtype(bucket.dtype)))
             else:
                 if seg.bucket not in packed:
@@ -329,7 +321,27 @@ def _padded(layout: Layout) -> list[flat.Bucket]:
     return [b for b in layout.buckets if b.padded != b.numel]
 
 
-def _check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
+def check_optimizer(optimizer: Any) -> None:
+    """Raises TypeError unless ``optimizer`` is an fp16fx transform."""
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
+        )
+
+
+def checked_policy(loss_scale: Any, leaves: list[Any]) -> LossScalePolicy:
+    """Returns the loss-scale policy of :func:`init`'s ``loss_scale`` (its default for
+    ``leaves`` if None); raises TypeError unless it is one."""
+    policy = default_policy(leaves) if loss_scale is None else loss_scale
+    if isinstance(policy, type) or not callable(getattr(policy, "adjust", None)):
+        raise TypeError(
+            f"loss_scale must be a loss-scale policy such as fp16fx.DynamicLossScale() (an "
+            f"instance), got {policy!r}"
+        )
+    return policy
+
+
+def check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
     """Raises ValueError unless a compensated state can hold ``leaves``: FP16/BF16 params (an
     FP32 param is its own master), one flat tensor per segment (the fused pass writes it; an
     FP32 one is then its own master too, the state keeps no FP32 copy of any param)."""

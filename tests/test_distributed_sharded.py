@@ -284,6 +284,75 @@ def refused_load() -> dict[str, Any]:
     }
 
 
+def scalar_params(rank: int, world: int) -> dict[str, Any]:
+    """A 0-d param first in its bucket (``s``), in compact precision: an FP32 checkpoint
+    loaded into the sharded state and into an unsharded one; the sharded state's own dict
+    loaded back; a dict holding a meta tensor in its last param refused."""
+
+    def params() -> dict[str, torch.Tensor]:
+        return {"s": torch.tensor(0.5, dtype=torch.float16), "v": torch.linspace(-1, 1, 6).half()}
+
+    def grads(scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        g = {"s": torch.tensor(0.25), "v": torch.linspace(0.5, -0.5, 6)}
+        return {k: (v * scale / 64).half() for k, v in g.items()}
+
+    source = fp16fx.init(params(), fp16fx.adam(1e-2), buckets=True)
+    for _ in range(2):
+        source, _ = fp16fx.step(source, grads(source.loss_scale.scale))
+    sharded = fdist.init(params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
+    fdist.load_state_dict(sharded, fp16fx.state_dict(source))
+    unsharded = fp16fx.init(params(), fp16fx.adam(1e-2), buckets=True, **COMPACT)
+    fp16fx.load_state_dict(unsharded, fp16fx.state_dict(source))
+    converted = fdist.consolidate(all_dicts(sharded))
+    fdist.sharded_step(sharded, grads(sharded.shard.loss_scale.scale))
+    own = all_dicts(sharded)
+    fresh = fdist.init(params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
+    fdist.load_state_dict(fresh, own)  # refused once: int8 codes of s taken for step counts
+    reloaded = same_tensors(all_dicts(fresh), own)
+    meta = fdist.consolidate(own)
+    meta["params"]["v"]["param"] = meta["params"]["v"]["param"].to("meta")
+    before = all_dicts(fresh)  # copies (pickled), not views of the state
+    try:
+        fdist.load_state_dict(fresh, meta)
+        refused = "loaded"
+    except saved_format.StateDictError as err:
+        refused = str(err)
+    return {
+        "converted": same_tensors(converted["params"], fp16fx.state_dict(unsharded)["params"]),
+        "reloaded": reloaded,
+        "refused": refused,
+        "unchanged": same_tensors(all_dicts(fresh), before),
+    }
+
+
+def refused_init(rank: int, world: int) -> list[tuple[str, bool]]:
+    """Sharded inits refused for their arguments: each error, and whether the params stayed
+    where and as they were (they once moved into flat buffers and took rank 0's values)."""
+    outcomes = []
+    for optimizer, dtype, options in [
+        (fp16fx.adam(), torch.float16, {"loss_scale": fp16fx.DynamicLossScale}),  # the class
+        (fp16fx.adam(), torch.float32, {"master": "compensated"}),
+        ("adam", torch.float16, {}),
+    ]:
+        params = {"w": torch.full((4,), float(rank + 1), dtype=dtype)}
+        before, storage = params["w"].clone(), params["w"].data_ptr()
+        try:
+            fdist.init(params, optimizer, shard=True, **options)
+            error = "accepted"
+        except (TypeError, ValueError) as err:
+            error = str(err)
+        kept = torch.equal(params["w"], before) and params["w"].data_ptr() == storage
+        outcomes.append((error, kept))
+    return outcomes
+
+
+def all_dicts(state: Any) -> list[dict[str, Any]]:
+    """Every rank's ``fdist.state_dict`` of ``state`` (a collective), copied."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, fdist.state_dict(state))
+    return gathered
+
+
 def same_tensors(a: Any, b: Any) -> bool:
     """Whether two state dicts hold bitwise equal tensors and equal other entries
     (``bitwise_equal`` of tests/test_step, which compares tensors only)."""
@@ -304,6 +373,8 @@ def worker(rank: int, world: int, out: str) -> None:
         found["compiled"] = compiled_vs_eager(rank, world)
     found["memory"] = memory(rank, world)
     found["compact"] = compact_run(rank, world, out)
+    found["scalar"] = scalar_params(rank, world)
+    found["refused_init"] = refused_init(rank, world)
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -473,6 +544,28 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
         assert zero in refused["zero_scales"]
         assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
         assert refused["unchanged"]
+
+
+def test_a_0d_param_loads_into_a_compact_sharded_state(runs):
+    """A 0-d param's saved entries are 0-d too: they were once taken for step counts, spread
+    over the bucket's slice (an FP32 checkpoint's), or refused as unequal counts (the state's
+    own int8 codes); and a meta tensor was found only after earlier buckets were written."""
+    for found in runs[2]:
+        scalar = found["scalar"]
+        assert scalar["converted"]
+        assert scalar["reloaded"]
+        assert "['params']['v']['param'] is a meta tensor" in scalar["refused"]
+        assert scalar["unchanged"]
+
+
+def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
+    for found in runs[2]:
+        (policy, kept_policy), (precision, kept_precision), (optimizer, kept_optimizer) = found[
+            "refused_init"
+        ]
+        assert "loss_scale must be a loss-scale policy" in policy and kept_policy
+        assert "these params are all FP32" in precision and kept_precision
+        assert "optimizer must be an fp16fx transform" in optimizer and kept_optimizer
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

@@ -239,6 +239,8 @@ def load_state_dict(
             f"this is rank {sd.get('rank')}'s dict of a checkpoint saved by "
             f"{sd.get('world_size')} ranks: pass the list of every rank's dicts"
         )
+    if isinstance(sd.get("params"), Mapping):
+        saved_format.check_dense(sd)  # before anything is written: nothing changes
     saved, precision = saved_format.precision_of(sd), state.shard.precision
     signs = checkpoint.moment_signs(state.shard.opt_state)
     non_negative = checkpoint.non_negative_keys(signs)
@@ -346,7 +348,7 @@ def _store_converted(
         mine_slice = state.sharding.slice(bucket)
         entry = {}
         for key, value in saved[0].items():
-            if value.ndim == 0:  # a step count: one per bucket (checked)
+            if saved_format.is_step_count(key, value):  # one per bucket (checked)
                 entry[key] = value
                 continue
             # Encoded where the state lives (the checkpoint may have been loaded elsewhere).

@@ -40,7 +40,13 @@ from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.state import MixedPrecisionState, init
+from fp16fx.state import (
+    MixedPrecisionState,
+    check_compensable,
+    check_optimizer,
+    checked_policy,
+    init,
+)
 from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation
 
@@ -213,10 +219,15 @@ def init_sharded(
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
     bucket's.
     """
+    # What init checks, before the params move and are broadcast: nothing changes on errors.
+    check_optimizer(optimizer)
     leaves, treedef = tree.check_params(params)
     trained = [i for i, p in enumerate(leaves) if p is not None]
     labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
     precision = Precision(master, moments)
+    checked_policy(loss_scale, leaves)
+    if precision.compensated:
+        check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
         [leaves[i] for i in trained],
