@@ -194,22 +194,29 @@ def test_json_document_has_the_documented_fields() -> None:
     assert fused["recompiles"] == 0
 
 
-def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
+def _register_broken(runner_name: str, error: Exception) -> type[Runner]:
+    """Registers a contender whose setup raises ``error``."""
+
     @register_runner
     class Broken(Runner):
-        name = "test-broken"
+        name = runner_name
         label = "always fails"
         order = 99
 
         def setup(self, params, grads) -> None:
-            raise RuntimeError("boom")
+            raise error
 
         def step(self) -> None: ...
 
         def persistent_tensors(self):
             return []
 
-    assert Broken in select_runners(None)
+    return Broken
+
+
+def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
+    broken = _register_broken("test-broken", RuntimeError("boom"))
+    assert broken in select_runners(None)
     result = _tiny_run(["test-broken", "torch-fused"])
     rows = {r.name: r for r in result.presets[0].results}
     assert rows["test-broken"].status == "error" and "boom" in rows["test-broken"].reason
@@ -219,21 +226,7 @@ def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
 
 def test_the_command_fails_when_every_contender_failed(capsys) -> None:
     """It once exited 0 with nothing measured (e.g. params too many to allocate)."""
-
-    @register_runner
-    class Broken(Runner):
-        name = "test-broken-cli"
-        label = "always fails"
-        order = 99
-
-        def setup(self, params, grads) -> None:
-            raise MemoryError("no room")
-
-        def step(self) -> None: ...
-
-        def persistent_tensors(self):
-            return []
-
+    _register_broken("test-broken-cli", MemoryError("no room"))
     argv = ["--params", "1000", "--leaves", "2", "--steps", "1", "--warmup", "0", "--quiet"]
     assert command.main([*argv, "--only", "test-broken-cli"]) == 1
     out, err = capsys.readouterr()
