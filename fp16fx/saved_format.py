@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import optree
 import torch
 
 from fp16fx import tree
@@ -383,12 +382,17 @@ def check_codes(params: Mapping[str, Any], signs: Mapping[str, bool]) -> None:
                 )
 
 
-def check_dense(sd: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming the first tensor of ``sd`` that holds no values to load
-    (a meta or sparse one)."""
-    paths, leaves, _ = optree.tree_flatten_with_path(sd, is_leaf=torch.is_tensor)
-    for path, value in zip(paths, leaves):
-        if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
-            kind = "meta" if value.is_meta else value.layout
-            where = "".join(f"[{key!r}]" for key in path)
+def check_dense(node: Any, where: str = "") -> None:
+    """Raises StateDictError naming the first tensor in state dict ``node`` (at ``where``) that
+    holds no values to load (a meta or sparse one). Walks any Mapping, not only dicts (a
+    pytree flatten would take a Mapping of another type for one leaf)."""
+    if isinstance(node, torch.Tensor):
+        if node.is_meta or node.layout != torch.strided:
+            kind = "meta" if node.is_meta else node.layout
             raise misfit(f"{where} is a {kind} tensor, not one holding its values")
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            check_dense(value, f"{where}[{key!r}]")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            check_dense(value, f"{where}[{i}]")

@@ -30,6 +30,7 @@ about 35 s on two busy cores with Inductor's cache warm, 2-3 minutes cold.
 from __future__ import annotations
 
 import math
+import types
 
 import optree
 import pytest
@@ -846,6 +847,15 @@ def _mismatches():
         sd["params"]["w"]["opt[1].nu"] = -1 - sd["params"]["w"]["opt[1].nu"]
         return sd
 
+    def read_only(make):
+        """The dict of ``make`` with its params in a read-only mapping (not a dict)."""
+
+        def wrapped():
+            sd = make()
+            return {**sd, "params": types.MappingProxyType(sd["params"])}
+
+        return wrapped
+
     def valued(group, key, value):
         """The dict with ``[group][key]`` filled with ``value``."""
 
@@ -875,6 +885,11 @@ def _mismatches():
             r"\['param'\] has dtype torch.int64, not FP16, BF16 or FP32",
         ),
         "a meta tensor": (changed("count", lambda t: t.to("meta")), r"\['count'\] is a meta"),
+        # A Mapping not a dict was once one leaf to the check: its meta tensor went unseen.
+        "a meta tensor in a read-only mapping": (
+            read_only(changed("opt[1].count", lambda t: t.to("meta"))),
+            r"\['w'\]\['opt\[1\].count'\] is a meta",
+        ),
         # Values the state cannot take, refused as set_hyperparams and the policies refuse them.
         "a NaN learning rate": (
             valued("hyperparams", "opt[2]['lr']", math.nan),
