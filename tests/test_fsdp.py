@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import sys
 import time
@@ -282,7 +283,45 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         generic.state_dict()
     except RuntimeError as err:
         out["generic"] = str(err)
+
+    # Dicts the unsharded load refuses: once loaded whole here, then failing at the next step
+    # (a NaN lr) or raising a bare KeyError (no flag) with the state already replaced.
+    core = [t.clone() for t in optimizer_leaves(opt)]
+    good = opt.state_dict()
+    nan_lr = {**good, "param_groups": [{**good["param_groups"][0], "lr": math.nan}]}
+    no_flag = {k: v for k, v in good.items() if k != "overflow"}
+    for name, bad in (("nan_lr", nan_lr), ("no_flag", no_flag)):
+        try:
+            opt.load_state_dict(bad)
+            out[name] = "loaded"
+        except ValueError as err:
+            out[name] = str(err)
+    out["refusals_unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(core, optimizer_leaves(opt), strict=True)
+    ) and opt.param_groups[0]["lr"] == pytest.approx(3 * LR)
     return out
+
+
+def generic_clip(rank: int, world: int) -> dict[str, Any]:
+    """The generic path's clip_master_grads called twice, as ``clip_grad_norm_`` twice: the
+    second sees the clipped grads (their norm ``CLIP``) and leaves them alone (it once
+    reused the first norm and scaled them again, by 1/100 here), so one step moves the params
+    as one clip (but for the second's factor max_norm / (max_norm + 1e-6), torch's too)."""
+    moved, norms = {}, []
+    for clips in (1, 2):
+        model = sharded()
+        start = shards(model)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = facade(model, sgd, compiled=False, path="generic")
+        opt.zero_grad()
+        opt.backward(loss_of(model, 0, rank, world), update_master_grads=False)
+        opt.update_master_grads()
+        norms.append([opt.clip_master_grads(CLIP / 100) for _ in range(clips)])
+        opt.step()
+        moved[clips] = [p - s for p, s in zip(shards(model), start, strict=True)]
+    # atol: an FP32 ulp of the params (<= 1), whose moves are ~1e-5 here.
+    same = [torch.allclose(a, b, rtol=1e-3, atol=2e-7) for a, b in zip(moved[1], moved[2])]
+    return {"norms": norms, "path": opt.path, "same_step": all(same)}
 
 
 def accumulation(rank: int, world: int) -> dict[str, Any]:
@@ -509,6 +548,7 @@ def worker(rank: int, world: int, out: str) -> None:
             "no_sync": lambda: no_sync(rank, world),
             "refusals": lambda: refusals(rank, world),
             "checkpoint_care": lambda: checkpoint_care(rank, world, where),
+            "generic_clip": lambda: generic_clip(rank, world),
             "accumulation": lambda: accumulation(rank, world),
             "hang": lambda: hang(rank, world),
             "die": lambda: die(rank, world),  # last: it breaks the group
@@ -683,6 +723,17 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert r["optimizer_unchanged"]
         assert r["lr_after_load"] == pytest.approx(3 * LR)
         assert "generic path" in r["generic"] and "RMSprop" in r["generic"]
+        assert "param group 0: hyperparameter 'lr' must be >= 0, got nan" in r["nan_lr"]
+        assert "it has no 'overflow' entry" in r["no_flag"]
+        assert r["refusals_unchanged"]
+
+
+def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):
+    for r in ranks(jobs, 2, "generic_clip"):
+        (once,), (first, second) = r["norms"]
+        assert r["path"] == "generic" and once == first > CLIP / 100
+        assert second == pytest.approx(CLIP / 100, rel=1e-4)
+        assert r["same_step"]
 
 
 def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs):

@@ -211,6 +211,7 @@ class GenericEngine:
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)
+            self._norm = self._norm * coef  # the clipped grads' norm: a second clip reads it
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
 

@@ -56,6 +56,11 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
     if not isinstance(sd.get("state"), Mapping):
         raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
+    for key in FLAGS:
+        if key not in sd:
+            raise _fail(f"it has no {key!r} entry")
+        if not isinstance(sd[key], bool):
+            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
     groups = sd.get("param_groups")
     if not isinstance(groups, Sequence) or len(groups) != len(inner.param_groups):
         raise _fail(f"it has {len(groups or [])} param groups, this optimizer "
@@ -73,12 +78,16 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
                 f"at {mine}: the state is saved by position among them, and would load into "
                 "other params (freeze and unfreeze as when it was saved)"
             )
+    merged = [{**group, **saved} for saved, group in zip(groups, inner.param_groups)]
     try:
-        specs = [group_spec(engine.kind, {**g, **saved}, k) for k, (saved, g) in
-                 enumerate(zip(groups, inner.param_groups))]  # fmt: skip
+        specs = [group_spec(engine.kind, group, k) for k, group in enumerate(merged)]
     except Unsupported as err:
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs)
+    try:  # the numbers, as an unsharded load checks them (a NaN lr would fail every step)
+        build_transform(specs, merged, engine.labels)
+    except (ValueError, TypeError, KeyError) as err:
+        raise _fail(str(err)) from None
     engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
