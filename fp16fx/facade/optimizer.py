@@ -36,7 +36,7 @@ from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
 from fp16fx.step import StepInfo
-from fp16fx.transforms import check_hyperparam
+from fp16fx.transforms import check_hyperparam, clip_coefficient
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -423,7 +423,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         As apex (and ``torch.nn.utils.clip_grad_norm_``): the norm is over all masters' grads,
         and grads are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returning a
         Python float syncs with the device (inherent to the API). On the fast path the clipping
-        itself is folded into the next ``step()``, which reuses its own norm: no extra pass.
+        itself is folded into the next ``step()``, which reuses its own norm: no extra pass; a
+        second call sees the grads the first clipped and returns their norm, as apex's did.
         A ``norm_type`` other than 2 moves the optimizer to the generic path (a sharded or
         FSDP2 one, which has none, raises ValueError). ``max_norm`` may
         be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes.
@@ -444,6 +445,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.new_grads()  # overflow reads these grads
                 if not bool(finite):
                     return -1.0
+                clipped_to = self._engine.clip_norm()
+                if clipped_to != NO_CLIP:  # clipped already (in the step): as apex's grads were
+                    norm = norm * clip_coefficient(clipped_to, norm)
+                    max_norm = min(float(max_norm), clipped_to)
                 self._engine.clip_current_grads(float(max_norm))
                 return float(norm)
             if self.sharded or self._engine.fsdp:
