@@ -107,7 +107,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
       process_group: found-inf consensus across processes (:mod:`fp16fx.distributed`):
         ``"auto"`` turns it on when torch.distributed is initialized with more than one
         process, ``None`` turns it off, a process group scopes it to that group. With it,
-        every process skips or applies each step together, on the device.
+        every process skips or applies each step together, on the device. (On an FSDP2
+        model it is always on, over the mesh's group unless one is given.)
       shard: ``True`` (the world group) or a process group: ZeRO-1 sharding with
         ``fp16fx.distributed``'s sharded state (docs/distributed.md). Each of d ranks keeps the
         whole FP16 params and grads but only its 1/d of the FP32 masters and moments (Adam:
