@@ -290,7 +290,8 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     good = opt.state_dict()
     nan_lr = {**good, "param_groups": [{**good["param_groups"][0], "lr": math.nan}]}
     no_flag = {k: v for k, v in good.items() if k != "overflow"}
-    for name, bad in (("nan_lr", nan_lr), ("no_flag", no_flag)):
+    no_trainable = {**good, "trainable": []}  # once unchecked: zip stopped at the shorter
+    for name, bad in (("nan_lr", nan_lr), ("no_flag", no_flag), ("no_trainable", no_trainable)):
         try:
             opt.load_state_dict(bad)
             out[name] = "loaded"
@@ -725,6 +726,7 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "generic path" in r["generic"] and "RMSprop" in r["generic"]
         assert "param group 0: hyperparameter 'lr' must be >= 0, got nan" in r["nan_lr"]
         assert "it has no 'overflow' entry" in r["no_flag"]
+        assert "its 'trainable' is []: one list per param group" in r["no_trainable"]
         assert r["refusals_unchanged"]
 
 

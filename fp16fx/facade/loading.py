@@ -71,7 +71,10 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
                         f"{sorted(group_numbers(group))}")  # fmt: skip
     if "trainable" not in sd:
         raise _fail("it does not say which params it trained (saved by an older fp16fx)")
-    for k, (theirs, mine) in enumerate(zip(sd["trainable"], trained_positions(inner, engine))):
+    positions = trained_positions(inner, engine)
+    if not isinstance(sd["trainable"], Sequence) or len(sd["trainable"]) != len(positions):
+        raise _fail(f"its 'trainable' is {sd['trainable']!r}: one list per param group expected")
+    for k, (theirs, mine) in enumerate(zip(sd["trainable"], positions)):
         if theirs != mine:
             raise _fail(
                 f"it trained the params at {theirs} of param group {k}, this optimizer those "
