@@ -399,25 +399,29 @@ def test_clip_master_grads_returns_the_unscaled_norm_and_clips(path):
     assert opt.clip_master_grads(0.05) == -1
 
 
-@pytest.mark.parametrize("limits", [(1e-3, 10.0), (0.5, 0.05), (10.0, 1e-3)])
+# (1e-6, 1e-6): torch's second factor, 1e-6 / (1e-6 + 1e-6), halves the grads again.
+@pytest.mark.parametrize("limits", [(1e-3, 10.0), (0.5, 0.05), (10.0, 1e-3), (1e-6, 1e-6)])
 def test_clipping_twice_clips_the_clipped_grads_on_both_paths(limits):
     """As clip_grad_norm_ twice (apex's): the second call sees the grads the first clipped
     and returns their norm. The fast path, which folds the clip into the step, once took the
     second limit alone (1e-3 then 10 did not clip) and returned the unclipped norm again."""
     (x, y), *_ = make_data(1)
-    norms, moved = {}, {}
+    norms, moved, applied = {}, {}, {}
     for path in PATHS:
         opt = wrap(model := make_model(), sgd, path, static_loss_scale=64.0)
         before = masters_of(opt)
         opt.zero_grad()
         opt.backward(loss_fn(model, x, y))
         norms[path] = [opt.clip_master_grads(limit) for limit in limits]
+        grads = [g.flatten() for group in opt.inspect_master_grad_data() for g in group]
+        applied[path] = torch.linalg.vector_norm(torch.cat(grads)).item()  # as the step clips
         opt.step()
         moved[path] = [a - b for a, b in zip(masters_of(opt), before, strict=True)]
     first, second = norms["generic"]
     assert first > 0.1 and math.isclose(second, min(first, limits[0]), rel_tol=1e-4)
     for got, want in zip(norms["fast"], norms["generic"], strict=True):
         assert math.isclose(got, want, rel_tol=1e-5)
+    assert math.isclose(applied["fast"], applied["generic"], rel_tol=1e-5)
     assert_close_engines(moved["fast"], moved["generic"])
 
 

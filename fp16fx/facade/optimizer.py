@@ -446,11 +446,15 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.new_grads()  # overflow reads these grads
                 if not bool(finite):
                     return -1.0
-                clipped_to = self._engine.clip_norm()
-                if clipped_to != NO_CLIP:  # clipped already (in the step): as apex's grads were
-                    norm = norm * clip_coefficient(clipped_to, norm)
-                    max_norm = min(float(max_norm), clipped_to)
-                self._engine.clip_current_grads(float(max_norm))
+                limit, clipped_to = float(max_norm), self._engine.clip_norm()
+                if clipped_to != NO_CLIP:  # clipped already (in the step), as apex's grads were:
+                    # this clip scales those, so the step scales by both factors at once
+                    first = clip_coefficient(clipped_to, norm)
+                    clipped = norm * first
+                    both = first * clip_coefficient(limit, clipped)
+                    limit = float(both * (norm.double() + 1e-6)) if both < 1 else NO_CLIP
+                    norm = clipped
+                self._engine.clip_current_grads(limit)
                 return float(norm)
             if self.sharded or self._engine.fsdp:
                 raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
