@@ -183,6 +183,14 @@ def test_bad_settings_fail_in_one_line(capsys, argv, fragments) -> None:
     assert out == ""
 
 
+def test_limit_and_data_dir_are_checked_before_the_data_loads(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(session, "load_dataset", lambda *args: pytest.fail("the data loaded"))
+    code, _, err = train_cli(capsys, "--limit", "0")
+    assert_one_line_error(code, err, "--limit must be >= 1, got 0")
+    code, _, err = train_cli(capsys, "--dataset", "fake", "--data-dir", "/tmp")
+    assert_one_line_error(code, err, "--dataset fake reads none")
+
+
 def test_missing_cifar10_says_where_to_put_it(capsys, tmp_path) -> None:
     code, _, err = train_cli(capsys, "--dataset", "cifar10", "--data-dir", str(tmp_path))
     assert_one_line_error(code, err, "cifar-10-batches-py", "never downloads")

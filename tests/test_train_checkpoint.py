@@ -336,6 +336,45 @@ def test_a_pickle_of_objects_is_refused_without_torchs_unsafe_advice(capsys, tmp
             load_checkpoint(str(legacy), {})
 
 
+def test_what_the_first_save_would_meet_is_refused_by_the_check(tmp_path, monkeypatch) -> None:
+    """Found by doing it, or by what the kernel would refuse: a file another user owns in a
+    sticky directory (/tmp) cannot be replaced; a directory where files cannot be removed
+    (append-only) fails the save's rename too."""
+    sticky = tmp_path / "shared"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs = sticky / "ck.pt"
+    theirs.write_bytes(b"another user's")
+    os.chown(theirs, 4321, 4321)
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)  # not root, not the owner
+    with pytest.raises(CheckpointError, match="belongs to another user"):
+        checkpoint.check_writable(str(theirs))
+    monkeypatch.undo()
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(CheckpointError, match="Operation not permitted"):
+        checkpoint.check_writable(str(tmp_path / "append-only" / "ck.pt"))
+
+
+def test_an_interrupted_save_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    save_atomic({"epoch": 1}, str(tmp_path / "ck.pt"))
+    real_open = os.open
+
+    def interrupted(*args, **kwargs):  # as the temporary file was opened, before its use
+        os.close(real_open(*args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"epoch": 2}, str(tmp_path / "ck.pt"))
+    monkeypatch.undo()
+    assert leftovers(tmp_path) == []
+    assert torch.load(tmp_path / "ck.pt", weights_only=True)["epoch"] == 1
+
+
 def test_a_checkpoint_saved_through_a_link_keeps_the_link(tmp_path) -> None:
     target, link = tmp_path / "run3.pt", tmp_path / "latest.pt"
     save_atomic({"epoch": 1}, str(target))
