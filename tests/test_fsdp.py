@@ -291,7 +291,18 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     nan_lr = {**good, "param_groups": [{**good["param_groups"][0], "lr": math.nan}]}
     no_flag = {k: v for k, v in good.items() if k != "overflow"}
     no_trainable = {**good, "trainable": []}  # once unchecked: zip stopped at the shorter
-    for name, bad in (("nan_lr", nan_lr), ("no_flag", no_flag), ("no_trainable", no_trainable)):
+    # Hand-made: once an AttributeError, and "not a DTensor" for a param it does not have.
+    entries = good["state"]["params"]
+    as_list = {**good, "state": {**good["state"], "params": list(entries.values())}}
+    extra = {**entries, "nope": next(iter(entries.values()))}
+    extra_param = {**good, "state": {**good["state"], "params": extra}}
+    for name, bad in (
+        ("nan_lr", nan_lr),
+        ("no_flag", no_flag),
+        ("no_trainable", no_trainable),
+        ("as_list", as_list),
+        ("extra_param", extra_param),
+    ):
         try:
             opt.load_state_dict(bad)
             out[name] = "loaded"
@@ -727,6 +738,8 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "param group 0: hyperparameter 'lr' must be >= 0, got nan" in r["nan_lr"]
         assert "it has no 'overflow' entry" in r["no_flag"]
         assert "its 'trainable' is []: one list per param group" in r["no_trainable"]
+        assert "['params'] is a list, not a dict" in r["as_list"]
+        assert "['params'] has ['nope'], which this state does not keep" in r["extra_param"]
         assert r["refusals_unchanged"]
 
 

@@ -184,9 +184,15 @@ def load_state_dict(
       fp16fx.StateDictError, ValueError: an entry does not fit (named); nothing is changed.
     """
     by_path = _by_path(state, params)
-    local: dict[str, dict[str, Any]] = {}
-    for path, entries in sd.get("params", {}).items():
+    saved = sd.get("params", {})
+    if not isinstance(saved, Mapping):
+        raise saved_format.misfit(f"['params'] is a {type(saved).__name__}, not a dict")
+    local: dict[str, Any] = {}
+    for path, entries in saved.items():
         param = by_path.get(path)
+        if param is None or not isinstance(entries, Mapping):
+            local[path] = entries  # named by fp16fx.load_state_dict's checks, before any read
+            continue
         out = {}
         for key, value in entries.items():
             where = f"['params'][{path!r}][{key!r}]"
