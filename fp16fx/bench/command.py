@@ -255,16 +255,15 @@ def run(args: argparse.Namespace) -> int:
         config=_config(args),
     )
     result = _measure_and_print(args, lambda say: run_bench(opts, say), to_json, format_report)
-    return 1 if _every_contender_failed(result) else 0
+    if _every_contender_failed(result):  # the table says why
+        print("fp16fx bench: every contender failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _every_contender_failed(result: BenchResult) -> bool:
-    """Whether no contender measured anything (the table says why); then the run fails."""
     rows = [row for p in result.presets for row in p.results if row.name != ROOFLINE]
-    if rows and all(row.status == "error" for row in rows):
-        print("fp16fx bench: every contender failed", file=sys.stderr)
-        return True
-    return False
+    return bool(rows) and all(row.status == "error" for row in rows)
 
 
 def _measure_and_print(

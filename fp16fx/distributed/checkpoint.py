@@ -239,8 +239,7 @@ def load_state_dict(
             f"this is rank {sd.get('rank')}'s dict of a checkpoint saved by "
             f"{sd.get('world_size')} ranks: pass the list of every rank's dicts"
         )
-    if isinstance(sd.get("params"), Mapping):
-        saved_format.check_dense(sd)  # before anything is written: nothing changes
+    saved_format.check_dense(sd)  # before anything is written: nothing changes
     saved, precision = saved_format.precision_of(sd), state.shard.precision
     signs = checkpoint.moment_signs(state.shard.opt_state)
     non_negative = checkpoint.non_negative_keys(signs)

@@ -542,11 +542,22 @@ class FastEngine:
             return GradStamp(self.flat.params, self.flat.grad_views, self.flat.grad_buffers)
         return GradStamp(self.flat.params)
 
-    def clip_current_grads(self, max_norm: float) -> None:
-        """Makes the steps clip the current grads to ``max_norm`` (``clip_master_grads``) for
-        as long as they are these grads: apex clipped its masters' grads, which kept the clip
-        until a backward or ``zero_grad`` replaced them."""
-        self._clip.remember(max_norm, self.grad_stamp())
+    def clip_current_grads(self, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+        """Makes the steps clip the current grads (global norm ``norm``, unclipped) to
+        ``max_norm`` (``clip_master_grads``) for as long as they are these grads: apex clipped
+        its masters' grads, which kept the clip until a backward or ``zero_grad`` replaced
+        them. Returns the norm of the grads this clip sees: ``norm``, or where they are
+        clipped already, the clipped one, which this clip scales again as apex's second
+        in-place clip did (the step then applies both factors at once)."""
+        limit, clipped_to = max_norm, self.clip_norm()
+        if clipped_to != NO_CLIP:
+            first = clip_coefficient(clipped_to, norm)
+            clipped = norm * first
+            both = first * clip_coefficient(limit, clipped)
+            limit = float(both * (norm.double() + 1e-6)) if both < 1 else NO_CLIP
+            norm = clipped
+        self._clip.remember(limit, self.grad_stamp())
+        return norm
 
     def clip_norm(self) -> float:
         """Returns the max_norm a step now clips to: :meth:`clip_current_grads`' while the

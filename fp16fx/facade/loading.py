@@ -56,11 +56,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
     if not isinstance(sd.get("state"), Mapping):
         raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
-    for key in FLAGS:
-        if key not in sd:
-            raise _fail(f"it has no {key!r} entry")
-        if not isinstance(sd[key], bool):
-            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
+    _check_flags(sd, required=True)
     groups = sd.get("param_groups")
     if not isinstance(groups, Sequence) or len(groups) != len(inner.param_groups):
         raise _fail(f"it has {len(groups or [])} param groups, this optimizer "
@@ -87,10 +83,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
     except Unsupported as err:
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs)
-    try:  # the numbers, as an unsharded load checks them (a NaN lr would fail every step)
-        build_transform(specs, merged, engine.labels)
-    except (ValueError, TypeError, KeyError) as err:
-        raise _fail(str(err)) from None
+    _check_numbers(specs, merged, engine)  # a NaN lr would fail every step after the load
     engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
@@ -165,10 +158,29 @@ def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
     dynamic = sd.get("dynamic_loss_scale", isinstance(policy, DynamicLossScale))
     if dynamic is not isinstance(policy, DynamicLossScale):
         raise _fail(f"dynamic_loss_scale is {dynamic!r} but loss_scaler is {scaler}")
-    for key in FLAGS:
-        if key in sd and not isinstance(sd[key], bool):
-            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
+    _check_flags(sd, required=False)
     return policy, values
+
+
+def _check_numbers(
+    specs: list[GroupSpec], groups: list[dict[str, Any]], engine: FastEngine
+) -> None:
+    """Raises unless the fast path can run ``groups``' numbers (the transform builds)."""
+    try:
+        build_transform(specs, groups, engine.labels)
+    except (ValueError, TypeError, KeyError) as err:
+        raise _fail(str(err)) from None
+
+
+def _check_flags(sd: Mapping[str, Any], *, required: bool) -> None:
+    """Raises unless ``sd``'s :data:`FLAGS` are bools (and, if ``required``, present: an
+    apex checkpoint may lack them, an FSDP2 one always has them)."""
+    for key in FLAGS:
+        if key not in sd:
+            if required:
+                raise _fail(f"it has no {key!r} entry")
+        elif not isinstance(sd[key], bool):
+            raise _fail(f"{key} must be a bool, got {sd[key]!r}")
 
 
 def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
@@ -340,10 +352,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
         except Unsupported:
             specs = None  # the loaded options need the generic path
         if specs is not None:
-            try:
-                build_transform(specs, groups, engine.labels)
-            except (ValueError, TypeError, KeyError) as err:
-                raise _fail(str(err)) from None
+            _check_numbers(specs, groups, engine)
         if engine.sharded is not None:
             if specs is None:
                 raise ValueError(

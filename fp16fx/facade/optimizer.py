@@ -36,7 +36,7 @@ from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
 from fp16fx.step import StepInfo
-from fp16fx.transforms import check_hyperparam, clip_coefficient
+from fp16fx.transforms import check_hyperparam
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]
@@ -446,16 +446,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.new_grads()  # overflow reads these grads
                 if not bool(finite):
                     return -1.0
-                limit, clipped_to = float(max_norm), self._engine.clip_norm()
-                if clipped_to != NO_CLIP:  # clipped already (in the step), as apex's grads were:
-                    # this clip scales those, so the step scales by both factors at once
-                    first = clip_coefficient(clipped_to, norm)
-                    clipped = norm * first
-                    both = first * clip_coefficient(limit, clipped)
-                    limit = float(both * (norm.double() + 1e-6)) if both < 1 else NO_CLIP
-                    norm = clipped
-                self._engine.clip_current_grads(limit)
-                return float(norm)
+                return float(self._engine.clip_current_grads(float(max_norm), norm))
             if self.sharded or self._engine.fsdp:
                 raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
             self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))

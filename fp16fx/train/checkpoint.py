@@ -39,7 +39,9 @@ __all__ = [
 ]
 
 FORMAT = "fp16fx.train/2"
-_REQUIRED = ("format", "run", "epoch", "stepper", "rng", "history")
+#: The entries that are dicts, and all a checkpoint must hold.
+_DICTS = ("run", "stepper", "rng", "history")
+_REQUIRED = ("format", "epoch", *_DICTS)
 
 #: The settings of checkpoints written before their ``run`` recorded them.
 _IDENTITY_DEFAULTS = {"fsdp": False}
@@ -139,7 +141,7 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     epoch = ckpt["epoch"]
     if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
         raise CheckpointError(f"checkpoint {path} is malformed: its 'epoch' is {epoch!r}")
-    for key in ("run", "stepper", "rng", "history"):
+    for key in _DICTS:
         if not isinstance(ckpt[key], dict):
             got = type(ckpt[key]).__name__
             raise CheckpointError(

@@ -322,11 +322,13 @@ def _report_worker(exc: WorkerError) -> int:
 def _file_identity(path: str | None) -> tuple[int, int] | None:
     """Returns the inode and modification time of the file at ``path`` (None: no file). An
     atomic save replaces the file, so a save changes both."""
+    if path is None:
+        return None
     try:
-        info = os.stat(path) if path is not None else None
+        info = os.stat(path)
     except OSError:
         return None
-    return None if info is None else (info.st_ino, info.st_mtime_ns)
+    return info.st_ino, info.st_mtime_ns
 
 
 def _last_checkpoint(config: TrainConfig, saved_before: tuple[int, int] | None) -> str:

@@ -68,8 +68,9 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
         # already (FileExistsError, one in 2**32) is someone else's, not removed.
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # minus the umask
         with os.fdopen(fd, "wb") as f:
-            if os.path.isfile(path):
-                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
+            replaced = _stat(path)
+            if replaced is not None and stat.S_ISREG(replaced.st_mode):
+                os.fchmod(f.fileno(), stat.S_IMODE(replaced.st_mode))
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -103,6 +104,13 @@ def _owned_by_another_in_a_sticky_directory(path: str) -> bool:
     sticky = directory.st_mode & stat.S_ISVTX
     owners = (mine.st_uid, directory.st_uid)
     return bool(sticky) and os.geteuid() != 0 and os.geteuid() not in owners
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
 
 
 def _directory(path: str) -> str:
