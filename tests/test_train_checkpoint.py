@@ -437,8 +437,21 @@ def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
         capsys, "--api", "functional", "--loss-scale", "128", "--resume", saved
     )
     assert code == 1 and "was written with --loss-scale dynamic, this run has 128" in one_line(err)
+    # Other batches, or another learning rate at every step, would quietly change the run it
+    # continues; the defaults are compared as the values they stand for.
+    for flags, message in (
+        ((), "was written with --limit 160: resume it with --limit 160"),
+        (("--batch-size", "16", *SMALL), "was written with --batch-size 32, this run has 16"),
+        (("--lr", "0.01", *SMALL), "was written with --lr 0.003, this run has 0.01"),
+        (("--lr-schedule", "constant", *SMALL), "--lr-schedule cosine, this run has constant"),
+        (("--limit", "320", "--quiet"), "was written with --limit 160, this run has 320"),
+    ):
+        code, _, err = train_cli(capsys, "--api", "functional", *flags, "--resume", saved)
+        assert code == 1 and message in one_line(err)
     # An --epochs the checkpoint has done already once ran nothing and saved nothing.
-    code, _, err = train_cli(capsys, "--api", "functional", "--epochs", "1", "--resume", saved)
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "1", "--resume", saved, *SMALL
+    )
     assert code == 1 and "has 1 epochs done: --epochs 1 leaves none to train" in one_line(err)
 
 
@@ -456,7 +469,7 @@ def test_checkpoint_with_a_misshapen_tensor_names_it(capsys, tmp_path, saved) ->
     params[path]["opt[1].mu"] = torch.zeros(3, 3)
     bad = str(tmp_path / "bad.pt")
     torch.save(ckpt, bad)
-    code, _, err = train_cli(capsys, "--api", "functional", "--resume", bad)
+    code, _, err = train_cli(capsys, "--api", "functional", "--resume", bad, *SMALL)
     line = one_line(err)
     assert code == 1 and f"['params'][{path!r}]['opt[1].mu']" in line and "(3, 3)" in line
 

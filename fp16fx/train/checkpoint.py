@@ -6,7 +6,9 @@ read with ``torch.load(weights_only=True)`` (no pickled code runs)::
     {
         "format": "fp16fx.train/2",
         "run": {"model": ..., "dataset": ..., "api": ..., "seed": ...,  # must match
-                "fsdp": ..., "master": ..., "moments": ...},
+                "fsdp": ..., "loss_scale": ..., "batch_size": ..., "lr": ...,
+                "lr_schedule": ..., "limit": ...,
+                "master": ..., "moments": ...},                # may differ
         "epoch": 3,                                  # epochs completed
         "stepper": {"model": ..., "optimizer": ...}, # Stepper.state_dict()
         "rng": {"torch": ByteTensor, "data": ByteTensor[, "cuda": ByteTensor]},
@@ -99,8 +101,8 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     """Returns the checkpoint at ``path`` after checking that it was written for ``run``.
 
     Loads with ``torch.load(weights_only=True)`` onto the CPU. ``run`` holds the settings that
-    decide the shape of the state (model, dataset, API, seed); each must equal the
-    checkpoint's.
+    decide the state or the run it continues (``TrainConfig.identity``); each must equal the
+    checkpoint's, unless the checkpoint was written before it recorded that setting.
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
@@ -159,6 +161,9 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
                 raise CheckpointError(
                     f"checkpoint {path} was written {how} {flag}: resume it {how} {flag}"
                 )
+            if saved is None or value is None:  # an option given on one side only
+                how = f"without {flag}" if saved is None else f"with {flag} {saved}"
+                raise CheckpointError(f"checkpoint {path} was written {how}: resume it {how}")
             raise CheckpointError(
                 f"checkpoint {path} was written with {flag} {saved}, this run has {value}"
             )

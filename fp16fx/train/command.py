@@ -193,8 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--resume",
         metavar="PATH",
-        help="continue from this checkpoint (of the same --model, --dataset, --api, --seed and "
-        "--fsdp; one written with other --masters or --moments has its optimizer state "
+        help="continue from this checkpoint (of the same --model, --dataset, --api, --seed, "
+        "--fsdp, --loss-scale, --batch-size, --lr, --lr-schedule and --limit; --epochs may "
+        "grow; one written with other --masters or --moments has its optimizer state "
         "converted)",
     )
     out.add_argument(

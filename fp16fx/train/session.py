@@ -95,7 +95,9 @@ class TrainConfig:
         where the masters decide the model's dtype (FP32 shards are their own masters,
         compensated ones FP16). Nor is the number of processes. The loss scale is one: the
         checkpoint's loss-scale state continues, so another ``--loss-scale`` would be printed
-        but not used.
+        but not used. So are the batch size, the learning rate and its schedule, and
+        ``--limit``: with others the resumed run would quietly differ from the one it
+        continues (its batches, or the learning rate of every step). ``--epochs`` may grow.
         """
         return {
             "model": self.model,
@@ -104,6 +106,10 @@ class TrainConfig:
             "seed": self.seed,
             "fsdp": self.fsdp,
             "loss_scale": self.loss_scale,
+            "batch_size": _batch_size(self),
+            "lr": _lr(self),
+            "lr_schedule": self.lr_schedule,
+            "limit": self.limit,
         }
 
     def precision(self) -> dict[str, str]:
