@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
+from fp16fx.facade import torch_state
 from fp16fx.facade.fast import NOT_SHARDED, FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
@@ -167,12 +168,9 @@ def handover(
     )  # fmt: skip
     if keep_state:
         exported = fast.export()
-        for group in optimizer.param_groups:
-            for entry in group["params"] if group.get("amsgrad") else ():
-                state = exported.get(entry)
-                if state and "max_exp_avg_sq" not in state:  # amsgrad just switched on: the
-                    # fast path would start the maximum at zero; torch's step needs it
-                    state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+        groups = [(bool(group.get("amsgrad")), group["params"]) for group in optimizer.param_groups]
+        for param in torch_state.lacking_amsgrad_maximum(groups, exported):
+            exported[param]["max_exp_avg_sq"] = torch.zeros_like(exported[param]["exp_avg_sq"])
         optimizer.state.update(exported)
     stepped_finite = None if fast.last_info is None else fast.last_info.finite
     return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler, stepped_finite)

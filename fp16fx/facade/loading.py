@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
     KEYS,
@@ -248,11 +249,10 @@ def _require_amsgrad_maximum(
     torch's own step reads it (a checked ``optimizer_state_dict``; ``groups`` merged)."""
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         return
-    for saved, group in zip(osd["param_groups"], groups):
-        for key in saved["params"] if group.get("amsgrad") else ():
-            state = osd["state"].get(key)
-            if state and "max_exp_avg_sq" not in state:
-                raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks ['max_exp_avg_sq']")
+    amsgrad = [(bool(g.get("amsgrad")), s["params"]) for s, g in zip(osd["param_groups"], groups)]
+    lacking = torch_state.lacking_amsgrad_maximum(amsgrad, osd["state"])
+    if lacking:
+        raise _fail(f"optimizer_state_dict['state'][{lacking[0]!r}] lacks ['max_exp_avg_sq']")
 
 
 def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ keeps none at all. Loading goes through the core's own state dict in FP32 terms
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,22 @@ def keys(spec: GroupSpec) -> tuple[str, ...]:
     if spec.name == "sgd":
         return ("momentum_buffer",) if spec.momentum else ()
     return ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if spec.amsgrad else ()))
+
+
+def lacking_amsgrad_maximum(
+    groups: Iterable[tuple[bool, Iterable[Hashable]]], state: Mapping[Any, Mapping[str, Any]]
+) -> list[Hashable]:
+    """Returns the params (keys of ``state``) that have stepped in a group with amsgrad on,
+    ``groups`` giving each group's ``(amsgrad, params)``, yet hold no ``max_exp_avg_sq``:
+    amsgrad was switched on since their last step. The fast path starts that maximum at
+    zero; torch's own step reads it."""
+    return [
+        key
+        for amsgrad, params in groups
+        if amsgrad
+        for key in params
+        if state.get(key) and "max_exp_avg_sq" not in state[key]
+    ]
 
 
 def to_torch(
