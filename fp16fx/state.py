@@ -425,15 +425,23 @@ def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
         runs = list(itertools.pairwise(inner))
         sizes = [bucket.stop(b) - bucket.offsets[a] for a, b in runs]
         entry = params[k]
+        masters = split(masters, k, sizes)
         if isinstance(entry, tuple):
             parts: list[Any] = [entry[a - seg.lo : b - seg.lo] for a, b in runs]
+            if bucket.dtype == torch.float32:  # leaves now one flat tensor: their own master,
+                # as init makes them (the in-place step writes that tensor, not a copy)
+                mine = list(masters.items)
+                for j, (a, b) in enumerate(runs):
+                    own = flat.joined(parts[j], bucket.shapes[a:b], bucket.offsets[a : b + 1])
+                    if own is not None:
+                        parts[j] = mine[k + j] = own
+                masters = Segments(mine, masters.labels)
         else:
             parts = list(entry.split(sizes))
         params = Segments(
             [*params.items[:k], *parts, *params.items[k + 1 :]],
             [*params.labels[:k], *[params.labels[k]] * len(parts), *params.labels[k + 1 :]],
         )
-        masters = split(masters, k, sizes)
         opt_state = split(opt_state, k, sizes)
     if quantized:
         opt_state = encode_moments(opt_state, state.precision)
