@@ -36,6 +36,7 @@ from fp16fx.precision import (
 from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
 from fp16fx.segments import Segments, split
 from fp16fx.transforms import GradientTransformation
+from fp16fx.transforms.base import check_kept
 
 _CHILDREN = ("param_segments", "master_segments", "opt_state", "loss_scale", "count")
 _META = ("optimizer", "policy", "layout", "consensus", "precision", "bucket_starts")
@@ -253,7 +254,10 @@ def init(
     Raises:
       TypeError, ValueError: the params cannot be trained (or hold one tensor twice), the
         optimizer, policy or precision is not one, or a compensated state's params are not
-        flat or all FP32 (the message names it); nothing is changed.
+        flat or all FP32 (the message names it); nothing is changed. TypeError: the
+        optimizer's ``init`` returned a tensor that is not per param
+        (:func:`~fp16fx.transforms.base.check_kept`), found once it has run: with
+        ``buckets`` the params are then in flat buffers, their values unchanged.
     """
     check_optimizer(optimizer)
     precision = Precision(master, moments)
@@ -311,7 +315,9 @@ def init(
             consensus=consensus,
             precision=precision,
         )
-        state.opt_state = encode_moments(optimizer.init(state.decoded_masters()), precision)
+        opt_state = optimizer.init(state.decoded_masters())
+        check_kept(opt_state)
+        state.opt_state = encode_moments(opt_state, precision)
     if not buckets:
         state._views["params"] = params  # the caller's own tensors, not views of them
     return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -311,3 +312,20 @@ def test_multi_transform_labels_are_taken_as_given_when_built():
     fp16fx.init([torch.ones(2), torch.ones(2)], fp16fx.chain(*both))
     with pytest.raises(ValueError, match="must label the params alike"):
         fp16fx.chain(both[0], fp16fx.multi_transform([sgd(0.1), sgd(0.2)], [1, 0]))
+
+
+def test_a_transform_state_tensor_that_is_not_per_param_is_refused_by_its_path():
+    """A step keeps a transform's per-param state, Hyperparams and GradNorm slots: a global
+    count (optax's scale_by_schedule) was dropped by the pure step and the state dict while
+    the in-place step kept it, so the two trained differently."""
+
+    def init(params):
+        mu = optree.tree_map(torch.zeros_like, params)  # per param: kept
+        return {"count": torch.zeros((), dtype=torch.int64), "mu": mu}
+
+    def update(updates, state, params):
+        return updates, {**state, "count": state["count"] + 1}
+
+    counting = fp16fx.GradientTransformation(init, update)
+    with pytest.raises(TypeError, match=r"tensor at state\[0\]\['count'\] that is not per param"):
+        fp16fx.init({"w": torch.ones(3)}, fp16fx.chain(counting, fp16fx.sgd(1.0)))

@@ -85,6 +85,29 @@ def with_grad_norm(state: State, norm: torch.Tensor) -> State:
     )
 
 
+def _kept(x: Any) -> bool:
+    return isinstance(x, (Segments, Hyperparams, GradNorm))
+
+
+def check_kept(state: State) -> None:
+    """Raises TypeError naming the first tensor of a transform's ``init`` state that a step
+    would not keep. A step keeps the per-param state (the parts inside the
+    :class:`~fp16fx.segments.Segments` the transform was given, cut and saved with them),
+    :class:`Hyperparams` and :class:`GradNorm` slots; a tensor elsewhere would be dropped by
+    the pure step and the state dict. A count of steps lives per param, as in
+    :func:`~fp16fx.transforms.primitives.scale_by_adam`."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=_kept)
+    for accessor, leaf in zip(accessors, leaves):
+        if isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"the optimizer's init returned a tensor at {accessor.codify('state')} that is "
+                "not per param: a transform's state holds tensors only in a tree like the "
+                "params its init is given (e.g. tree_map(torch.zeros_like, params)), in "
+                "Hyperparams and in GradNorm slots; keep a step count per param, as "
+                "fp16fx.adam does"
+            )
+
+
 def _non_negative(x: float) -> bool:
     return x >= 0
 
@@ -217,6 +240,7 @@ __all__ = [
     "Hyperparams",
     "chain",
     "check_hyperparam",
+    "check_kept",
     "hyperparams",
     "labels_of",
     "scalars",
