@@ -55,7 +55,7 @@ OPS = st.one_of(
     st.tuples(st.just("lr"), st.sampled_from([1e-3, 0.02])),
     st.tuples(st.just("zero_grad"), st.booleans()),
     st.tuples(st.just("loss_scale"), st.sampled_from([4.0, 64.0, 1024.0])),
-    st.tuples(st.just("reload")),
+    st.tuples(st.just("reload"), st.sampled_from([None, 4.0, 1024.0])),  # at another scale
     st.tuples(st.just("inspect_master_grad_data")),
     st.tuples(st.just("add_param_group")),
 )
@@ -113,7 +113,10 @@ def call(model: nn.ModuleList, opt: FP16_Optimizer, op: tuple) -> object:
             group["lr"] = args[0]
         return None
     if name == "reload":
-        return opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        saved = copy.deepcopy(opt.state_dict())
+        if args[0] is not None:  # the grads keep the scale they were made with, as on a set
+            saved["loss_scaler"]["loss_scale"] = args[0]
+        return opt.load_state_dict(saved)
     if name == "add_param_group":
         return opt.add_param_group({"params": list(model[2].parameters())})
     return getattr(opt, name)(*args)
@@ -163,12 +166,13 @@ def assert_same_grads(fast: list | None, generic: list | None) -> None:
 @given(ops=st.lists(OPS, min_size=1, max_size=12))
 # Each pins a divergence found once: a fast clip's overflow (the last step's), a clip of no
 # grads at all that held again once the grads were None again, grads that kept the scale
-# set after their backward, a load that marked unseen grads "stale", and a group added over
-# an update of no grads, unscaled by the scale of that update.
+# set after their backward, a load that marked unseen grads "stale", a group added over
+# an update of no grads, unscaled by the scale of that update, and grads unscaled by the
+# scale a load set after their backward.
 @example(
     ops=[
         ("backward", 0, True, True),
-        ("reload",),
+        ("reload", None),
         ("clip_master_grads", 1e-3),
         ("zero_grad", False),
     ]
@@ -183,7 +187,8 @@ def assert_same_grads(fast: list | None, generic: list | None) -> None:
     ]
 )
 @example(ops=[("backward", 0, False, False), ("loss_scale", 4.0), ("clip_master_grads", 0.1)])
-@example(ops=[("backward", 0, False, False), ("reload",), ("inspect_master_grad_data",)])
+@example(ops=[("backward", 0, False, False), ("reload", None), ("inspect_master_grad_data",)])
+@example(ops=[("backward", 0, True, False), ("reload", 1024.0), ("step",)])
 @example(
     ops=[
         ("update_master_grads",),

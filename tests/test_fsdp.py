@@ -311,6 +311,23 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     out["refusals_unchanged"] = all(
         torch.equal(a, b) for a, b in zip(core, optimizer_leaves(opt), strict=True)
     ) and opt.param_groups[0]["lr"] == pytest.approx(3 * LR)
+
+    # Grads made at a scale set by hand, then a load of the state before the set: the step
+    # unscales them by the scale they were made with (once by the loaded one, 8x too large).
+    twins = []
+    for load_after_backward in (True, False):
+        model = sharded(half=True)
+        opt = facade(model, compiled=False)
+        train(model, opt, range(1), rank, world)
+        saved = opt.state_dict()
+        opt.loss_scale = INIT_SCALE / 8
+        opt.zero_grad()
+        opt.backward(loss_of(model, 1, rank, world))
+        if load_after_backward:
+            opt.load_state_dict(saved)
+        opt.step()
+        twins.append(shards(model))
+    out["load_keeps_the_grads_scale"] = all(map(torch.equal, *twins))
     return out
 
 
@@ -741,6 +758,7 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "['params'] is a list, not a dict" in r["as_list"]
         assert "['params'] has ['nope'], which this state does not keep" in r["extra_param"]
         assert r["refusals_unchanged"]
+        assert r["load_keeps_the_grads_scale"]
 
 
 def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):

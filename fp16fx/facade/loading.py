@@ -85,6 +85,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs)
     _check_numbers(specs, merged, engine)  # a NaN lr would fail every step after the load
+    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
     engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
@@ -420,6 +421,7 @@ def load(
             group.clear()
             group.update(contents)
         raise
+    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
     with torch.no_grad():
         for name in ScaleValues._fields:  # LossScaleState's
             getattr(scaler.state, name).fill_(getattr(plan.values, name))
