@@ -191,7 +191,7 @@ def _get(d: Mapping[str, Any], key: str, kind: type) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"loss_scaler[{key!r}] must be a number, got {value!r}")
-    if kind is int and value != int(value):
+    if kind is int and not (math.isfinite(value) and value == int(value)):
         raise ValueError(f"loss_scaler[{key!r}] must be an integer, got {value!r}")
     return kind(value)
 
@@ -204,12 +204,18 @@ def _count(d: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _pow2(x: float, up: bool) -> float:
-    """Returns ``x`` if it is a power of two, else the next power of two above/below it."""
-    if is_power_of_two(x):
-        return x
-    exponent = math.log2(x)
-    return 2.0 ** (math.ceil(exponent) if up else math.floor(exponent))
+def _amp_bound(d: Mapping[str, Any], key: str, up: bool) -> float:
+    """Returns apex amp's scale bound ``key`` as the power of two inside it (``up``: the next
+    one above, else below); an infinite ceiling (amp's ``min(inf, 2 * s)`` never caps) is
+    :data:`NO_CEILING`."""
+    value = _get(d, key, float)
+    if value == math.inf and not up:
+        return NO_CEILING
+    check_scale(f"loss_scaler[{key!r}]", value)
+    if is_power_of_two(value):
+        return value
+    exponent = math.log2(value)
+    return 2.0 ** min(math.ceil(exponent) if up else math.floor(exponent), 127)
 
 
 def _dynamic(**fields: Any) -> DynamicLossScale:
@@ -248,8 +254,8 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
         if not _get(d, "dynamic", bool):
             return StaticLossScale(scale), ScaleValues(scale, good_steps=0, overflows=0)
         floor = d.get("min_loss_scale")
-        min_scale = NO_FLOOR if not floor else _pow2(_get(d, "min_loss_scale", float), up=True)
-        max_scale = _pow2(_get(d, "max_loss_scale", float), up=False)
+        min_scale = NO_FLOOR if not floor else _amp_bound(d, "min_loss_scale", up=True)
+        max_scale = _amp_bound(d, "max_loss_scale", up=False)
         policy = _dynamic(
             init_scale=min(max(2.0**16, min_scale), max_scale),
             growth_interval=_get(d, "scale_window", int),
