@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fp16fx
+from fp16fx.facade.policy import NO_CEILING, scaler_from_dict
 from fp16fx.fp16_utils import FP16_Optimizer
 from tests.apex_fixtures import AMP_SCALER, LEGACY_DYNAMIC, LEGACY_STATIC, fake_apex, instance
 
@@ -254,6 +255,11 @@ CORRUPTIONS = {
         ValueError,
         "\\['state'\\]\\[2\\] lacks \\['exp_avg'\\]",
     ),
+    "a moment that is None": (  # torch's own step reads it: once loaded, then every step raised
+        _set(["optimizer_state_dict", "state", 2, "exp_avg"], None),
+        ValueError,
+        "\\['state'\\]\\[2\\]\\['exp_avg'\\] is None, not a tensor",
+    ),
     "a step count past int64": (
         _set(["optimizer_state_dict", "state", 2, "step"], torch.tensor(1e30)),
         ValueError,
@@ -363,6 +369,10 @@ def test_a_dict_saved_after_amsgrad_was_switched_on_resumes_bitwise():
     before = fingerprint(make_model(), generic)
     with pytest.raises(ValueError, match=r"\['state'\]\[0\] lacks \['max_exp_avg_sq'\]"):
         generic.load_state_dict(ckpt["optimizer"])
+    as_none = copy.deepcopy(ckpt["optimizer"])  # torch keeps None where amsgrad is off
+    as_none["optimizer_state_dict"]["state"][0]["max_exp_avg_sq"] = None
+    with pytest.raises(ValueError, match=r"\['state'\]\[0\] lacks \['max_exp_avg_sq'\]"):
+        generic.load_state_dict(as_none)
     assert_same_fingerprint(fingerprint(make_model(), generic), before)
 
 
@@ -454,6 +464,32 @@ APEX_SCALERS = {
     ),
     "legacy static": (instance(LEGACY_STATIC, cur_scale=128.0), [128.0] * 4),
 }  # fmt: skip
+
+
+AMP_DICT = {
+    "format": "apex.amp", "loss_scale": 2.0**13, "dynamic": True, "unskipped": 1,
+    "scale_window": 2000, "min_loss_scale": None, "max_loss_scale": 2.0**24,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("entry", "value"),
+    [
+        ("max_loss_scale", math.nan),
+        ("max_loss_scale", 0.0),
+        ("min_loss_scale", -1.0),
+        ("min_loss_scale", math.inf),
+        ("scale_window", math.inf),
+        ("scale_window", math.nan),
+    ],
+)
+def test_amp_scaler_bounds_are_checked_by_name_and_an_infinite_ceiling_is_none(entry, value):
+    """They once raised bare OverflowErrors and math domain errors from the rounding to a
+    power of two; apex amp's own ceiling of inf (no ceiling) loads as none."""
+    with pytest.raises(ValueError, match=rf"loss_scaler\['{entry}'\] must be"):
+        scaler_from_dict({**AMP_DICT, entry: value})
+    policy, values = scaler_from_dict({**AMP_DICT, "max_loss_scale": math.inf})
+    assert policy.max_scale == NO_CEILING and values.scale == 2.0**13
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -49,6 +49,9 @@ _STATE_KEYS: dict[type, tuple[str, ...]] = {
     torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
 }
 
+#: The state entries torch keeps as None: a buffer not made yet (the maximum: amsgrad off).
+_MAY_BE_NONE = ("momentum_buffer", "max_exp_avg_sq")
+
 
 def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any]) -> None:
     """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
@@ -240,6 +243,8 @@ def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, A
                     raise _fail(f"{where} is {tensor!r}, not a step count")
             elif tensor is not None:
                 _check_tensor(where, tensor, entries[key], None, field.endswith("exp_avg_sq"))
+            elif field not in _MAY_BE_NONE:  # torch's step reads it
+                raise _fail(f"{where} is None, not a tensor")
     return merged
 
 

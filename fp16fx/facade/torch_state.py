@@ -51,7 +51,7 @@ def lacking_amsgrad_maximum(
     groups: Iterable[tuple[bool, Iterable[Hashable]]], state: Mapping[Any, Mapping[str, Any]]
 ) -> list[Hashable]:
     """Returns the params (keys of ``state``) that have stepped in a group with amsgrad on,
-    ``groups`` giving each group's ``(amsgrad, params)``, yet hold no ``max_exp_avg_sq``:
+    ``groups`` giving each group's ``(amsgrad, params)``, yet hold no ``max_exp_avg_sq`` (or None):
     amsgrad was switched on since their last step. The fast path starts that maximum at
     zero; torch's own step reads it."""
     return [
@@ -59,7 +59,7 @@ def lacking_amsgrad_maximum(
         for amsgrad, params in groups
         if amsgrad
         for key in params
-        if state.get(key) and "max_exp_avg_sq" not in state[key]
+        if state.get(key) and state[key].get("max_exp_avg_sq") is None
     ]
 
 
