@@ -448,6 +448,22 @@ def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
     ):
         code, _, err = train_cli(capsys, "--api", "functional", *flags, "--resume", saved)
         assert code == 1 and message in one_line(err)
+    # A value equal to the default is the default.
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "2", "--resume", saved, *SMALL,
+        "--batch-size", "32", "--lr", "3e-3", "--lr-schedule", "cosine",
+    )  # fmt: skip
+    assert code == 0, err
+    # A checkpoint written before its run recorded them: not compared.
+    older = torch.load(saved, weights_only=True)
+    for key in ("batch_size", "lr", "lr_schedule", "limit"):
+        del older["run"][key]
+    torch.save(older, saved)
+    code, _, err = train_cli(
+        capsys, "--api", "functional", "--epochs", "2", "--resume", saved, "--limit", "96",
+        "--quiet", "--batch-size", "16", "--lr", "0.01", "--lr-schedule", "constant",
+    )  # fmt: skip
+    assert code == 0, err
     # An --epochs the checkpoint has done already once ran nothing and saved nothing.
     code, _, err = train_cli(
         capsys, "--api", "functional", "--epochs", "1", "--resume", saved, *SMALL

@@ -102,7 +102,8 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
 
     Loads with ``torch.load(weights_only=True)`` onto the CPU. ``run`` holds the settings that
     decide the state or the run it continues (``TrainConfig.identity``); each must equal the
-    checkpoint's, unless the checkpoint was written before it recorded that setting.
+    checkpoint's, unless the checkpoint was written before it recorded that setting (then it
+    is not compared; ``fsdp`` is then compared with False).
 
     Raises:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
@@ -152,7 +153,7 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
     saved_run = ckpt["run"]
     for key, value in run.items():
         if key not in saved_run and key not in _IDENTITY_DEFAULTS:
-            continue  # written before the run recorded it (the loss scale): not compared
+            continue  # written before the run recorded it (loss scale, batches): not compared
         saved = saved_run.get(key, _IDENTITY_DEFAULTS.get(key))
         if saved != value:
             flag = f"--{key.replace('_', '-')}"

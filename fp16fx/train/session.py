@@ -95,9 +95,11 @@ class TrainConfig:
         where the masters decide the model's dtype (FP32 shards are their own masters,
         compensated ones FP16). Nor is the number of processes. The loss scale is one: the
         checkpoint's loss-scale state continues, so another ``--loss-scale`` would be printed
-        but not used. So are the batch size, the learning rate and its schedule, and
-        ``--limit``: with others the resumed run would quietly differ from the one it
-        continues (its batches, or the learning rate of every step). ``--epochs`` may grow.
+        but not used. So are the batch size (per process), the learning rate and its
+        schedule, and ``--limit``: with others the resumed run would quietly differ from the
+        one it continues (its batches, or the learning rate of every step). ``--epochs`` may
+        change (the cosine schedule is recomputed over the new total), and so may the number
+        of processes, as said (each process then takes ``batch_size`` examples a step).
         """
         return {
             "model": self.model,
