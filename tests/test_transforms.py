@@ -263,6 +263,7 @@ def test_multi_transform_labels_a_dict_of_params_by_name():
         ({"a": 0, "b": 2}, ValueError, r"label of params\['b'\] is 2: there are 2"),
         ({"a": 0, "b": "x"}, TypeError, r"label of params\['b'\] is 'x', not an index"),
         ({"a": 0, "b": True}, TypeError, "not an index"),
+        ([0, {1}], TypeError, r"label of params\['b'\] is \{1\}, not an index"),  # unhashable
         ([0, 1, 1], ValueError, "neither the structure of the params"),
     ],
 )

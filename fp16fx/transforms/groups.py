@@ -50,7 +50,8 @@ def multi_transform(
     leaf in optree's order -- for params in a dict that is sorted by key, so a flat sequence
     of different labels is refused for a dict whose keys are not given sorted (it would route
     by another order). The labels are copied when it is built.
-    A ``None`` param needs no label. ``get_hyperparams`` then returns one dict per group, and
+    A ``None`` param keeps its place among the labels, with any label (None too).
+    ``get_hyperparams`` then returns one dict per group, and
     ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
 
     Raises:
@@ -127,19 +128,13 @@ def _flat_labels(given: Any, params: Any, n_transforms: int) -> tuple[int, ...]:
     tree shaped like ``params`` or a flat sequence; raises naming what does not fit."""
     leaves, treedef = tree.flatten(params)
     containers = (list, tuple, Mapping)
-    if (
+    sequence = (
         isinstance(given, (list, tuple))
         and len(given) == len(leaves)
         and not any(isinstance(label, containers) for label in given)
-    ):
+    )
+    if sequence:
         flat = list(given)
-        routed = {label for label, leaf in zip(flat, leaves) if leaf is not None}
-        if len(routed) > 1 and tree.dict_order_differs(params):
-            raise ValueError(
-                "multi_transform's labels are a flat sequence, but the params hold a dict whose "
-                "keys are not in sorted order, the order optree flattens them in: give the "
-                "labels as a dict with the params' keys, or a function of the params"
-            )
     else:
         try:
             flat = treedef.flatten_up_to(given)
@@ -162,6 +157,13 @@ def _flat_labels(given: Any, params: Any, n_transforms: int) -> tuple[int, ...]:
                 f"multi_transform's label of {name} is {label}: there are {n_transforms} transforms"
             )
         out.append(int(label))
+    routed = {label for label, leaf in zip(out, leaves) if leaf is not None}
+    if sequence and len(routed) > 1 and tree.dict_order_differs(params):
+        raise ValueError(
+            "multi_transform's labels are a flat sequence, but the params hold a dict whose "
+            "keys are not in sorted order, the order optree flattens them in: give the "
+            "labels as a dict with the params' keys, or a function of the params"
+        )
     return tuple(out)
 
 
@@ -191,7 +193,8 @@ def hyperparam_groups(state: State) -> list[dict[str, torch.Tensor]]:
     """Returns one dict per param group (one in all without ``multi_transform``) of the
     hyperparameter tensors that apply to it, shared ones (outside ``multi_transform``)
     included. A name two transforms share (``weight_decay`` in ``adam`` and a chained
-    ``add_decayed_weights``) maps to the first one's tensor."""
+    ``add_decayed_weights``) maps to the first one's tensor, a group's own (inside
+    ``multi_transform``) before a shared one."""
     shared: dict[str, torch.Tensor] = {}
     groups: dict[int, dict[str, torch.Tensor]] = {}
 
