@@ -627,6 +627,32 @@ def test_a_scale_set_between_backward_and_step_leaves_the_grads_as_made(update):
         assert_same(moved[path, True], moved[path, False])
 
 
+@pytest.mark.parametrize("case", ["scale set", "stepped again", "clipped"])
+def test_a_load_that_needs_the_generic_path_keeps_the_grads_scale_and_clip(case):
+    """A loaded dict whose groups the fast path cannot run hands it over to the generic one;
+    the grads' scale (set by hand after their backward, or left by the step that read them)
+    and a pending clip once went with the replaced state, not with the grads."""
+    x, y = make_data(1)[0]
+    moved = {}
+    for path in PATHS:
+        model = mixed_model()
+        opt = wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.05), path, **GROWING)
+        saved = copy.deepcopy(opt.state_dict())
+        saved["optimizer_state_dict"]["param_groups"][0]["maximize"] = True  # generic only
+        before = masters_of(opt)
+        opt.backward(mixed_loss(model, x, y))
+        if case == "stepped again":  # a step() without a new backward, as apex allowed
+            opt.step()
+        if case == "clipped":
+            opt.clip_master_grads(1e-3)
+        else:
+            opt.loss_scale = 8.0
+        opt.load_state_dict(saved)
+        opt.step()
+        moved[path] = [a - b for a, b in zip(masters_of(opt), before)]
+    assert_close_engines(moved["fast"], moved["generic"])
+
+
 @pytest.mark.parametrize("read", ["overflow", "state_dict", "inspect_master_grad_data"])
 def test_reading_between_accumulated_backwards_changes_no_grad(read):
     """On the generic path, reading these between two backward(update_master_grads=False)

@@ -618,8 +618,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Switches from the fast to the generic path (:func:`~fp16fx.facade.engines.handover`)."""
         fast = self._engine
         assert isinstance(fast, FastEngine)
-        max_norm = fast.clip_norm() if keep_state else NO_CLIP
-        made_at = fast.carried_scale() if keep_state else None
+        # The grads' scale and a pending clip belong to the grads, which outlive a load too.
+        max_norm, made_at = fast.clip_norm(), fast.carried_scale()
         self._engine = generic = handover(fast, self._params, reason, keep_state=keep_state)
         if max_norm != NO_CLIP or made_at is not None:
             # The masters' grads as the fast step would have read them (grads stepped before
