@@ -382,6 +382,16 @@ def test_dynamic_has_overflow_detects_inf_and_nan(grads, expected):
     assert DynamicLossScaler().has_overflow(params) is expected
 
 
+def test_dynamic_has_overflow_reads_a_sparse_grad_by_its_values():
+    """An nn.Embedding(sparse=True) grad once raised NotImplementedError (apex answered)."""
+    embedding = nn.Embedding(5, 2, sparse=True)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    assert DynamicLossScaler().has_overflow(embedding.parameters()) is False
+    embedding.weight.grad = embedding.weight.grad * math.inf
+    assert DynamicLossScaler().has_overflow(embedding.parameters()) is True
+
+
 @pytest.mark.parametrize("scaler", [LossScaler(8), DynamicLossScaler(init_scale=8)])
 def test_backward_scales_the_loss_in_fp32(scaler):
     w = nn.Parameter(torch.ones(3, dtype=torch.half))
@@ -393,8 +403,56 @@ def test_backward_scales_the_loss_in_fp32(scaler):
     assert torch.equal(w.grad, (16 * x))
 
 
+def test_backward_keeps_an_fp64_loss_in_fp64():
+    """As apex's loss * scale: the loss was once cast down to FP32 first."""
+    w = nn.Parameter(torch.ones(1, dtype=torch.float64))
+    LossScaler(0.1).backward((w * 1.0).sum())
+    assert w.grad.item() == 0.1
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_grads_to_master_accept_generators_and_stay_out_of_the_graph():
+    """A parameters() generator was consumed by the length check (then a torch.cat error);
+    a grad made with create_graph=True gave the master's grad a grad_fn (apex copied .data);
+    a sparse grad failed after the earlier masters were written."""
+    model = nn.Linear(3, 2)
+    _, masters = prep_param_lists(model)
+    (model(torch.ones(1, 3)) ** 2).sum().backward(create_graph=True)
+    model_grads_to_master_grads(model.parameters(), iter(masters))
+    assert all(m.grad.grad_fn is None and not m.grad.requires_grad for m in masters)
+    assert torch.equal(masters[0].grad, model.weight.grad.detach())
+    master_params_to_model_params(model.parameters(), iter(masters))
+    embedding = nn.Embedding(4, 2, sparse=True)
+    dense = nn.Parameter(torch.zeros(2))
+    dense.grad = torch.ones(2)
+    embedding(torch.tensor([1])).sum().backward()
+    params = [dense, embedding.weight]
+    _, masters = prep_param_lists(nn.ParameterList(params))
+    with pytest.raises(TypeError, match=r"model_params\[1\] has a torch.sparse_coo grad"):
+        model_grads_to_master_grads(params, masters)
+    assert masters[0].grad is None  # nothing was copied
+
+
 def test_scale_gradient_multiplies_each_incoming_gradient():
     scaler = DynamicLossScaler(init_scale=4)
     out = scaler.scale_gradient(nn.Identity(), (torch.ones(2), torch.full((1,), 0.5)), None)
     assert isinstance(out, tuple)
     assert torch.equal(out[0], torch.full((2,), 4.0)) and torch.equal(out[1], torch.full((1,), 2.0))
+
+
+def test_apex_submodule_paths_import_the_same_objects():
+    """Scripts import from apex.fp16_utils.fp16util, .fp16_optimizer and .loss_scaler too."""
+    import importlib
+
+    import fp16fx.fp16_utils as package
+
+    for module, names in {
+        "fp16util": ["network_to_half", "BN_convert_float", "FP16Model", "prep_param_lists",
+                     "model_grads_to_master_grads", "master_params_to_model_params",
+                     "to_python_float", "clip_grad_norm", "convert_module", "convert_network",
+                     "tofp16"],
+        "fp16_optimizer": ["FP16_Optimizer"],
+        "loss_scaler": ["LossScaler", "DynamicLossScaler", "to_python_float"],
+    }.items():  # fmt: skip
+        found = importlib.import_module(f"fp16fx.fp16_utils.{module}")
+        assert all(getattr(found, name) is getattr(package, name) for name in names)

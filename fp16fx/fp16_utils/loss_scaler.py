@@ -13,7 +13,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["DynamicLossScaler", "LossScaler"]
+from fp16fx.fp16_utils.master_params import to_python_float
+
+__all__ = ["DynamicLossScaler", "LossScaler", "to_python_float"]  # apex's module had all three
 
 
 class LossScaler:
@@ -45,9 +47,10 @@ class LossScaler:
         return tuple(self.loss_scale * g for g in grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Returns None; backpropagates ``loss.float() * loss_scale``."""
-        scaled_loss = loss.float() * self.loss_scale
-        scaled_loss.backward(retain_graph=retain_graph)
+        """Returns None; backpropagates ``loss * loss_scale`` computed in at least FP32 (an FP16
+        loss times apex's first scale of 2**32 is inf; an FP64 loss stays FP64)."""
+        wide = loss.to(torch.promote_types(loss.dtype, torch.float32))
+        (wide * self.loss_scale).backward(retain_graph=retain_graph)
 
 
 class DynamicLossScaler(LossScaler):
@@ -77,8 +80,10 @@ class DynamicLossScaler(LossScaler):
         self.scale_window = scale_window
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
-        """Returns True if any param's ``.grad`` holds an inf or NaN (syncs with the device)."""
-        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+        """Returns True if any param's ``.grad`` holds an inf or NaN (syncs with the device);
+        a sparse grad, by its values. (apex summed each grad in FP32, so a finite FP32 grad
+        whose sum overflowed counted too.)"""
+        return any(p.grad is not None and not _finite(p.grad) for p in params)
 
     def update_scale(self, overflow: bool) -> None:
         """Returns None; advances one iteration by the rule in the class docstring."""
@@ -88,3 +93,8 @@ class DynamicLossScaler(LossScaler):
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
             self.cur_scale *= self.scale_factor
         self.cur_iter += 1
+
+
+def _finite(grad: torch.Tensor) -> bool:
+    values = grad.coalesce().values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())

@@ -18,7 +18,7 @@ trainable parameter back to back, in ``model.parameters()`` order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -70,9 +70,10 @@ def prep_param_lists(
     return model_params, [master]
 
 
+@torch.no_grad()  # a grad made with create_graph=True: its copy stays out of the graph
 def model_grads_to_master_grads(
-    model_params: Sequence[torch.Tensor],
-    master_params: Sequence[torch.Tensor],
+    model_params: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor],
     flat_master: bool = False,
 ) -> None:
     """Returns None; copies each model param's ``.grad`` into its master's ``.grad`` (as FP32).
@@ -82,7 +83,14 @@ def model_grads_to_master_grads(
     concatenation of the model grads; a None model grad contributes zeros there, since one flat
     buffer cannot be partly absent. No unscaling happens here: divide by the loss scale after.
     """
+    model_params, master_params = list(model_params), list(master_params)
     _check_lists(model_params, master_params, flat_master, "model_grads_to_master_grads")
+    for i, p in enumerate(model_params):
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise TypeError(
+                f"model_grads_to_master_grads: model_params[{i}] has a {p.grad.layout} grad; "
+                "the masters take dense grads (nothing was copied)"
+            )
     if flat_master:
         (master,) = master_params
         flat = torch.cat(
@@ -106,8 +114,8 @@ def model_grads_to_master_grads(
 
 @torch.no_grad()
 def master_params_to_model_params(
-    model_params: Sequence[torch.Tensor],
-    master_params: Sequence[torch.Tensor],
+    model_params: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor],
     flat_master: bool = False,
 ) -> None:
     """Returns None; copies each master's values into its model param (cast to the model dtype).
@@ -115,6 +123,7 @@ def master_params_to_model_params(
     With ``flat_master=True`` the single flat master is split into views shaped like the model
     params, in order, and each view is copied into its param.
     """
+    model_params, master_params = list(model_params), list(master_params)
     _check_lists(model_params, master_params, flat_master, "master_params_to_model_params")
     if flat_master:
         (master,) = master_params
