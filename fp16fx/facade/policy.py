@@ -215,7 +215,7 @@ def _amp_bound(d: Mapping[str, Any], key: str, up: bool) -> float:
     if is_power_of_two(value):
         return value
     exponent = math.log2(value)
-    return 2.0 ** min(math.ceil(exponent) if up else math.floor(exponent), 127)
+    return min(2.0 ** (math.ceil(exponent) if up else math.floor(exponent)), NO_CEILING)
 
 
 def _dynamic(**fields: Any) -> DynamicLossScale:

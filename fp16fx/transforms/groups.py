@@ -50,7 +50,8 @@ def multi_transform(
     leaf in optree's order -- for params in a dict that is sorted by key, so a flat sequence
     of different labels is refused for a dict whose keys are not given sorted (it would route
     by another order). The labels are copied when it is built.
-    A ``None`` param keeps its place among the labels, with any label (None too).
+    A ``None`` param keeps its place among the labels; its label is not read (any value
+    that is not itself a container, None too).
     ``get_hyperparams`` then returns one dict per group, and
     ``set_hyperparams(state, group=k, ...)`` changes group ``k`` alone.
 
