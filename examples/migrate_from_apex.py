@@ -47,7 +47,7 @@ def train(optimizer_kwargs: dict, steps: int, label: str) -> None:
             optimizer.backward(loss)  # instead of loss.backward()
         optimizer.step()  # skipped when the gradients overflowed
         skipped += int(optimizer.overflow)
-        if (step + 1) % (steps // 3) == 0:
+        if (step + 1) % max(steps // 3, 1) == 0:
             model.eval()
             with torch.no_grad():
                 full_loss = nn.functional.mse_loss(model(x).float(), y).item()

@@ -69,14 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "epochs", "fake_size"):  # counts: at least 1
+    for name in ("batch_size", "epochs"):  # counts: at least 1
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.fake_size < 2:  # BatchNorm trains on batches of 2 or more; half of them test
+        parser.error(f"--fake-size must be >= 2, got {args.fake_size}")
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     train_set, test_set = datasets(args, parser)
-    train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True)
+    lone = len(train_set) % args.batch_size == 1  # a last batch of one: BatchNorm refuses it
+    train_loader = torch.utils.data.DataLoader(
+        train_set, args.batch_size, shuffle=True, drop_last=lone
+    )
     test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
 
     # Fixed: no pretrained weights (nothing downloaded), 10 classes for CIFAR-10.

@@ -6,7 +6,8 @@ machine without one: how many passes over the values each precision's step takes
 With ``torch._inductor.config.cpu_backend = "triton"`` Inductor schedules, fuses and writes the
 step for CPU tensors exactly as it does for a GPU's: Triton kernels. They cannot run here (no
 GPU, and Triton's CPU backend is not installed), so this stops once Inductor has written
-them, and prints every kernel the step launches: its kind (``poi``: pointwise; ``red`` and
+them, and prints every kernel the step launches over all the values (the smaller ones, over
+a few scalars or per-block maxima, are left out): its kind (``poi``: pointwise; ``red`` and
 ``per``: a reduction, looped or persistent), its iteration (values x reduced values) and how
 many per-value loads and stores it makes. A kernel over all the values is a pass over them:
 every step checks the grads in one (a reduction) and updates in another. With compensated

@@ -27,6 +27,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("functional_step.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         ("migrate_from_apex.py", ["--steps", "-1"], "--steps must be >= 1, got -1"),
         ("resnet18_cifar10.py", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        ("resnet18_cifar10.py", ["--fake-size", "1"], "--fake-size must be >= 2, got 1"),
         ("resnet18_cifar10.py", ["--data-dir", "/nonexistent"], "holds no CIFAR-10"),
         ("compact_arithmetic.py", ["--sizes", "abc"], "--sizes must be comma-separated"),
         ("precision_table.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
@@ -75,6 +76,8 @@ def test_migrate_from_apex_example_runs_static_and_dynamic_scaling() -> None:
     assert "skipped so far 1" in static and "skipped so far 1" in dynamic
     assert "loss scale 32768" in dynamic  # 2**16 halved by the one overflow
     assert out.count("saved and reloaded") == 2
+    short = run_example("migrate_from_apex.py", "--steps", "2")  # once a modulo by zero
+    assert "dynamic step 2:" in short
 
 
 def test_migrate_from_apex_example_changes_only_the_import() -> None:
@@ -86,7 +89,8 @@ def test_migrate_from_apex_example_changes_only_the_import() -> None:
 
 
 def test_resnet18_cifar10_example_trains_on_fake_data() -> None:
-    out = run_example("resnet18_cifar10.py", "--fake-size", "8", "--batch-size", "4")
+    # 9 images in batches of 4: the last batch of one, which BatchNorm refuses, is dropped
+    out = run_example("resnet18_cifar10.py", "--fake-size", "9", "--batch-size", "4")
     assert re.search(r"epoch 1/1: loss \d+\.\d+, [0-2] skipped steps, loss scale \d+", out)
     assert "test accuracy" in out and "on 4 images" in out
 
