@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "epochs"):  # counts: at least 1
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.fake_size < 2:  # BatchNorm trains on batches of 2 or more; half of them test
-        parser.error(f"--fake-size must be >= 2, got {args.fake_size}")
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    for name in ("batch_size", "fake_size"):  # BatchNorm trains on 2 or more images a batch
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')} must be >= 2, got {getattr(args, name)}")
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -28,6 +28,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("migrate_from_apex.py", ["--steps", "-1"], "--steps must be >= 1, got -1"),
         ("resnet18_cifar10.py", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
         ("resnet18_cifar10.py", ["--fake-size", "1"], "--fake-size must be >= 2, got 1"),
+        ("resnet18_cifar10.py", ["--batch-size", "1"], "--batch-size must be >= 2, got 1"),
         ("resnet18_cifar10.py", ["--data-dir", "/nonexistent"], "holds no CIFAR-10"),
         ("compact_arithmetic.py", ["--sizes", "abc"], "--sizes must be comma-separated"),
         ("precision_table.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
