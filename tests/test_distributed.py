@@ -123,7 +123,8 @@ def train_facade(
     """Trains ``model`` (maybe DDP-wrapped) with FP16_Optimizer(Adam); returns what it saw.
 
     ``fault``: at step 5 rank 1's grads get an inf "before" DDP's all-reduce (a grad hook)
-    or "after" it (written into ``p.grad`` once backward returned).
+    or "after" it (written into ``p.grad`` once backward returned); "between_clips": every
+    step clips twice, and at step 5 rank 1 writes the inf between the two clips.
     """
     params = list(model.parameters())
     opt = fp16fx.FP16_Optimizer(
@@ -150,6 +151,11 @@ def train_facade(
         if average:  # data parallel without DDP
             fdist.average_grads([p.grad for p in params])
         opt.update_master_grads()
+        if fault == "between_clips":  # rank 1 alone sees new grads at the second clip
+            opt.clip_master_grads(10.0)
+            if i == 5 and rank == 1:
+                params[0].grad[0, 0] = float("inf")
+            opt.clip_master_grads(5.0)
         flat = getattr(opt._engine, "flat", None)  # the generic path has none
         views.append(  # after backward: are the grads still the facade's flat views?
             flat is not None
@@ -269,6 +275,9 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "inf_after_ddp": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", compiled=True
     ),
+    "inf_between_clips": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="between_clips"
+    ),
     "inf_after_ddp_generic": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", path="generic"
     ),
@@ -325,10 +334,14 @@ def test_ddp_gradient_as_bucket_view_costs_a_copy_but_not_correctness(replicated
     assert not any(views["grads_are_views"])
 
 
-@pytest.mark.parametrize("name", ["inf_before_ddp", "inf_after_ddp", "inf_after_ddp_generic"])
+@pytest.mark.parametrize(
+    "name", ["inf_before_ddp", "inf_after_ddp", "inf_between_clips", "inf_after_ddp_generic"]
+)
 def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     """inf_after_ddp runs the facade's compiled step (the consensus is traced into it);
-    inf_after_ddp_generic the generic path (torch's Adam on the masters)."""
+    inf_after_ddp_generic the generic path (torch's Adam on the masters); in
+    inf_between_clips only rank 1's grads changed since the first clip's consensus (its
+    cached result once left rank 1 alone in the second clip's collective)."""
     r0, r1 = (r[name] for r in replicated)
     assert r0["path"] == r1["path"] == ("generic" if name.endswith("generic") else "fast")
     assert r0["skipped"] == r1["skipped"] == 1

@@ -452,7 +452,7 @@ class FastEngine:
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported (on a
-        sharded or FSDP2 engine, which has no generic path to hand over to: ValueError).
+        sharded or FSDP2 engine, whose state the generic path cannot take over: ValueError).
         """
         groups = self.optimizer.param_groups
         try:
@@ -617,14 +617,17 @@ class FastEngine:
         self._made_at.remember(made_at, stamp)
 
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached;
-        sharded, of the mean grads (a collective: every rank calls it)."""
+        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors); sharded, of
+        the mean grads. Across processes it is a collective that every rank calls, so it is
+        not cached there: whether a rank's cache still held would depend on its own grads, and
+        a rank that wrote them would run a collective the others do not."""
         checked = self._checked.get()
         if checked is None:
             with self.scale_of_the_grads():
                 grads = self.grads() if self.sharded is None else self._scatter()
                 checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
-            self._checked.remember(checked, self.grad_stamp())
+            if self.sharded is None and self.state.consensus is None:
+                self._checked.remember(checked, self.grad_stamp())
         return checked
 
     def local_finite(self) -> bool:
