@@ -490,6 +490,8 @@ def test_amp_scaler_bounds_are_checked_by_name_and_an_infinite_ceiling_is_none(e
         scaler_from_dict({**AMP_DICT, entry: value})
     policy, values = scaler_from_dict({**AMP_DICT, "max_loss_scale": math.inf})
     assert policy.max_scale == NO_CEILING and values.scale == 2.0**13
+    for finite in (2.0**127, 3e38):  # a finite ceiling is never above none
+        assert scaler_from_dict({**AMP_DICT, "max_loss_scale": finite})[0].max_scale == NO_CEILING
 
 
 @pytest.mark.parametrize("path", PATHS)

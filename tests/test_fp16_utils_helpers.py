@@ -390,6 +390,11 @@ def test_dynamic_has_overflow_reads_a_sparse_grad_by_its_values():
     assert DynamicLossScaler().has_overflow(embedding.parameters()) is False
     embedding.weight.grad = embedding.weight.grad * math.inf
     assert DynamicLossScaler().has_overflow(embedding.parameters()) is True
+    # Stored values, uncoalesced: a repeated index whose FP16 sum would overflow is finite.
+    index, big = torch.tensor([[1, 1], [0, 0]]), torch.full((2,), 6.0e4, dtype=torch.half)
+    half = nn.Parameter(torch.zeros(5, 2, dtype=torch.half))
+    half.grad = torch.sparse_coo_tensor(index, big, (5, 2), check_invariants=True)
+    assert DynamicLossScaler().has_overflow([half]) is False
 
 
 @pytest.mark.parametrize("scaler", [LossScaler(8), DynamicLossScaler(init_scale=8)])

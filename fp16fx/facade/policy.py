@@ -206,16 +206,16 @@ def _count(d: Mapping[str, Any], key: str) -> int:
 
 def _amp_bound(d: Mapping[str, Any], key: str, up: bool) -> float:
     """Returns apex amp's scale bound ``key`` as the power of two inside it (``up``: the next
-    one above, else below); an infinite ceiling (amp's ``min(inf, 2 * s)`` never caps) is
-    :data:`NO_CEILING`."""
+    one above, else below), at most :data:`NO_CEILING`, which an infinite ceiling (amp's
+    ``min(inf, 2 * s)`` never caps) also is."""
     value = _get(d, key, float)
     if value == math.inf and not up:
         return NO_CEILING
     check_scale(f"loss_scaler[{key!r}]", value)
-    if is_power_of_two(value):
-        return value
-    exponent = math.log2(value)
-    return min(2.0 ** (math.ceil(exponent) if up else math.floor(exponent)), NO_CEILING)
+    if not is_power_of_two(value):
+        exponent = math.log2(value)
+        value = 2.0 ** (math.ceil(exponent) if up else math.floor(exponent))
+    return min(value, NO_CEILING)
 
 
 def _dynamic(**fields: Any) -> DynamicLossScale:

@@ -81,7 +81,7 @@ class DynamicLossScaler(LossScaler):
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Returns True if any param's ``.grad`` holds an inf or NaN (syncs with the device);
-        a sparse grad, by its values. (apex summed each grad in FP32, so a finite FP32 grad
+        a sparse grad, by its stored values. (apex summed each grad in FP32, so a finite FP32 grad
         whose sum overflowed counted too.)"""
         return any(p.grad is not None and not _finite(p.grad) for p in params)
 
@@ -96,5 +96,7 @@ class DynamicLossScaler(LossScaler):
 
 
 def _finite(grad: torch.Tensor) -> bool:
-    values = grad.coalesce().values() if grad.is_sparse else grad
+    # A sparse grad's stored values, uncoalesced: adding repeated indices in FP16 could
+    # overflow where no value does.
+    values = grad._values() if grad.is_sparse else grad
     return bool(torch.isfinite(values).all())
