@@ -329,12 +329,13 @@ def refused_init(rank: int, world: int) -> list[tuple[str, bool]]:
     """Sharded inits refused for their arguments: each error, and whether the params stayed
     where and as they were (they once moved into flat buffers and took rank 0's values)."""
     outcomes = []
-    for optimizer, dtype, options in [
-        (fp16fx.adam(), torch.float16, {"loss_scale": fp16fx.DynamicLossScale}),  # the class
-        (fp16fx.adam(), torch.float32, {"master": "compensated"}),
-        ("adam", torch.float16, {}),
+    for optimizer, dtype, options, size in [
+        (fp16fx.adam(), torch.float16, {"loss_scale": fp16fx.DynamicLossScale}, 4),  # the class
+        (fp16fx.adam(), torch.float32, {"master": "compensated"}, 4),
+        ("adam", torch.float16, {}, 4),
+        (fp16fx.adam(), torch.float16, {}, 4 - rank),  # a model of another shape per rank
     ]:
-        params = {"w": torch.full((4,), float(rank + 1), dtype=dtype)}
+        params = {"w": torch.full((size,), float(rank + 1), dtype=dtype)}
         before, storage = params["w"].clone(), params["w"].data_ptr()
         try:
             fdist.init(params, optimizer, shard=True, **options)
@@ -560,12 +561,17 @@ def test_a_0d_param_loads_into_a_compact_sharded_state(runs):
 
 def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
     for found in runs[2]:
-        (policy, kept_policy), (precision, kept_precision), (optimizer, kept_optimizer) = found[
-            "refused_init"
-        ]
-        assert "loss_scale must be a loss-scale policy" in policy and kept_policy
-        assert "these params are all FP32" in precision and kept_precision
-        assert "optimizer must be an fp16fx transform" in optimizer and kept_optimizer
+        policy, precision, optimizer, shapes = found["refused_init"]
+        assert "loss_scale must be a loss-scale policy" in policy[0] and policy[1]
+        assert "these params are all FP32" in precision[0] and precision[1]
+        assert "optimizer must be an fp16fx transform" in optimizer[0] and optimizer[1]
+        # Refused on every rank (the broadcast once aborted inside gloo, or poured rank 0's
+        # values into another shape): DDP refuses such models too.
+        assert shapes == (
+            "rank 1 of the group has params['w'] as float16[3], its first rank as float16[4]: "
+            "every rank must build the sharded state from the same model",
+            True,
+        )
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

@@ -228,6 +228,7 @@ def init_sharded(
     checked_policy(loss_scale, leaves)
     if precision.compensated:
         check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
+    _check_alike(params, leaves, group)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
         [leaves[i] for i in trained],
@@ -257,6 +258,36 @@ def init_sharded(
     # state's are: a sharded run rounds as an unsharded one does.
     shard = shard.replace(bucket_starts=tuple(sharding.slice(b).start for b in buckets))
     return ShardedState(flat_params, sharding, shard, treedef, trained)
+
+
+def _check_alike(params: Any, leaves: Sequence[Any], group: Any) -> None:
+    """Raises ValueError on every rank unless every rank's params have the group's first
+    rank's structure, dtypes and shapes (as DDP checks): the broadcast would pour its values
+    into other shapes, or fail inside the backend. A collective, before anything changes."""
+    mine = (str(optree.tree_structure(params, none_is_leaf=True)), [_kind(p) for p in leaves])
+    ranks: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, mine, group=group)
+    first = ranks[0]
+    for rank, theirs in enumerate(ranks):
+        if theirs == first:
+            continue
+        if theirs[0] != first[0]:
+            what = f"params of the structure {theirs[0]}, its first rank {first[0]}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(first[1], theirs[1])) if a != b)
+            what = (
+                f"{tree.leaf_names(params)[i]} as {theirs[1][i]}, its first rank as {first[1][i]}"
+            )
+        raise ValueError(
+            f"rank {rank} of the group has {what}: every rank must build the sharded state "
+            "from the same model"
+        )
+
+
+def _kind(param: torch.Tensor | None) -> str:
+    return (
+        "None" if param is None else f"{str(param.dtype).removeprefix('torch.')}{list(param.shape)}"
+    )
 
 
 def check_sharded(state: Any, caller: str, unsharded: str) -> None:
