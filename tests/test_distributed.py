@@ -124,7 +124,8 @@ def train_facade(
 
     ``fault``: at step 5 rank 1's grads get an inf "before" DDP's all-reduce (a grad hook)
     or "after" it (written into ``p.grad`` once backward returned); "between_clips": every
-    step clips twice, and at step 5 rank 1 writes the inf between the two clips.
+    step clips twice, at step 5 rank 1 writes the inf between the two clips, and rank 0
+    alone then reads the unscaled grads.
     """
     params = list(model.parameters())
     opt = fp16fx.FP16_Optimizer(
@@ -156,6 +157,8 @@ def train_facade(
             if i == 5 and rank == 1:
                 params[0].grad[0, 0] = float("inf")
             opt.clip_master_grads(5.0)
+            if rank == 0:  # a read one rank makes alone: the clip's agreed check, cached
+                opt.inspect_master_grad_data()
         flat = getattr(opt._engine, "flat", None)  # the generic path has none
         views.append(  # after backward: are the grads still the facade's flat views?
             flat is not None

@@ -616,18 +616,21 @@ class FastEngine:
         self._clip.remember(None if clip == NO_CLIP else clip, stamp)
         self._made_at.remember(made_at, stamp)
 
-    def check(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors); sharded, of
-        the mean grads. Across processes it is a collective that every rank calls, so it is
-        not cached there: whether a rank's cache still held would depend on its own grads, and
-        a rank that wrote them would run a collective the others do not."""
-        checked = self._checked.get()
+    def check(self, *, every_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached while
+        this rank's grads are unchanged; sharded, of the mean grads. Across processes it is a
+        collective. ``every_rank``: the caller is a call every rank makes
+        (``clip_master_grads``), so across processes it runs anew: the ranks' collectives
+        then pair even where one rank alone wrote its grads since the cached check. A read
+        (``overflow``, ``inspect_master_grad_data``) keeps the cache, so one rank alone may
+        make it after a clip."""
+        distributed = self.sharded is not None or self.state.consensus is not None
+        checked = None if every_rank and distributed else self._checked.get()
         if checked is None:
             with self.scale_of_the_grads():
                 grads = self.grads() if self.sharded is None else self._scatter()
                 checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
-            if self.sharded is None and self.state.consensus is None:
-                self._checked.remember(checked, self.grad_stamp())
+            self._checked.remember(checked, self.grad_stamp())
         return checked
 
     def local_finite(self) -> bool:
