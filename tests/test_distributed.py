@@ -6,6 +6,7 @@ writes what it saw to ``out/rank{r}.pt`` and the test compares the files.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import math
@@ -14,7 +15,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -125,7 +126,7 @@ def train_facade(
     ``fault``: at step 5 rank 1's grads get an inf "before" DDP's all-reduce (a grad hook)
     or "after" it (written into ``p.grad`` once backward returned); "between_clips": every
     step clips twice, at step 5 rank 1 writes the inf between the two clips, and rank 0
-    alone then reads the unscaled grads.
+    alone then reads the unscaled grads, before and after the step.
     """
     params = list(model.parameters())
     opt = fp16fx.FP16_Optimizer(
@@ -136,7 +137,7 @@ def train_facade(
         process_group=process_group,
         path=path,
     )
-    scales, views = [], []
+    scales, views, alone = [], [], 0
     for i in range(STEPS):
         x, y = batch(i, rank, world, dtype)
         opt.zero_grad()
@@ -153,12 +154,14 @@ def train_facade(
             fdist.average_grads([p.grad for p in params])
         opt.update_master_grads()
         if fault == "between_clips":  # rank 1 alone sees new grads at the second clip
-            opt.clip_master_grads(10.0)
+            opt.clip_master_grads(0.1)
             if i == 5 and rank == 1:
                 params[0].grad[0, 0] = float("inf")
-            opt.clip_master_grads(5.0)
-            if rank == 0:  # a read one rank makes alone: the clip's agreed check, cached
-                opt.inspect_master_grad_data()
+            opt.clip_master_grads(0.05)
+            if rank == 0:  # a read one rank makes alone: the clip's agreed check
+                with counting_all_reduces() as calls:
+                    opt.inspect_master_grad_data()
+                alone += len(calls)
         flat = getattr(opt._engine, "flat", None)  # the generic path has none
         views.append(  # after backward: are the grads still the facade's flat views?
             flat is not None
@@ -166,6 +169,10 @@ def train_facade(
             and all(p.grad is v for p, v in zip(flat.params, flat.grad_views))
         )
         opt.step()
+        if fault == "between_clips" and rank == 0:  # alone again: the step's agreed check
+            with counting_all_reduces() as calls:
+                opt.inspect_master_grad_data()
+            alone += len(calls)
         scales.append(opt.loss_scale)
     return {
         "params": [p.detach().clone() for p in params],
@@ -174,6 +181,7 @@ def train_facade(
         "skipped": opt.skipped_steps,
         "grads_are_views": views[1:],  # step 0 creates the grads; the facade then binds them
         "path": opt.path,
+        "all_reduces_alone": alone,  # by reads one rank made alone: none may be a collective
     }
 
 
@@ -259,6 +267,23 @@ def hang(rank: int, world: int) -> dict[str, Any]:
         time.sleep(HANG_TIMEOUT_S + 3)
         return {}
     return failed_step(opt, start)
+
+
+@contextlib.contextmanager
+def counting_all_reduces() -> Iterator[list[None]]:
+    """Counts the all-reduces made within it (the found-inf consensus is one)."""
+    calls: list[None] = []
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = all_reduce
 
 
 HANG_TIMEOUT_S = 3
@@ -347,6 +372,7 @@ def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     cached result once left rank 1 alone in the second clip's collective)."""
     r0, r1 = (r[name] for r in replicated)
     assert r0["path"] == r1["path"] == ("generic" if name.endswith("generic") else "fast")
+    assert r0["all_reduces_alone"] == 0
     assert r0["skipped"] == r1["skipped"] == 1
     assert torch.equal(r0["scales"], r1["scales"])
     assert r0["scales"][5] == r0["scales"][4] / 2

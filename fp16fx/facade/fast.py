@@ -123,6 +123,9 @@ class FastEngine:
         self._made_at = GradMemo[torch.Tensor]()  # the scale the last step's grads had
         self._checked = GradMemo[tuple[torch.Tensor, torch.Tensor]]()  # check()'s result
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
+        # Across processes, the last check every rank made of these grads (a clip's, or the
+        # step's): what a read one rank makes alone returns, with no collective.
+        self._agreed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._entries = self._make_entries()
         # {id(param): torch-format tensors its group's structure does not use now}, kept as
         # torch.optim keeps them (amsgrad or momentum off, then on again, resumes them)
@@ -440,6 +443,7 @@ class FastEngine:
         # grads, but a check must read them there.
         self._clip_written = NO_CLIP
         self._checked.forget()
+        self._agreed = None  # its norm left the new group out
         self._still_these_grads(clip, made_at)
         return moved
 
@@ -532,6 +536,7 @@ class FastEngine:
         else:  # the core moved it
             self.scaler.count(info.finite, info.loss_scale_floored)
         self.last_info, self._scattered = info, None
+        self._agreed = (info.finite, info.grad_norm)
         self._checked.forget()
         self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
         return info
@@ -616,28 +621,39 @@ class FastEngine:
         self._clip.remember(None if clip == NO_CLIP else clip, stamp)
         self._made_at.remember(made_at, stamp)
 
-    def check(self, *, every_rank: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors), cached while
-        this rank's grads are unchanged; sharded, of the mean grads. Across processes it is a
-        collective. ``every_rank``: the caller is a call every rank makes
-        (``clip_master_grads``), so across processes it runs anew: the ranks' collectives
-        then pair even where one rank alone wrote its grads since the cached check. A read
-        (``overflow``, ``inspect_master_grad_data``) keeps the cache, so one rank alone may
-        make it after a clip."""
-        distributed = self.sharded is not None or self.state.consensus is not None
-        checked = None if every_rank and distributed else self._checked.get()
+    @property
+    def distributed(self) -> bool:
+        """Whether a check is a collective (a consensus across processes)."""
+        return self.sharded is not None or self.state.consensus is not None
+
+    def check(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors); sharded, of
+        the mean grads. Unless across processes, cached while the grads are unchanged. Across
+        processes it is a collective, called by every rank (``clip_master_grads``), and runs
+        anew each time: a cache would hold on some ranks only, where one rank alone wrote its
+        grads. A read one rank makes alone gets :meth:`agreed` instead."""
+        checked = None if self.distributed else self._checked.get()
         if checked is None:
             with self.scale_of_the_grads():
                 grads = self.grads() if self.sharded is None else self._scatter()
                 checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
             self._checked.remember(checked, self.grad_stamp())
+            self._agreed = checked if self.distributed else None
         return checked
+
+    def agreed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns :meth:`check`'s result for a read one rank may make alone: across
+        processes, that of the last check every rank made (a clip's or the step's; a check
+        made now if none was since the last ``zero_grad``)."""
+        if self.distributed and self._agreed is not None:
+            return self._agreed
+        return self.check()
 
     def local_finite(self) -> bool:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
         sharded, the mean grads once they were reduce-scattered)."""
-        if self._scattered is not None:
-            return bool(self.check()[0])
+        if self._scattered is not None:  # reduce-scattered by a clip: its agreed check
+            return bool(self.agreed()[0])
         self.flat.collect_grads()
         return all_finite(self.flat.grad_buffers)
 
@@ -663,7 +679,7 @@ class FastEngine:
         inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
         coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
         if max_norm != NO_CLIP:  # as the step will clip them
-            coef = clip_coefficient(max_norm, self.check()[1]).float()
+            coef = clip_coefficient(max_norm, self.agreed()[1]).float()
         return {
             self.entry(p): g.float() * inv_scale * coef
             for p, g in zip(self.flat.params, self.grads())
@@ -684,7 +700,7 @@ class FastEngine:
     def zero_grad(self, set_to_none: bool) -> None:
         self.flat.zero_grads(set_to_none)
         self._checked.forget()
-        self._scattered = None
+        self._scattered = self._agreed = None
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]

@@ -442,7 +442,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be a number (2, 1, inf...), got {norm_type!r}")
         if isinstance(self._engine, FastEngine):
             if order == 2.0:
-                finite, norm = self._engine.check(every_rank=True)
+                finite, norm = self._engine.check()
                 self._phase.new_grads()  # overflow reads these grads
                 if not bool(finite):
                     return -1.0
