@@ -220,6 +220,8 @@ def init_sharded(
     bucket's.
     """
     # What init checks, before the params move and are broadcast: nothing changes on errors.
+    # The ranks' params first: alike, they fail the other checks alike, on every rank.
+    _check_alike(params, group)
     check_optimizer(optimizer)
     leaves, treedef = tree.check_params(params)
     trained = [i for i, p in enumerate(leaves) if p is not None]
@@ -228,7 +230,6 @@ def init_sharded(
     checked_policy(loss_scale, leaves)
     if precision.compensated:
         check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
-    _check_alike(params, leaves, group)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
         [leaves[i] for i in trained],
@@ -260,11 +261,12 @@ def init_sharded(
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
 
-def _check_alike(params: Any, leaves: Sequence[Any], group: Any) -> None:
+def _check_alike(params: Any, group: Any) -> None:
     """Raises ValueError on every rank unless every rank's params have the group's first
     rank's structure, dtypes and shapes (as DDP checks): the broadcast would pour its values
     into other shapes, or fail inside the backend. A collective, before anything changes."""
-    mine = (str(optree.tree_structure(params, none_is_leaf=True)), [_kind(p) for p in leaves])
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+    mine = (str(treedef), [_kind(leaf) for leaf in leaves])
     ranks: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranks, mine, group=group)
     first = ranks[0]
@@ -284,10 +286,10 @@ def _check_alike(params: Any, leaves: Sequence[Any], group: Any) -> None:
         )
 
 
-def _kind(param: torch.Tensor | None) -> str:
-    return (
-        "None" if param is None else f"{str(param.dtype).removeprefix('torch.')}{list(param.shape)}"
-    )
+def _kind(leaf: Any) -> str:
+    if not isinstance(leaf, torch.Tensor):
+        return type(leaf).__name__  # refused by tree.check_params, alike on every rank
+    return f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
 
 
 def check_sharded(state: Any, caller: str, unsharded: str) -> None:
