@@ -269,6 +269,28 @@ def hang(rank: int, world: int) -> dict[str, Any]:
     return failed_step(opt, start)
 
 
+def lone_read_after_add_group(rank: int, world: int) -> dict[str, Any]:
+    """A group added on every rank after a clip, then the unscaled grads read on rank 0
+    alone: the clip's agreed norm left the new group out, and the read once ran the
+    consensus alone (rank 1's step all-reduce paired with it; rank 0's step timed out)."""
+    model = DDP(make_model(torch.float16))
+    first, second = model.module[0], model.module[2]
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.Adam(first.parameters(), lr=1e-2), verbose=False, compiled=False
+    )
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    opt.clip_master_grads(1e-3)
+    opt.add_param_group({"params": list(second.parameters())})
+    alone = 0
+    if rank == 0:
+        with counting_all_reduces() as calls:
+            opt.inspect_master_grad_data()
+        alone = len(calls)
+    opt.step()
+    return {"all_reduces_alone": alone, "params": [p.detach().clone() for p in model.parameters()]}
+
+
 @contextlib.contextmanager
 def counting_all_reduces() -> Iterator[list[None]]:
     """Counts the all-reduces made within it (the found-inf consensus is one)."""
@@ -312,6 +334,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
+    "lone_read_after_add_group": lone_read_after_add_group,
     "functional_eager": lambda r, w: functional(r, w, compiled=False),
     "functional_compiled": lambda r, w: functional(r, w, compiled=True),
     "functional_average_grads": lambda r, w: functional(r, w, compiled=False, ddp=False),
@@ -378,6 +401,12 @@ def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     assert r0["scales"][5] == r0["scales"][4] / 2
     for a, b in zip(r0["params"] + r0["masters"], r1["params"] + r1["masters"]):
         assert torch.equal(a, b)
+
+
+def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):
+    r0, r1 = (r["lone_read_after_add_group"] for r in replicated)
+    assert r0["all_reduces_alone"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
 
 
 def test_without_consensus_an_inf_after_ddp_splits_the_ranks(replicated):

@@ -344,6 +344,15 @@ def refused_init(rank: int, world: int) -> list[tuple[str, bool]]:
             error = str(err)
         kept = torch.equal(params["w"], before) and params["w"].data_ptr() == storage
         outcomes.append((error, kept))
+    # Refused by rank 1's own check alone (one tensor twice): the others once waited for it
+    # in the broadcast.
+    w = torch.ones(4, dtype=torch.float16)
+    params = {"v": w if rank == 1 else torch.ones(4, dtype=torch.float16), "w": w}
+    try:
+        fdist.init(params, fp16fx.adam(), shard=True)
+        outcomes.append(("accepted", True))
+    except (TypeError, ValueError) as err:
+        outcomes.append((str(err), True))
     return outcomes
 
 
@@ -561,7 +570,7 @@ def test_a_0d_param_loads_into_a_compact_sharded_state(runs):
 
 def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
     for found in runs[2]:
-        policy, precision, optimizer, shapes = found["refused_init"]
+        policy, precision, optimizer, shapes, _ = found["refused_init"]
         assert "loss_scale must be a loss-scale policy" in policy[0] and policy[1]
         assert "these params are all FP32" in precision[0] and precision[1]
         assert "optimizer must be an fp16fx transform" in optimizer[0] and optimizer[1]
@@ -572,6 +581,9 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
             "every rank must build the sharded state from the same model",
             True,
         )
+    (rank_0, _), (rank_1, _) = (found["refused_init"][-1] for found in runs[2])
+    assert "same tensor" in rank_1, rank_1
+    assert rank_0 == f"rank 1 of the group refused the sharded state: {rank_1}"
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

@@ -219,17 +219,21 @@ def init_sharded(
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
     bucket's.
     """
-    # What init checks, before the params move and are broadcast: nothing changes on errors.
-    # The ranks' params first: alike, they fail the other checks alike, on every rank.
-    _check_alike(params, group)
-    check_optimizer(optimizer)
-    leaves, treedef = tree.check_params(params)
+    # What init checks, before the params move and are broadcast: nothing changes on errors,
+    # and every rank raises where any rank refuses (the others would wait in the broadcast).
+    try:
+        check_optimizer(optimizer)
+        leaves, treedef = tree.check_params(params)
+        labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
+        precision = Precision(master, moments)
+        checked_policy(loss_scale, leaves)
+        if precision.compensated:
+            check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
+    except (TypeError, ValueError) as err:
+        _check_alike(params, group, err)
+        raise
+    _check_alike(params, group, None)
     trained = [i for i, p in enumerate(leaves) if p is not None]
-    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
-    precision = Precision(master, moments)
-    checked_policy(loss_scale, leaves)
-    if precision.compensated:
-        check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
     world = dist.get_world_size(group)
     flat_params = FlatParams(
         [leaves[i] for i in trained],
@@ -261,16 +265,23 @@ def init_sharded(
     return ShardedState(flat_params, sharding, shard, treedef, trained)
 
 
-def _check_alike(params: Any, group: Any) -> None:
-    """Raises ValueError on every rank unless every rank's params have the group's first
-    rank's structure, dtypes and shapes (as DDP checks): the broadcast would pour its values
-    into other shapes, or fail inside the backend. A collective, before anything changes."""
+def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
+    """Raises ValueError on every rank where another rank refused its arguments
+    (``refusal``: this rank's; the caller raises it), or unless every rank's params have the
+    group's first rank's structure, dtypes and shapes (as DDP checks): the broadcast would
+    pour its values into other shapes, or fail inside the backend. A collective, before
+    anything changes."""
     leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-    mine = (str(treedef), [_kind(leaf) for leaf in leaves])
+    mine = (str(treedef), [_kind(leaf) for leaf in leaves], refusal and str(refusal))
     ranks: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranks, mine, group=group)
-    first = ranks[0]
-    for rank, theirs in enumerate(ranks):
+    refused = next(((rank, r[2]) for rank, r in enumerate(ranks) if r[2] is not None), None)
+    if refused is not None:
+        if refusal is not None:
+            return  # the caller raises its own
+        raise ValueError(f"rank {refused[0]} of the group refused the sharded state: {refused[1]}")
+    first = ranks[0][:2]
+    for rank, theirs in enumerate(r[:2] for r in ranks):
         if theirs == first:
             continue
         if theirs[0] != first[0]:

@@ -443,8 +443,10 @@ class FastEngine:
         # grads, but a check must read them there.
         self._clip_written = NO_CLIP
         self._checked.forget()
-        self._agreed = None  # its norm left the new group out
         self._still_these_grads(clip, made_at)
+        self._agreed = None  # its norm left the new group out: agree anew (every rank adds it)
+        if clip != NO_CLIP and self.distributed:
+            self.check()
         return moved
 
     # -- stepping ------------------------------------------------------------------------
