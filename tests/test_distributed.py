@@ -291,6 +291,22 @@ def lone_read_after_add_group(rank: int, world: int) -> dict[str, Any]:
     return {"all_reduces_alone": alone, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def refused_replicated_init(rank: int, world: int) -> list[tuple[str, bool]]:
+    """fdist.init without shard refused: each rank's error, and whether its params kept their
+    own values (the broadcast came before the checks: a bad optimizer left every rank with
+    rank 0's values, and a transposed param took them in its own shape)."""
+    outcomes = []
+    for optimizer, shape in [("adam", (2, 3)), (fp16fx.adam(), (2, 3) if rank == 0 else (3, 2))]:
+        params = {"w": torch.full(shape, float(rank + 1), dtype=torch.float16)}
+        try:
+            fdist.init(params, optimizer)
+            error = "accepted"
+        except (TypeError, ValueError) as err:
+            error = str(err)
+        outcomes.append((error, bool((params["w"] == rank + 1).all())))
+    return outcomes
+
+
 @contextlib.contextmanager
 def counting_all_reduces() -> Iterator[list[None]]:
     """Counts the all-reduces made within it (the found-inf consensus is one)."""
@@ -335,6 +351,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
     "lone_read_after_add_group": lone_read_after_add_group,
+    "refused_replicated_init": refused_replicated_init,
     "functional_eager": lambda r, w: functional(r, w, compiled=False),
     "functional_compiled": lambda r, w: functional(r, w, compiled=True),
     "functional_average_grads": lambda r, w: functional(r, w, compiled=False, ddp=False),
@@ -407,6 +424,13 @@ def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):
     r0, r1 = (r["lone_read_after_add_group"] for r in replicated)
     assert r0["all_reduces_alone"] == 0
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+
+
+def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):
+    for found in replicated:
+        (optimizer, kept_values), (shapes, kept_shape) = found["refused_replicated_init"]
+        assert "optimizer must be an fp16fx transform" in optimizer and kept_values
+        assert "rank 1 of the group has params['w'] as float16[3, 2]" in shapes and kept_shape
 
 
 def test_without_consensus_an_inf_after_ddp_splits_the_ranks(replicated):

@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 from fp16fx import flat
 from fp16fx.consensus import default_consensus
-from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
+from fp16fx.distributed.sharded import (
+    all_reduce_mean,
+    check_on_every_rank,
+    first_rank,
+    init_sharded,
+)
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import init as _init_state
@@ -61,10 +66,14 @@ def init(
         return init_sharded(
             params, optimizer, loss_scale, group=group, master=master, moments=moments
         )
-    if consensus is not None:
+    if consensus is not None:  # checked first on every rank: the broadcast changes the params
+        group = consensus.group
+        check_on_every_rank(
+            params, optimizer, loss_scale, group, master=master, moments=moments, buckets=buckets
+        )
         with torch.no_grad():
             for p in optree.tree_leaves(params):
-                dist.broadcast(p, src=first_rank(consensus.group), group=consensus.group)
+                dist.broadcast(p, src=first_rank(group), group=group)
     return _init_state(
         params,
         optimizer,

@@ -219,20 +219,9 @@ def init_sharded(
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
     bucket's.
     """
-    # What init checks, before the params move and are broadcast: nothing changes on errors,
-    # and every rank raises where any rank refuses (the others would wait in the broadcast).
-    try:
-        check_optimizer(optimizer)
-        leaves, treedef = tree.check_params(params)
-        labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
-        precision = Precision(master, moments)
-        checked_policy(loss_scale, leaves)
-        if precision.compensated:
-            check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets=True)
-    except (TypeError, ValueError) as err:
-        _check_alike(params, group, err)
-        raise
-    _check_alike(params, group, None)
+    leaves, treedef, labels, precision = check_on_every_rank(
+        params, optimizer, loss_scale, group, master=master, moments=moments, buckets=True
+    )
     trained = [i for i, p in enumerate(leaves) if p is not None]
     world = dist.get_world_size(group)
     flat_params = FlatParams(
@@ -263,6 +252,35 @@ def init_sharded(
     # state's are: a sharded run rounds as an unsharded one does.
     shard = shard.replace(bucket_starts=tuple(sharding.slice(b).start for b in buckets))
     return ShardedState(flat_params, sharding, shard, treedef, trained)
+
+
+def check_on_every_rank(
+    params: Any,
+    optimizer: GradientTransformation,
+    loss_scale: Any,
+    group: Any,
+    *,
+    master: str,
+    moments: str,
+    buckets: bool,
+) -> tuple[list[Any], Any, Any, Precision]:
+    """Runs ``fp16fx.init``'s checks of its arguments on every rank of ``group``, before the
+    params are broadcast (or moved): where any rank refuses, or holds other params, every
+    rank raises, nothing changed (a rank left alone would wait in the broadcast). Returns
+    the checked ``(leaves, treedef, labels, precision)``. A collective."""
+    try:
+        check_optimizer(optimizer)
+        leaves, treedef = tree.check_params(params)
+        labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
+        precision = Precision(master, moments)
+        checked_policy(loss_scale, leaves)
+        if precision.compensated:
+            check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets)
+    except (TypeError, ValueError) as err:
+        _check_alike(params, group, err)
+        raise
+    _check_alike(params, group, None)
+    return leaves, treedef, labels, precision
 
 
 def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
