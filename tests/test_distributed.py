@@ -295,14 +295,22 @@ def refused_replicated_init(rank: int, world: int) -> list[tuple[str, bool]]:
     """fdist.init without shard refused: each rank's error, and whether its params kept their
     own values (the broadcast came before the checks: a bad optimizer left every rank with
     rank 0's values, and a transposed param took them in its own shape)."""
+
+    def labels(params: Any) -> Any:  # a user's function, failing on rank 1 alone
+        return {"w": 0} if rank == 0 else {}["missing"]
+
     outcomes = []
-    for optimizer, shape in [("adam", (2, 3)), (fp16fx.adam(), (2, 3) if rank == 0 else (3, 2))]:
+    for optimizer, shape in [
+        ("adam", (2, 3)),
+        (fp16fx.adam(), (2, 3) if rank == 0 else (3, 2)),
+        (fp16fx.multi_transform([fp16fx.adam()], labels), (2, 3)),
+    ]:
         params = {"w": torch.full(shape, float(rank + 1), dtype=torch.float16)}
         try:
             fdist.init(params, optimizer)
             error = "accepted"
-        except (TypeError, ValueError) as err:
-            error = str(err)
+        except Exception as err:  # whatever each rank raises is the result
+            error = f"{type(err).__name__}: {err}"
         outcomes.append((error, bool((params["w"] == rank + 1).all())))
     return outcomes
 
@@ -428,9 +436,15 @@ def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):
 
 def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):
     for found in replicated:
-        (optimizer, kept_values), (shapes, kept_shape) = found["refused_replicated_init"]
+        (optimizer, kept_values), (shapes, kept_shape), (_, kept_labels) = found[
+            "refused_replicated_init"
+        ]
         assert "optimizer must be an fp16fx transform" in optimizer and kept_values
         assert "rank 1 of the group has params['w'] as float16[3, 2]" in shapes and kept_shape
+        assert kept_labels
+    rank_0, rank_1 = (found["refused_replicated_init"][2][0] for found in replicated)
+    assert rank_1 == "KeyError: 'missing'"  # its own error; the other rank once waited for it
+    assert rank_0 == "ValueError: rank 1 of the group refused its arguments: 'missing'"
 
 
 def test_without_consensus_an_inf_after_ddp_splits_the_ranks(replicated):

@@ -578,12 +578,12 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
         # values into another shape): DDP refuses such models too.
         assert shapes == (
             "rank 1 of the group has params['w'] as float16[3], its first rank as float16[4]: "
-            "every rank must build the sharded state from the same model",
+            "every rank must build its state from the same model",
             True,
         )
     (rank_0, _), (rank_1, _) = (found["refused_init"][-1] for found in runs[2])
     assert "same tensor" in rank_1, rank_1
-    assert rank_0 == f"rank 1 of the group refused the sharded state: {rank_1}"
+    assert rank_0 == f"rank 1 of the group refused its arguments: {rank_1}"
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

@@ -276,7 +276,7 @@ def check_on_every_rank(
         checked_policy(loss_scale, leaves)
         if precision.compensated:
             check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets)
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # a label function's KeyError too: the others must not wait
         _check_alike(params, group, err)
         raise
     _check_alike(params, group, None)
@@ -297,7 +297,7 @@ def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
     if refused is not None:
         if refusal is not None:
             return  # the caller raises its own
-        raise ValueError(f"rank {refused[0]} of the group refused the sharded state: {refused[1]}")
+        raise ValueError(f"rank {refused[0]} of the group refused its arguments: {refused[1]}")
     first = ranks[0][:2]
     for rank, theirs in enumerate(r[:2] for r in ranks):
         if theirs == first:
@@ -310,8 +310,8 @@ def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
                 f"{tree.leaf_names(params)[i]} as {theirs[1][i]}, its first rank as {first[1][i]}"
             )
         raise ValueError(
-            f"rank {rank} of the group has {what}: every rank must build the sharded state "
-            "from the same model"
+            f"rank {rank} of the group has {what}: every rank must build its state from the "
+            "same model"
         )
 
 
