@@ -631,9 +631,10 @@ class FastEngine:
     def check(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors); sharded, of
         the mean grads. Unless across processes, cached while the grads are unchanged. Across
-        processes it is a collective, called by every rank (``clip_master_grads``), and runs
-        anew each time: a cache would hold on some ranks only, where one rank alone wrote its
-        grads. A read one rank makes alone gets :meth:`agreed` instead."""
+        processes it is a collective, called by every rank (``clip_master_grads``;
+        ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
+        on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
+        gets :meth:`agreed` instead."""
         checked = None if self.distributed else self._checked.get()
         if checked is None:
             with self.scale_of_the_grads():
