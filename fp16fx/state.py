@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -259,22 +259,12 @@ def init(
         (:func:`~fp16fx.transforms.base.check_kept`), found once it has run: with
         ``buckets`` the params are then in flat buffers, their values unchanged.
     """
-    check_optimizer(optimizer)
-    precision = Precision(master, moments)
-    params, mesh, group = dtensors.local_shards(params)
-    leaves, treedef = tree.check_params(params)
-    policy = checked_policy(loss_scale, leaves)
-    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
-    # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
-    # already in them (FlatParams(..., multiple)); else the params as given.
-    layout = flat.plan(leaves, treedef, labels, precision.multiple)
-    if not buckets and any(flat.flat_view(b, leaves) is None for b in _padded(layout)):
-        layout = flat.plan(leaves, treedef, labels)
-    if mesh is not None:
-        consensus = _mesh_consensus(consensus, mesh, group, buckets)
-        layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
-    if precision.compensated:
-        check_compensable(layout, leaves, buckets)
+    args = checked_arguments(
+        params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
+    )
+    params, leaves, precision, layout = args.params, args.leaves, args.precision, args.layout
+    if args.mesh is not None:
+        consensus = _mesh_consensus(consensus, args.mesh, args.group, buckets)
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -307,10 +297,10 @@ def init(
             param_segments=Segments(params_of, labels),
             master_segments=Segments(masters, labels),
             opt_state=(),
-            loss_scale=policy.init(device),
+            loss_scale=args.policy.init(device),
             count=torch.zeros((), dtype=torch.int64, device=device),
             optimizer=optimizer,
-            policy=policy,
+            policy=args.policy,
             layout=layout,
             consensus=consensus,
             precision=precision,
@@ -321,6 +311,50 @@ def init(
     if not buckets:
         state._views["params"] = params  # the caller's own tensors, not views of them
     return state
+
+
+class Arguments(NamedTuple):
+    """:func:`init`'s arguments, checked, and the layout it plans for them."""
+
+    params: Any  #: as given; DTensors' local shards
+    mesh: Any  #: DTensor params' mesh, else None
+    group: Any  #: that mesh's process group
+    leaves: list[Any]
+    treedef: Any
+    labels: Any  #: the optimizer's label per leaf, or None
+    policy: LossScalePolicy
+    precision: Precision
+    layout: Layout
+
+
+def checked_arguments(
+    params: Any,
+    optimizer: GradientTransformation,
+    loss_scale: LossScalePolicy | None,
+    *,
+    buckets: bool,
+    master: str,
+    moments: str,
+) -> Arguments:
+    """Returns :func:`init`'s arguments checked and its layout planned, before anything
+    changes (also what every rank checks before a broadcast:
+    :func:`fp16fx.distributed.sharded.check_on_every_rank`). Raises as :func:`init` does."""
+    check_optimizer(optimizer)
+    precision = Precision(master, moments)
+    params, mesh, group = dtensors.local_shards(params)
+    leaves, treedef = tree.check_params(params)
+    policy = checked_policy(loss_scale, leaves)
+    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
+    # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
+    # already in them (FlatParams(..., multiple)); else the params as given.
+    layout = flat.plan(leaves, treedef, labels, precision.multiple)
+    if not buckets and any(flat.flat_view(b, leaves) is None for b in _padded(layout)):
+        layout = flat.plan(leaves, treedef, labels)
+    if mesh is not None:
+        layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
+    if precision.compensated:
+        check_compensable(layout, leaves, buckets)
+    return Arguments(params, mesh, group, leaves, treedef, labels, policy, precision, layout)
 
 
 def _padded(layout: Layout) -> list[flat.Bucket]:

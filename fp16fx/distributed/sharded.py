@@ -38,15 +38,8 @@ from fp16fx import flat, tree
 from fp16fx.compile import StepFunction
 from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
-from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
-from fp16fx.state import (
-    MixedPrecisionState,
-    check_compensable,
-    check_optimizer,
-    checked_policy,
-    init,
-)
+from fp16fx.state import Arguments, MixedPrecisionState, checked_arguments, init
 from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation
 
@@ -219,9 +212,10 @@ def init_sharded(
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
     bucket's.
     """
-    leaves, treedef, labels, precision = check_on_every_rank(
+    args = check_on_every_rank(
         params, optimizer, loss_scale, group, master=master, moments=moments, buckets=True
     )
+    leaves, treedef, labels, precision = args.leaves, args.treedef, args.labels, args.precision
     trained = [i for i, p in enumerate(leaves) if p is not None]
     world = dist.get_world_size(group)
     flat_params = FlatParams(
@@ -263,24 +257,20 @@ def check_on_every_rank(
     master: str,
     moments: str,
     buckets: bool,
-) -> tuple[list[Any], Any, Any, Precision]:
-    """Runs ``fp16fx.init``'s checks of its arguments on every rank of ``group``, before the
-    params are broadcast (or moved): where any rank refuses, or holds other params, every
-    rank raises, nothing changed (a rank left alone would wait in the broadcast). Returns
-    the checked ``(leaves, treedef, labels, precision)``. A collective."""
+) -> Arguments:
+    """Returns ``fp16fx.init``'s checks of its arguments (:func:`checked_arguments`), run on
+    every rank of ``group`` before the params are broadcast (or moved): where any rank
+    refuses, or holds other params, every rank raises, nothing changed (a rank left alone
+    would wait in the broadcast). A collective."""
     try:
-        check_optimizer(optimizer)
-        leaves, treedef = tree.check_params(params)
-        labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
-        precision = Precision(master, moments)
-        checked_policy(loss_scale, leaves)
-        if precision.compensated:
-            check_compensable(flat.plan(leaves, treedef, labels), leaves, buckets)
+        args = checked_arguments(
+            params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
+        )
     except Exception as err:  # a label function's KeyError too: the others must not wait
         _check_alike(params, group, err)
         raise
     _check_alike(params, group, None)
-    return leaves, treedef, labels, precision
+    return args
 
 
 def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:

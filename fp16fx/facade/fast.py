@@ -635,13 +635,15 @@ class FastEngine:
         ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
         on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
         gets :meth:`agreed` instead."""
-        checked = None if self.distributed else self._checked.get()
-        if checked is None:
-            with self.scale_of_the_grads():
-                grads = self.grads() if self.sharded is None else self._scatter()
-                checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
+        if not self.distributed and (checked := self._checked.get()) is not None:
+            return checked
+        with self.scale_of_the_grads():
+            grads = self.grads() if self.sharded is None else self._scatter()
+            checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
+        if self.distributed:
+            self._agreed = checked
+        else:
             self._checked.remember(checked, self.grad_stamp())
-            self._agreed = checked if self.distributed else None
         return checked
 
     def agreed(self) -> tuple[torch.Tensor, torch.Tensor]:
