@@ -10,6 +10,8 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import fp16fx
 import fp16fx.distributed as fdist
@@ -356,6 +358,28 @@ def refused_init(rank: int, world: int) -> list[tuple[str, bool]]:
     return outcomes
 
 
+def refused_names_and_dtensors(rank: int, world: int) -> dict[str, list[str]]:
+    """fdist.init, sharded and not: an unknown ``moments=`` on rank 1 alone (once refused
+    there before the gather, the others waiting for it), and an FSDP2 model's DTensor params
+    (once torch's NotImplementedError from the broadcast, unsharded)."""
+    found: dict[str, list[str]] = {"alone": [], "dtensor": []}
+    mesh = init_device_mesh("cpu", (world,))
+    for shard in (True, False):
+        params = {"w": torch.ones(4, dtype=torch.float16)}
+        try:
+            fdist.init(params, fp16fx.adam(), shard=shard, moments="int4" if rank == 1 else "int8")
+            found["alone"].append("accepted")
+        except ValueError as err:
+            found["alone"].append(str(err))
+        fsdp = {"w": distribute_tensor(torch.ones(4, 2, dtype=torch.float16), mesh, [Shard(0)])}
+        try:
+            fdist.init(fsdp, fp16fx.adam(), shard=shard)
+            found["dtensor"].append("accepted")
+        except TypeError as err:
+            found["dtensor"].append(str(err))
+    return found
+
+
 def all_dicts(state: Any) -> list[dict[str, Any]]:
     """Every rank's ``fdist.state_dict`` of ``state`` (a collective), copied."""
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -385,6 +409,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["compact"] = compact_run(rank, world, out)
     found["scalar"] = scalar_params(rank, world)
     found["refused_init"] = refused_init(rank, world)
+    found["refused_names_and_dtensors"] = refused_names_and_dtensors(rank, world)
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -584,6 +609,16 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
     (rank_0, _), (rank_1, _) = (found["refused_init"][-1] for found in runs[2])
     assert "same tensor" in rank_1, rank_1
     assert rank_0 == f"rank 1 of the group refused its arguments: {rank_1}"
+
+
+def test_fdist_init_refuses_a_name_on_one_rank_and_dtensors_on_every_rank(runs):
+    rank_0, rank_1 = (found["refused_names_and_dtensors"] for found in runs[2])
+    for mine, theirs in zip(rank_1["alone"], rank_0["alone"], strict=True):
+        assert mine.startswith("moments must be one of")
+        assert theirs == f"rank 1 of the group refused its arguments: {mine}"
+    for found in (rank_0, rank_1):
+        for error in found["dtensor"]:
+            assert error.startswith("params['w'] is a DTensor (an FSDP2 model's param)")
 
 
 @pytest.mark.parametrize("name", ["restarted", "fp32"])

@@ -184,6 +184,7 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
             FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
         except ValueError as err:
             found["solo"] = str(err)
+    found["alone"] = refused_on_one_rank(rank, model)
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
     opt = make_optimizer(model, "adam", shard=True)
     for what in ("state", "inspect_master_grad_data"):
@@ -208,6 +209,28 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         for a, b in zip(everything(), stepped, strict=True)
     )
     return found
+
+
+def refused_on_one_rank(rank: int, model: nn.Module) -> list[str]:
+    """Sharded optimizers that rank 1 alone refuses, by the facade's own checks (a name, a
+    meta param) and by the fast path's (a group's lr): each rank's error (the others once
+    waited for rank 1 in the gather until the timeout)."""
+    errors = []
+    for case in ("master", "meta", "lr"):
+        inner = torch.optim.Adam(model.parameters())
+        options: dict[str, Any] = {"shard": True, "verbose": False, "compiled": False}
+        if rank == 1 and case == "master":
+            options["master"] = "fp8"
+        if rank == 1 and case == "meta":
+            inner.param_groups[0]["params"][0] = nn.Parameter(torch.ones(5, 8, device="meta"))
+        if rank == 1 and case == "lr":
+            inner.param_groups[0]["lr"] = -1.0
+        try:
+            FP16_Optimizer(inner, **options)
+            errors.append("accepted")
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
 
 
 def worker(rank: int, world: int, out: str) -> None:
@@ -330,6 +353,11 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
     assert "nothing to shard across" in found["solo"]
     assert found["untouched"]
+    mine = ["master must be one of", "is on the meta device", "'lr' must be >= 0"]
+    for error, alone in zip(runs[2][1]["refusals"]["alone"], mine, strict=True):
+        assert alone in error
+    for error, alone in zip(found["alone"], mine, strict=True):
+        assert error.startswith("rank 1 of the group refused its arguments: ") and alone in error
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]

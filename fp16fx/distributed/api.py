@@ -54,8 +54,9 @@ def init(
     ``fp16fx.step`` / ``compile_step`` then skip or apply on every process together. Give it
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
-    Precision(master, moments)  # checks the names before anything moves
     consensus = default_consensus(process_group)
+    if consensus is None:
+        Precision(master, moments)  # the names first (with a group, every rank checks them)
     if shard:
         if consensus is None:
             raise ValueError(

@@ -25,14 +25,16 @@ their scales 8/256) / d, about 4 + 3/d.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fp16fx import flat, tree
 from fp16fx.compile import StepFunction
@@ -262,25 +264,49 @@ def check_on_every_rank(
     every rank of ``group`` before the params are broadcast (or moved): where any rank
     refuses, or holds other params, every rank raises, nothing changed (a rank left alone
     would wait in the broadcast). A collective."""
-    try:
+    with refusing_together(group):  # a label function's KeyError too: the others must not wait
+        _refuse_dtensors(params)
         args = checked_arguments(
             params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
         )
-    except Exception as err:  # a label function's KeyError too: the others must not wait
-        _check_alike(params, group, err)
-        raise
     _check_alike(params, group, None)
     return args
 
 
+@contextlib.contextmanager
+def refusing_together(group: Any) -> Iterator[None]:
+    """Runs the block; where it raises on this rank, the other ranks of ``group`` learn of it
+    in :func:`check_on_every_rank`'s gather (and raise), then this rank raises its own error.
+
+    For checks one rank might fail alone before a sharded init (the block must run no
+    collective): a rank left alone would wait in the gather until the timeout."""
+    try:
+        yield
+    except Exception as err:
+        _check_alike(None, group, err)
+        raise
+
+
+def _refuse_dtensors(params: Any) -> None:
+    for name, leaf in zip(tree.leaf_names(params), optree.tree_leaves(params, none_is_leaf=True)):
+        if isinstance(leaf, DTensor):
+            raise TypeError(
+                f"{name} is a DTensor (an FSDP2 model's param): FSDP2 shards the params and "
+                "keeps the ranks in step itself; give them to fp16fx.init, whose skip and norm "
+                "agree over their mesh (docs/distributed.md)"
+            )
+
+
 def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
     """Raises ValueError on every rank where another rank refused its arguments
-    (``refusal``: this rank's; the caller raises it), or unless every rank's params have the
-    group's first rank's structure, dtypes and shapes (as DDP checks): the broadcast would
-    pour its values into other shapes, or fail inside the backend. A collective, before
-    anything changes."""
-    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-    mine = (str(treedef), [_kind(leaf) for leaf in leaves], refusal and str(refusal))
+    (``refusal``: this rank's; the caller raises it, and ``params`` goes unread), or unless
+    every rank's params have the group's first rank's structure, dtypes and shapes (as DDP
+    checks): the broadcast would pour its values into other shapes, or fail inside the
+    backend. A collective, before anything changes."""
+    mine: tuple[Any, ...] = (None, None, str(refusal))
+    if refusal is None:
+        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+        mine = (str(treedef), [_kind(leaf) for leaf in leaves], None)
     ranks: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranks, mine, group=group)
     refused = next(((rank, r[2]) for rank, r in enumerate(ranks) if r[2] is not None), None)

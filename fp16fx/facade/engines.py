@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
 from fp16fx.facade import torch_state
-from fp16fx.facade.fast import NOT_SHARDED, FastEngine
+from fp16fx.facade.fast import NOT_SHARDED, FastEngine, shared_refusals
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import ParamSet, replace_params
@@ -176,4 +176,11 @@ def handover(
     return GenericEngine(optimizer, params.trainable, params.masters, fast.scaler, stepped_finite)
 
 
-__all__ = ["NOT_SHARDED", "Engine", "build_engine", "handover", "shard_group"]
+__all__ = [
+    "NOT_SHARDED",
+    "Engine",
+    "build_engine",
+    "handover",
+    "shard_group",
+    "shared_refusals",
+]

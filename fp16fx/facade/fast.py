@@ -27,6 +27,7 @@ from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
+from fp16fx.distributed.sharded import refusing_together
 from fp16fx.facade import torch_state
 from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.groups import (
@@ -51,6 +52,13 @@ logger = logging.getLogger("fp16fx")
 
 #: ``shard`` for an engine that keeps the whole state on every rank.
 NOT_SHARDED = object()
+
+
+def shared_refusals(shard: Any) -> contextlib.AbstractContextManager[None]:
+    """Sharded (``shard`` a process group), a block whose refusal on one rank reaches the
+    others, waiting before the sharded init's broadcast (:func:`refusing_together`);
+    unsharded, the block alone."""
+    return contextlib.nullcontext() if shard is NOT_SHARDED else refusing_together(shard)
 
 
 class FastEngine:
@@ -79,15 +87,16 @@ class FastEngine:
         shard: Any = NOT_SHARDED,
         precision: Precision = FP32,
     ) -> None:
-        kind = fast_kind(optimizer)
-        if kind is None:
-            raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
-        if not any(trainable):
-            raise Unsupported("no param requires grad, so there is nothing to put in buffers")
-        groups = optimizer.param_groups
-        specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
-        self.labels = [k for k, params in enumerate(trainable) for _ in params]
-        transform = build_transform(specs, groups, self.labels)  # validates the numbers
+        with shared_refusals(shard):
+            kind = fast_kind(optimizer)
+            if kind is None:
+                raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
+            if not any(trainable):
+                raise Unsupported("no param requires grad, so there is nothing to put in buffers")
+            groups = optimizer.param_groups
+            specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
+            self.labels = [k for k, params in enumerate(trainable) for _ in params]
+            transform = build_transform(specs, groups, self.labels)  # validates the numbers
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (

@@ -19,7 +19,14 @@ import torch
 
 from fp16fx.consensus import default_consensus
 from fp16fx.facade import checkpoint, closure, loading
-from fp16fx.facade.engines import NOT_SHARDED, Engine, build_engine, handover, shard_group
+from fp16fx.facade.engines import (
+    NOT_SHARDED,
+    Engine,
+    build_engine,
+    handover,
+    shard_group,
+    shared_refusals,
+)
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import NO_CLIP, Unsupported
@@ -158,15 +165,16 @@ class FP16_Optimizer(torch.optim.Optimizer):
             )
         if path not in ("auto", "fast", "generic"):
             raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
-        precision = Precision(master, moments)  # checks the names
         group = shard_group(shard, process_group, path)
-        policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        with shared_refusals(group):  # sharded, a rank refusing alone would leave the rest waiting
+            precision = Precision(master, moments)  # checks the names
+            policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+            names = param_names(init_optimizer)
+            groups = init_optimizer.param_groups
+            check_unique(groups)
+            trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+            check_trainable([p for params in trainable for p in params], names)
         self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
-        names = param_names(init_optimizer)
-        groups = init_optimizer.param_groups
-        check_unique(groups)
-        trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
-        check_trainable([p for params in trainable for p in params], names)
         every = [*(p for ps in trainable for p in ps), *(p for g in groups for p in g["params"])]
         device = every[0].device if every else torch.device("cpu")  # a group may be empty
         stats = torch.zeros(2, dtype=torch.int64, device=device)
