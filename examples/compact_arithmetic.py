@@ -67,7 +67,7 @@ def fp32(p, m, g, mu, nu, count):
 
 def compensated(p, c, g, mu, nu, count):
     """The master is ``p`` + ``c`` units; FP32 moments."""
-    dither = precision.uniform(precision.hash_bits(p.numel(), 0, count), 0)
+    dither = precision.master_noise(precision.hash_bits(p.numel(), 0, count))
     new, mu2, nu2 = adam(precision.decode_master(p, c), g, mu, nu)
     p2, c2 = precision.encode_master(new, torch.float16, dither)
     p.copy_(p2)
@@ -82,9 +82,9 @@ def compensated_int8(p, c, g, mu_codes, mu_scales, nu_codes, nu_scales, count):
     mu = precision.decode_moment(precision.Quantized(mu_codes, mu_scales), False, BLOCK)
     nu = precision.decode_moment(precision.Quantized(nu_codes, nu_scales), True, BLOCK)
     new, mu2, nu2 = adam(precision.decode_master(p, c), g, mu, nu)
-    p2, c2 = precision.encode_master(new, torch.float16, precision.uniform(bits, 0))
-    qmu = precision.encode_moment(mu2, "int8", False, BLOCK, precision.uniform(bits, 1))
-    qnu = precision.encode_moment(nu2, "int8", True, BLOCK, precision.uniform(bits, 2))
+    p2, c2 = precision.encode_master(new, torch.float16, precision.master_noise(bits))
+    qmu = precision.encode_moment(mu2, "int8", False, BLOCK, precision.moment_noise(bits, 0))
+    qnu = precision.encode_moment(nu2, "int8", True, BLOCK, precision.moment_noise(bits, 1))
     for stored, value in zip(
         (p, c, mu_codes, mu_scales, nu_codes, nu_scales), (p2, c2, *qmu, *qnu)
     ):

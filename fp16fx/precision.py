@@ -95,16 +95,43 @@ def hash_bits(numel: int, salt: int, count: torch.Tensor, start: int = 0) -> tor
     every product below 2**63 (for indices below 2**31). The same values eager and compiled,
     different for every index, salt and count; the step hashes a value's place (its bucket
     as the salt, its index in the bucket's whole buffer) and its applied-step count. Each
-    stochastic rounding of a step takes its own 8 of the 32 bits (:func:`uniform`)."""
+    stochastic rounding of a step takes its own bits of them (:func:`master_noise`,
+    :func:`moment_noise`)."""
     x = torch.arange(start, start + numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
     x = (x * 0x9E3779B1 + (salt * 0x27D4EB2F + count * 0x165667B1)) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
     return x ^ (x >> 13)
 
 
-def uniform(bits: torch.Tensor, field: int) -> torch.Tensor:
-    """Returns byte ``field`` (0-3) of ``bits`` as a value in (0, 1): (byte + 1/2) / 256."""
-    return (((bits >> (8 * field)) & 0xFF).float() + 0.5) * (1.0 / 256.0)
+def master_noise(bits: torch.Tensor) -> torch.Tensor:
+    """Returns the dither of a compensated master: the low byte of :func:`hash_bits`' ``bits``
+    as (byte + 1/2) / 256, a value in (0, 1). A correction's unit is 1/256 of an FP16 ulp
+    (1/65536 of a BF16 one) already: a finer dither would round its rest more finely than
+    the update's own FP32 rounding."""
+    return _dither(bits, 0, 8)
+
+
+def moment_noise(bits: torch.Tensor, i: int) -> torch.Tensor:
+    """Returns the dither of the ``i``-th short moment of a segment (``i`` mod 3), 16 bits of
+    the step's hash as (k + 1/2) / 65536: the first moment's from the high half of ``bits``
+    (above the master's byte), the next two the halves of ``bits`` hashed again.
+
+    Sixteen bits, not eight: stochastic rounding moves a value up with probability ``f``,
+    its place between two codes, as drawn on the dither's grid: a change below half a step
+    of that grid is never applied. Adam's second moment decaying by beta2 = 0.9999 a step
+    moves 1/10,000 of its value, at code 78 1/512 of the way to the next code down: with one
+    byte, every lower code froze (and rose with its block's scale)."""
+    i %= 3
+    if i == 0:
+        return _dither(bits, 16, 16)
+    mixed = ((bits ^ (bits >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    return _dither(mixed ^ (mixed >> 16), 16 * (i - 1), 16)
+
+
+def _dither(bits: torch.Tensor, shift: int, width: int) -> torch.Tensor:
+    """Returns bits ``shift .. shift + width`` of ``bits`` as (k + 1/2) / 2**width (exact in
+    FP32 for ``width`` up to 23)."""
+    return (((bits >> shift) & ((1 << width) - 1)).float() + 0.5) * (1.0 / (1 << width))
 
 
 # -- masters ---------------------------------------------------------------------------------
@@ -192,7 +219,10 @@ def split_master(
     up = -(-p32 - 2 * top * unit)
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
     c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
-    return torch.where(bump, up, p32), torch.clamp(c, -top, top - 1)
+    # At -max, -top units would decode to the midpoint to -inf, which rounds to -inf: the
+    # correction stops a unit short there, as it does below the midpoint to +inf at +max.
+    lowest = torch.where(p32 == -torch.finfo(dtype).max, 1.0 - top, float(-top))
+    return torch.where(bump, up, p32), torch.clamp(torch.maximum(c, lowest), max=top - 1)
 
 
 def require_rounding_casts() -> None:
@@ -231,6 +261,7 @@ def _refuse_compiling_without_rounding() -> None:
 #: The scale of an int8 block of zeros (or of FP32 subnormals): the smallest normal, since
 #: decoding multiplies by the scale stored, and it must be the one divided by.
 ZERO_BLOCK_SCALE = torch.finfo(torch.float32).tiny
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 class Quantized(NamedTuple):
@@ -289,22 +320,44 @@ def round_moment(
         # are sign and magnitude: this rounds the magnitude).
         bits = x.view(torch.int32) + (noise * 65536.0).to(torch.int32)
         return (bits & -65536).view(torch.float32)
-    scales = torch.clamp(_block_amax(x, block), min=ZERO_BLOCK_SCALE)
+    # An overflowed value (inf) keeps the largest finite scale and code: the block's others
+    # stay finite, as an FP32 moment's neighbours do.
+    scales = torch.clamp(_block_amax(x, block), min=ZERO_BLOCK_SCALE, max=_FP32_MAX)
     n = x.numel()
     if _in_rows(x, block):
         y = x.view(-1, block) / scales[:, None]
         noise = None if noise is None else noise.view(-1, block)
     else:
         y = x / _per_value(scales, n, block)
+    y = torch.clamp(y, -1.0, 1.0)
     if non_negative:
-        r = 255.0 * torch.sqrt(torch.sqrt(y))
-        r = torch.floor(r + noise) if noise is not None else torch.round(r)
+        r = _round_code(y, 255.0, 4, noise)
         # A positive value keeps code 1 at least: it never decodes to zero.
-        low = (y > 0).float()
-        return Quantized(torch.clamp(torch.maximum(r, low), 0, 255).reshape(n), scales)
-    r = torch.copysign(127.0 * torch.sqrt(torch.abs(y)), y)
-    r = torch.floor(r + noise) if noise is not None else torch.round(r)
-    return Quantized(torch.clamp(r, -127, 127).reshape(n), scales)
+        return Quantized(torch.maximum(r, (y > 0).float()).reshape(n), scales)
+    r = torch.copysign(_round_code(torch.abs(y), 127.0, 2, noise), y)
+    return Quantized(r.reshape(n), scales)
+
+
+def _round_code(y: torch.Tensor, top: float, power: int, noise: torch.Tensor | None) -> Any:
+    """Returns the code ``c`` in 0..``top`` of ``y`` in [0, 1] (FP32) stored as
+    ``(c / top) ** power``: to nearest in the companded domain without ``noise``; with it,
+    ``floor(t)`` or the code above, ``t = top * y ** (1 / power)``, the upper one with the
+    probability that makes the *decoded value* unbiased: ``(y - lo) / (hi - lo)`` of the two
+    codes' values. (Rounding ``t`` itself stochastically is unbiased in the companded
+    domain, and so biased upward in value: 2.5x at 1e-5 of the block's scale for a signed
+    moment, and an average of such moments grew with every step.)"""
+    t = top * (torch.sqrt(torch.sqrt(y)) if power == 4 else torch.sqrt(y))
+    if noise is None:
+        return torch.clamp(torch.round(t), 0, top)
+    lo = torch.clamp(torch.floor(t), 0, top - 1)
+    below, above = _expanded(lo / top, power), _expanded((lo + 1) / top, power)
+    return lo + (noise * (above - below) < y - below).float()
+
+
+def _expanded(t: torch.Tensor, power: int) -> torch.Tensor:
+    """Returns ``t ** power`` for ``t`` >= 0 (``power`` 2 or 4), bitwise as decoding
+    computes a code's value."""
+    return torch.square(torch.square(t)) if power == 4 else torch.square(t)
 
 
 #: The devices Inductor writes Triton for (NVIDIA and AMD GPUs, Intel's).
@@ -344,7 +397,7 @@ def decode_moment(stored: Any, non_negative: bool, block: int) -> torch.Tensor:
         n = stored.codes.numel()
         scale = _per_value(stored.scales, n, block)
         if non_negative:
-            return scale * torch.square(torch.square(stored.codes.float() / 255.0))
+            return scale * _expanded(stored.codes.float() / 255.0, 4)
         c = stored.codes.float() / 127.0
         return scale * c * torch.abs(c)
     return stored.float()

@@ -32,10 +32,11 @@ from fp16fx.precision import (
     decode_master,
     hash_bits,
     map_moments,
+    master_noise,
+    moment_noise,
     require_rounding_casts,
     round_moment,
     split_master,
-    uniform,
 )
 from fp16fx.prepare import Trained, finish, prepare
 from fp16fx.scaling import CheckedGrads, LossScalePolicy, unscale_and_check
@@ -154,7 +155,7 @@ def apply_updates(
             new_params.append(None)
             new_masters.append(keep_if_skipped(master + u, m))
         elif precision.compensated:  # the param and its correction are the master
-            p_new, c_new = split_master(master + u, p.dtype, uniform(h, 0))
+            p_new, c_new = split_master(master + u, p.dtype, master_noise(h))
             new_params.append(keep_if_skipped(p_new, p))
             new_masters.append(keep_if_skipped(c_new, m))
         else:
@@ -228,16 +229,15 @@ def round_stepped_moments(
 ) -> Any:
     """Returns a stepped optimizer state's FP32 moments rounded as ``precision.moments``
     stores them (:func:`fp16fx.precision.round_moment`: still FP32, cast when kept),
-    stochastically where that keeps them unbiased (bf16, signed int8), each moment of segment
-    ``k`` with its own byte of the step's hash ``bits[k]``."""
+    stochastically, each moment of segment ``k`` with its own dither from the step's hash
+    ``bits[k]`` (:func:`fp16fx.precision.moment_noise`)."""
     if precision.moments == "fp32":
         return opt_state
     seen: dict[int, int] = {}
 
     def rounded(x: torch.Tensor, non_negative: bool, k: int) -> Any:
-        field = 1 + seen.setdefault(k, 0) % 3  # byte 0 is the master's
+        noise = moment_noise(bits[k], seen.setdefault(k, 0))
         seen[k] += 1
-        noise = uniform(bits[k], field)
         return round_moment(x, precision.moments, non_negative, precision.block, noise)
 
     return map_moments(rounded, opt_state)

@@ -151,7 +151,7 @@ class ScaleByAdamState(NamedTuple):
     nu: Params
     nu_max: Params | None
 
-    #: The fields that are never negative (a compact store may round them up, never down).
+    #: The fields that are never negative (an int8 store keeps them unsigned).
     non_negative = ("nu", "nu_max")
 
 
