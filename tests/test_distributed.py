@@ -541,8 +541,9 @@ def test_sharded_and_unsharded_calls_given_the_other_state_say_which_call_to_use
 
 def test_fdist_init_passes_compact_precision_on_and_checks_its_names_first():
     """fdist.init passes master=/moments= on to fp16fx.init (two processes: the compact runs
-    of test_train_distributed and test_distributed_sharded); an unknown name is refused
-    before anything else, the process group's check included."""
+    of test_train_distributed and test_distributed_sharded); in one process, an unknown
+    name is refused before the sharding (across processes, every rank checks the names
+    together: test_distributed_sharded)."""
     compact = {"master": "compensated", "moments": "int8"}
     w = torch.ones(300, dtype=torch.float16)
     state = fdist.init({"w": w}, fp16fx.adam(0.1), buckets=True, **compact)

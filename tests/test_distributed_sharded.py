@@ -362,15 +362,17 @@ def refused_names_and_dtensors(rank: int, world: int) -> dict[str, list[str]]:
     """fdist.init, sharded and not: an unknown ``moments=`` on rank 1 alone (once refused
     there before the gather, the others waiting for it), and an FSDP2 model's DTensor params
     (once torch's NotImplementedError from the broadcast, unsharded)."""
-    found: dict[str, list[str]] = {"alone": [], "dtensor": []}
+    found: dict[str, list[Any]] = {"alone": [], "kept": [], "dtensor": []}
     mesh = init_device_mesh("cpu", (world,))
     for shard in (True, False):
-        params = {"w": torch.ones(4, dtype=torch.float16)}
+        params = {"w": torch.full((4,), float(rank + 1), dtype=torch.float16)}
+        before, storage = params["w"].clone(), params["w"].data_ptr()
         try:
             fdist.init(params, fp16fx.adam(), shard=shard, moments="int4" if rank == 1 else "int8")
             found["alone"].append("accepted")
         except ValueError as err:
             found["alone"].append(str(err))
+        found["kept"].append(torch.equal(params["w"], before) and params["w"].data_ptr() == storage)
         fsdp = {"w": distribute_tensor(torch.ones(4, 2, dtype=torch.float16), mesh, [Shard(0)])}
         try:
             fdist.init(fsdp, fp16fx.adam(), shard=shard)
@@ -616,6 +618,7 @@ def test_fdist_init_refuses_a_name_on_one_rank_and_dtensors_on_every_rank(runs):
     for mine, theirs in zip(rank_1["alone"], rank_0["alone"], strict=True):
         assert mine.startswith("moments must be one of")
         assert theirs == f"rank 1 of the group refused its arguments: {mine}"
+    assert rank_0["kept"] == rank_1["kept"] == [True, True]  # nothing moved, or broadcast
     for found in (rank_0, rank_1):
         for error in found["dtensor"]:
             assert error.startswith("params['w'] is a DTensor (an FSDP2 model's param)")

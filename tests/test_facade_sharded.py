@@ -184,8 +184,8 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
             FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
         except ValueError as err:
             found["solo"] = str(err)
-    found["alone"] = refused_on_one_rank(rank, model)
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
+    found["alone"] = refused_on_one_rank(rank)
     opt = make_optimizer(model, "adam", shard=True)
     for what in ("state", "inspect_master_grad_data"):
         try:
@@ -211,26 +211,53 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def refused_on_one_rank(rank: int, model: nn.Module) -> list[str]:
-    """Sharded optimizers that rank 1 alone refuses, by the facade's own checks (a name, a
-    meta param) and by the fast path's (a group's lr): each rank's error (the others once
-    waited for rank 1 in the gather until the timeout)."""
-    errors = []
-    for case in ("master", "meta", "lr"):
+#: What rank 1 alone gets wrong, and what its refusal says.
+ALONE = {
+    "master": ({"master": "fp8"}, "master must be one of"),
+    "report_interval": ({"report_interval": 0}, "report_interval must be an int"),
+    "path": ({"path": "generic"}, "path='generic' cannot shard"),
+    "process_group": ({"process_group": None}, "leave process_group='auto'"),
+    "meta param": ({}, "is on the meta device"),
+    "lr": ({}, "'lr' must be >= 0"),
+    "saved state": ({}, "the saved 'exp_avg' of a param of shape (3,) is (7,)"),
+}
+
+
+def refused_on_one_rank(rank: int) -> dict[str, Any]:
+    """Sharded optimizers that rank 1 alone refuses, by the facade's checks of its arguments
+    and params, the fast path's of a group's numbers and of the state its optimizer holds:
+    each rank's error (the others once waited for rank 1 until the timeout, or a refused
+    state was found after the broadcast), and whether every rank's params stayed where and
+    as they were (each rank's own values, so that a broadcast would show)."""
+    model = Net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank)
+    before = [(p.data_ptr(), p.clone()) for p in model.parameters()]
+    errors = {}
+    for case, (options, _) in ALONE.items():
         inner = torch.optim.Adam(model.parameters())
-        options: dict[str, Any] = {"shard": True, "verbose": False, "compiled": False}
-        if rank == 1 and case == "master":
-            options["master"] = "fp8"
-        if rank == 1 and case == "meta":
-            inner.param_groups[0]["params"][0] = nn.Parameter(torch.ones(5, 8, device="meta"))
-        if rank == 1 and case == "lr":
-            inner.param_groups[0]["lr"] = -1.0
+        mine: dict[str, Any] = {"shard": True, "verbose": False, "compiled": False}
+        if rank == 1:
+            mine.update(options)
+            if case == "meta param":
+                inner.param_groups[0]["params"][0] = nn.Parameter(torch.ones(5, 8, device="meta"))
+            if case == "lr":
+                inner.param_groups[0]["lr"] = -1.0
+            if case == "saved state":
+                first = inner.param_groups[0]["params"][0]
+                moments = {"exp_avg": torch.zeros(7), "exp_avg_sq": torch.zeros(7)}
+                inner.state[first] = {"step": torch.tensor(1.0), **moments}
         try:
-            FP16_Optimizer(inner, **options)
-            errors.append("accepted")
-        except ValueError as err:
-            errors.append(str(err))
-    return errors
+            FP16_Optimizer(inner, **mine)
+            errors[case] = "accepted"
+        except (TypeError, ValueError) as err:
+            errors[case] = str(err)
+    kept = all(
+        p.data_ptr() == ptr and torch.equal(p, value)
+        for p, (ptr, value) in zip(model.parameters(), before, strict=True)
+    )
+    return {"errors": errors, "kept": kept}
 
 
 def worker(rank: int, world: int, out: str) -> None:
@@ -353,11 +380,12 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
     assert "nothing to shard across" in found["solo"]
     assert found["untouched"]
-    mine = ["master must be one of", "is on the meta device", "'lr' must be >= 0"]
-    for error, alone in zip(runs[2][1]["refusals"]["alone"], mine, strict=True):
-        assert alone in error
-    for error, alone in zip(found["alone"], mine, strict=True):
-        assert error.startswith("rank 1 of the group refused its arguments: ") and alone in error
+    rank_0, rank_1 = (r["refusals"]["alone"] for r in runs[2])
+    assert rank_0["kept"] and rank_1["kept"]
+    for case, (_, refusal) in ALONE.items():
+        assert refusal in rank_1["errors"][case], (case, rank_1["errors"][case])
+        refused = f"rank 1 of the group refused its arguments: {rank_1['errors'][case]}"
+        assert rank_0["errors"][case] == refused, (case, rank_0["errors"][case])
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]

@@ -55,10 +55,9 @@ def init(
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
     consensus = default_consensus(process_group)
-    if consensus is None:
-        Precision(master, moments)  # the names first (with a group, every rank checks them)
     if shard:
         if consensus is None:
+            Precision(master, moments)  # a wrong name first
             raise ValueError(
                 "shard=True needs torch.distributed initialized with more than one process "
                 "(or a process_group): there is nothing to shard across"

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fp16fx import flat, tree
+from fp16fx import dtensors, flat, tree
 from fp16fx.compile import StepFunction
 from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
@@ -283,18 +283,23 @@ def refusing_together(group: Any) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        _check_alike(None, group, err)
+        try:
+            _check_alike(None, group, err)
+        except Exception as failed:  # (a rank that refused elsewhere, outside such a block)
+            err.add_note(f"fp16fx could not tell the other ranks of the group: {failed}")
         raise
 
 
 def _refuse_dtensors(params: Any) -> None:
-    for name, leaf in zip(tree.leaf_names(params), optree.tree_leaves(params, none_is_leaf=True)):
-        if isinstance(leaf, DTensor):
-            raise TypeError(
-                f"{name} is a DTensor (an FSDP2 model's param): FSDP2 shards the params and "
-                "keeps the ranks in step itself; give them to fp16fx.init, whose skip and norm "
-                "agree over their mesh (docs/distributed.md)"
-            )
+    """Raises TypeError naming the first DTensor leaf of ``params``, if any."""
+    leaves = optree.tree_leaves(params, none_is_leaf=True)
+    if dtensors.has_dtensors(leaves):
+        name = tree.leaf_names(params)[[isinstance(p, DTensor) for p in leaves].index(True)]
+        raise TypeError(
+            f"{name} is a DTensor (an FSDP2 model's param): FSDP2 shards the params and "
+            "keeps the ranks in step itself; give them to fp16fx.init, whose skip and norm "
+            "agree over their mesh (docs/distributed.md)"
+        )
 
 
 def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
@@ -303,10 +308,11 @@ def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
     every rank's params have the group's first rank's structure, dtypes and shapes (as DDP
     checks): the broadcast would pour its values into other shapes, or fail inside the
     backend. A collective, before anything changes."""
-    mine: tuple[Any, ...] = (None, None, str(refusal))
     if refusal is None:
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-        mine = (str(treedef), [_kind(leaf) for leaf in leaves], None)
+        mine: tuple[Any, ...] = (str(treedef), [_kind(leaf) for leaf in leaves], None)
+    else:
+        mine = (None, None, str(refusal))
     ranks: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranks, mine, group=group)
     refused = next(((rank, r[2]) for rank, r in enumerate(ranks) if r[2] is not None), None)

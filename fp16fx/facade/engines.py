@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
 from fp16fx.facade import torch_state
-from fp16fx.facade.fast import NOT_SHARDED, FastEngine, shared_refusals
+from fp16fx.facade.fast import NOT_SHARDED, FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import ParamSet, replace_params
@@ -30,16 +30,16 @@ logger = logging.getLogger("fp16fx")
 Engine = FastEngine | GenericEngine
 
 
-def shard_group(shard: Any, process_group: Any, path: str) -> Any:
+def shard_group(shard: Any) -> Any:
     """Returns the process group to shard over (None: the world), or NOT_SHARDED.
 
     Raises:
-      ValueError: sharding was asked for but cannot be done (named), before anything changed.
+      ValueError: sharding cannot be done at all (torch.distributed not initialized, or one
+        process), before anything changed. What one rank might refuse alone is
+        :func:`check_path`'s, run where the others learn of it.
     """
     if shard is False or shard is None:
         return NOT_SHARDED
-    if path == "generic":
-        raise ValueError("shard=... runs on the fast path only; path='generic' cannot shard")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "shard=... needs torch.distributed initialized (dist.init_process_group) with more "
@@ -48,12 +48,23 @@ def shard_group(shard: Any, process_group: Any, path: str) -> Any:
     group = None if shard is True else shard
     if dist.get_world_size(group) == 1:
         raise ValueError("shard=... needs more than one process: there is nothing to shard across")
+    return group
+
+
+def check_path(path: str, process_group: Any, shard: Any) -> None:
+    """Raises ValueError unless ``path`` is one FP16_Optimizer knows and, sharded (``shard``
+    from :func:`shard_group`), it and ``process_group`` leave the sharding to ``shard``."""
+    if path not in ("auto", "fast", "generic"):
+        raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
+    if shard is NOT_SHARDED:
+        return
+    if path == "generic":
+        raise ValueError("shard=... runs on the fast path only; path='generic' cannot shard")
     if not (isinstance(process_group, str) and process_group == "auto"):
         raise ValueError(
             "with shard=..., the found-inf consensus runs over the shard's group; pass a group "
             "as shard=group and leave process_group='auto'"
         )
-    return group
 
 
 def build_engine(
@@ -180,7 +191,7 @@ __all__ = [
     "NOT_SHARDED",
     "Engine",
     "build_engine",
+    "check_path",
     "handover",
     "shard_group",
-    "shared_refusals",
 ]

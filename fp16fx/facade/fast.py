@@ -54,10 +54,10 @@ logger = logging.getLogger("fp16fx")
 NOT_SHARDED = object()
 
 
-def shared_refusals(shard: Any) -> contextlib.AbstractContextManager[None]:
-    """Sharded (``shard`` a process group), a block whose refusal on one rank reaches the
-    others, waiting before the sharded init's broadcast (:func:`refusing_together`);
-    unsharded, the block alone."""
+def refusing_together_if_sharded(shard: Any) -> contextlib.AbstractContextManager[None]:
+    """Sharded (``shard`` a process group), :func:`refusing_together`: where the block raises
+    on one rank, the others, waiting in the sharded init's gather, raise too. Unsharded,
+    the block alone."""
     return contextlib.nullcontext() if shard is NOT_SHARDED else refusing_together(shard)
 
 
@@ -87,7 +87,7 @@ class FastEngine:
         shard: Any = NOT_SHARDED,
         precision: Precision = FP32,
     ) -> None:
-        with shared_refusals(shard):
+        with refusing_together_if_sharded(shard):
             kind = fast_kind(optimizer)
             if kind is None:
                 raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
@@ -97,6 +97,10 @@ class FastEngine:
             specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
             self.labels = [k for k, params in enumerate(trainable) for _ in params]
             transform = build_transform(specs, groups, self.labels)  # validates the numbers
+            # The state the optimizer holds, before the params move (or, sharded, broadcast).
+            params = [p for group_params in trainable for p in group_params]
+            for label, p in zip(self.labels, params):
+                torch_state.check(specs[label], p, optimizer.state.get(p, {}))
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
@@ -104,7 +108,6 @@ class FastEngine:
             if compiled
             else StepFunction(inplace=True, compile_options=None)
         )
-        params = [p for group_params in trainable for p in group_params]
         self.sharded: fdist.ShardedState | None = None
         self.fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
         if shard is NOT_SHARDED:

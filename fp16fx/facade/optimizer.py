@@ -23,11 +23,11 @@ from fp16fx.facade.engines import (
     NOT_SHARDED,
     Engine,
     build_engine,
+    check_path,
     handover,
     shard_group,
-    shared_refusals,
 )
-from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.fast import FastEngine, refusing_together_if_sharded
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import NO_CLIP, Unsupported
 from fp16fx.facade.params import (
@@ -156,25 +156,25 @@ class FP16_Optimizer(torch.optim.Optimizer):
         master: str = "fp32",
         moments: str = "fp32",
     ) -> None:
-        if isinstance(init_optimizer, FP16_Optimizer):
-            raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
-        if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "FP16_Optimizer wraps a torch.optim.Optimizer, e.g. FP16_Optimizer("
-                f"torch.optim.SGD(model.parameters(), lr=0.1)); got {init_optimizer!r}"
-            )
-        if path not in ("auto", "fast", "generic"):
-            raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
-        group = shard_group(shard, process_group, path)
-        with shared_refusals(group):  # sharded, a rank refusing alone would leave the rest waiting
+        group = shard_group(shard)
+        # Sharded, a rank refusing alone would leave the others waiting for it to broadcast.
+        with refusing_together_if_sharded(group):
+            if isinstance(init_optimizer, FP16_Optimizer):
+                raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
+            if not isinstance(init_optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    "FP16_Optimizer wraps a torch.optim.Optimizer, e.g. FP16_Optimizer("
+                    f"torch.optim.SGD(model.parameters(), lr=0.1)); got {init_optimizer!r}"
+                )
+            check_path(path, process_group, group)
             precision = Precision(master, moments)  # checks the names
             policy = policy_from_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+            self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
             names = param_names(init_optimizer)
             groups = init_optimizer.param_groups
             check_unique(groups)
             trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
             check_trainable([p for params in trainable for p in params], names)
-        self._reporter = OverflowReporter(verbose=verbose, interval=report_interval)
         every = [*(p for ps in trainable for p in ps), *(p for g in groups for p in g["params"])]
         device = every[0].device if every else torch.device("cpu")  # a group may be empty
         stats = torch.zeros(2, dtype=torch.int64, device=device)
