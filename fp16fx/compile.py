@@ -196,7 +196,10 @@ def compile_step(
       mode, dynamic, backend: passed to ``torch.compile``. ``dynamic=False`` (the default)
         specialises kernels to the buffers' lengths.
 
-    The returned callable gives the same numbers as :func:`fp16fx.step`.
+    The returned callable gives the numbers of :func:`fp16fx.step` but for two roundings:
+    the gradient norm's sum of squares (another order: a last-bit difference a clip carries
+    into the update) and Adam's square root (eager's on x86 CPUs is not correctly rounded);
+    docs/functional.md, "In place or pure".
     """
     # Checked here, not at the first step, where torch.compile would raise its own errors.
     if dynamic not in (None, True, False):

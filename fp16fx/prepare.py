@@ -97,7 +97,8 @@ def prepare(
     their addresses: one check per leaf, no copy. Any other grads get the full check, leaf by
     leaf, and are packed into one flat buffer per bucket (``scratch``'s, reused from step to
     step, when given). A leaf whose grad is None, in a segment whose other leaves have one,
-    gets a segment of its own (the state is cut; one recompile for a compiled step).
+    gets a segment of its own (the state is cut; a compiled step compiles once per new
+    pattern of which segments have a gradient).
 
     Params that are not one flat tensor are gathered into one (:func:`_core_params`), unless
     ``gather`` is False (a check, which reads only the grads).
