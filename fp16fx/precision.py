@@ -94,9 +94,9 @@ def hash_bits(numel: int, salt: int, count: torch.Tensor, start: int = 0) -> tor
     ``count``) for the indices ``start, start + 1, ...``: a multiply-xorshift finaliser,
     every product below 2**63 (for indices below 2**31). The same values eager and compiled,
     different for every index, salt and count; the step hashes a value's place (its bucket
-    as the salt, its index in the bucket's whole buffer) and its applied-step count. Each
-    stochastic rounding of a step takes its own bits of them (:func:`master_noise`,
-    :func:`moment_noise`)."""
+    as the salt, its index in the bucket's whole buffer) and its applied-step count. The
+    stochastic roundings of a step draw from them (:func:`master_noise`: the low byte;
+    :func:`moment_noise`: the high half, then halves of the value hashed again)."""
     x = torch.arange(start, start + numel, dtype=torch.int64, device=count.device) & 0xFFFFFFFF
     x = (x * 0x9E3779B1 + (salt * 0x27D4EB2F + count * 0x165667B1)) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
@@ -219,10 +219,11 @@ def split_master(
     up = -(-p32 - 2 * top * unit)
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
     c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
+    p32 = torch.where(bump, up, p32)
     # At -max, -top units would decode to the midpoint to -inf, which rounds to -inf: the
     # correction stops a unit short there, as it does below the midpoint to +inf at +max.
     lowest = torch.where(p32 == -torch.finfo(dtype).max, 1.0 - top, float(-top))
-    return torch.where(bump, up, p32), torch.clamp(torch.maximum(c, lowest), max=top - 1)
+    return p32, torch.clamp(torch.maximum(c, lowest), max=top - 1)
 
 
 def require_rounding_casts() -> None:

@@ -405,6 +405,14 @@ EDGES = {
         torch.tensor([127], dtype=torch.int8),
         0.75 * 2.0**-18,
     ),
+    # Just above FP16's lowest value, -65504, 127.75 units of 1/8 up: the rest rounds to 128
+    # units, the param steps up to -65472 and keeps -128 of them (its correction's limit,
+    # which -65504 does not reach: a clamp for -65504 once caught this pair, 1.25 units off).
+    "fp16 -65504 + 127.75 units": (
+        torch.tensor([-65504.0]).half(),
+        torch.tensor([127], dtype=torch.int8),
+        0.75 / 8,
+    ),
     # A subnormal weight (17 * 2**-24), 127.43 units of 2**-32 below.
     "fp16 subnormal - 127.43 units": (
         torch.tensor([17 * 2.0**-24]).half(),
