@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ def local(t: DTensor) -> torch.Tensor:
 
 
 def local_shards(
-    tree_: Any, root: str = "params"
+    tree_: Any, root: str = "params", names: Sequence[str] | None = None
 ) -> tuple[Any, DeviceMesh | None, dist.ProcessGroup | None]:
     """Returns ``(tree_ with each DTensor leaf replaced by its local shard, mesh, group)``.
 
@@ -51,7 +51,8 @@ def local_shards(
     when no leaf is a DTensor; then ``tree_`` itself is returned). ``None`` leaves stay.
 
     Raises:
-      ValueError: naming the leaf (``root`` names the tree): a placement other than
+      ValueError: naming the leaf (``names[i]`` for leaf ``i``, if given; else its path in
+        the tree, which ``root`` names): a placement other than
         ``Shard``, a mesh of more than one dim, DTensors on different meshes, or a plain
         tensor among DTensors (its elements would be counted once per rank). Nothing changes.
     """
@@ -62,11 +63,12 @@ def local_shards(
     for i, leaf in enumerate(leaves):  # names are made only for an error: they cost more
         if leaf is None:
             continue
-        name = functools.partial(_name, tree_, root, i)
+        name = functools.partial(_name, tree_, root, names, i)
         if not isinstance(leaf, DTensor):
             raise ValueError(
-                f"{name()} is a plain {type(leaf).__name__} among DTensors: give every leaf "
-                "as a DTensor of one mesh (e.g. all of an FSDP2 model's params), or none"
+                f"{name()} is a plain {type(leaf).__name__} among DTensors: give every param "
+                "as a DTensor of one mesh (fully_shard every module that holds params, or the "
+                "root), or none"
             )
         check_placements(name, leaf)
         if leaf.device_mesh != mesh:
@@ -78,8 +80,8 @@ def local_shards(
     return tree.unflatten(treedef, out), mesh, mesh.get_group()
 
 
-def _name(tree_: Any, root: str, i: int) -> str:
-    return tree.leaf_names(tree_, root=root)[i]
+def _name(tree_: Any, root: str, names: Sequence[str] | None, i: int) -> str:
+    return tree.leaf_names(tree_, root=root)[i] if names is None else names[i]
 
 
 def check_placements(name: Callable[[], str], t: DTensor) -> None:

@@ -527,6 +527,17 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     catch("buckets", lambda: fp16fx.init(params, fp16fx.adamw(LR), buckets=True))
     catch("shard", lambda: facade(model, shard=True))
     catch("compact", lambda: facade(model, master="compensated", moments="int8"))
+    plain_too = torch.optim.AdamW([*model.parameters(), nn.Parameter(torch.ones(3))])
+    catch("plain_param", lambda: facade(model, plain_too))
+    stepped = torch.optim.AdamW(model.parameters())
+    first = next(model.parameters())
+    moments = {"exp_avg": torch.zeros_like(first), "exp_avg_sq": torch.zeros_like(first)}
+    stepped.state[first] = {"step": torch.tensor(1.0), **moments}
+    catch("stepped", lambda: facade(model, stepped))
+    seen["stepped_kept"] = str(
+        list(stepped.state[first]) == ["step", "exp_avg", "exp_avg_sq"]
+        and stepped.param_groups[0]["params"][0] is first
+    )
     plain = fp16fx.init({k: dtensors.local(p).clone() for k, p in params.items()}, fp16fx.sgd(1))
     model.zero_grad()
     loss_of(model, 0, rank, world).backward()
@@ -534,6 +545,12 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     catch("dtensor_grads_to_plain_state", lambda: fp16fx.step(plain, grads))
     bad = {**grads, "2.bias": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
     catch("partial_grad", lambda: fp16fx.step(state, bad))
+    opt = facade(model)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["amsgrad"] = True
+    catch("load_structure", lambda: opt.load_state_dict(saved))
+    opt.param_groups[0]["amsgrad"] = True
+    catch("structure", opt.step)
     in_place = storages == [dtensors.local(p).data_ptr() for p in model.parameters()]
     same = all(map(torch.equal, before, shards(model)))
     seen["unchanged"] = str(in_place and same and int(state.count) == 0)
@@ -741,6 +758,18 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
         assert "all FP32, their own masters" in r["compact"]
         assert "not made from DTensor params" in r["dtensor_grads_to_plain_state"]
         assert "2.bias" in r["partial_grad"] and "Partial" in r["partial_grad"]
+        assert r["plain_param"].startswith("param_groups[0]['params'][4] is a plain Parameter")
+        assert r["stepped"].startswith("param_groups[0]['params'][0] has state in the optim")
+        assert r["stepped_kept"] == "True"  # once wiped, and the groups given FP32 masters
+        assert r["structure"] == (
+            "an FSDP2 model's FP16_Optimizer cannot change the structure of param_groups[0] "
+            "after it was built (now AdamW with amsgrad, built as AdamW); build a new one"
+        )
+        assert r["load_structure"] == (
+            "the state dict does not fit this FP16_Optimizer: its param_groups[0] runs AdamW "
+            "with amsgrad, this optimizer's AdamW (an FSDP2 model's FP16_Optimizer keeps the "
+            "structure it was built with: build one over such groups to load it)"
+        )
         assert r["unchanged"] == "True"
 
 

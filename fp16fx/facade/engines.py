@@ -94,7 +94,8 @@ def build_engine(
     compact = f"master={precision.master!r}, moments={precision.moments!r}"
     if precision != FP32 and path == "generic":
         raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
-    _, mesh, group = dtensors.local_shards([p for params in trainable for p in params])
+    flat = [p for params in trainable for p in params]
+    _, mesh, group = dtensors.local_shards(flat, names=[names.get(id(p), "a param") for p in flat])
     if mesh is not None:  # FSDP2: every rank holds other elements, agreed over the mesh
         if shard is not NOT_SHARDED:
             raise ValueError("shard=... with an FSDP2 model: FSDP2 shards the state already")

@@ -35,6 +35,7 @@ from fp16fx.facade.groups import (
     GroupSpec,
     Unsupported,
     build_transform,
+    describe,
     fast_kind,
     group_spec,
     group_values,
@@ -101,6 +102,13 @@ class FastEngine:
             params = [p for group_params in trainable for p in group_params]
             for label, p in zip(self.labels, params):
                 torch_state.check(specs[label], p, optimizer.state.get(p, {}))
+                if optimizer.state.get(p) and dtensors.has_dtensors(params):
+                    raise ValueError(
+                        f"{names.get(id(p), 'a param')} has state in the optimizer given: an "
+                        "FSDP2 model's FP16_Optimizer takes over none (its state is FSDP2's "
+                        "shards). Wrap a fresh optimizer, then load the checkpoint with "
+                        "FP16_Optimizer.load_state_dict (through DCP: docs/distributed.md)"
+                    )
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
@@ -408,13 +416,22 @@ class FastEngine:
         """Names the optimizer in errors of a sharded or FSDP2 engine."""
         return "an FSDP2 model's FP16_Optimizer" if self.fsdp else "a sharded FP16_Optimizer"
 
-    def check_structure(self, specs: list[GroupSpec]) -> None:
-        """Raises ValueError if a sharded engine's groups change structure."""
-        if specs != self.specs:
+    def check_structure(self, specs: list[GroupSpec], loading: bool = False) -> None:
+        """Raises ValueError, naming the group and its structures, if a sharded engine's
+        groups change structure (``loading``: to a state dict's groups)."""
+        if specs == self.specs:
+            return
+        k, (new, old) = next((k, p) for k, p in enumerate(zip(specs, self.specs)) if p[0] != p[1])
+        if loading:
             raise ValueError(
-                f"{self.whose} cannot change a param group's structure (momentum on/off, "
-                "nesterov, amsgrad, Adam/AdamW) after it was built; build a new one"
+                f"the state dict does not fit this FP16_Optimizer: its param_groups[{k}] runs "
+                f"{describe(new)}, this optimizer's {describe(old)} ({self.whose} keeps the "
+                "structure it was built with: build one over such groups to load it)"
             )
+        raise ValueError(
+            f"{self.whose} cannot change the structure of param_groups[{k}] after it was "
+            f"built (now {describe(new)}, built as {describe(old)}); build a new one"
+        )
 
     def add_group(self, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Adds the last param group (already appended to the wrapped optimizer) over

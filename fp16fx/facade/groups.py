@@ -56,6 +56,13 @@ class GroupSpec:
     amsgrad: bool = False
 
 
+def describe(spec: GroupSpec) -> str:
+    """Names a group's structure, e.g. ``Adam with amsgrad``, ``SGD with momentum, nesterov``."""
+    options = [flag for flag in ("momentum", "nesterov", "amsgrad") if getattr(spec, flag)]
+    name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[spec.name]
+    return f"{name} with {', '.join(options)}" if options else name
+
+
 def fast_kind(optimizer: torch.optim.Optimizer) -> str | None:
     """Returns ``"sgd"``, ``"adam"`` or ``"adamw"`` when ``optimizer`` is exactly SGD, Adam or
     AdamW.

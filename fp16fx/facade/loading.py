@@ -86,7 +86,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
         specs = [group_spec(engine.kind, group, k) for k, group in enumerate(merged)]
     except Unsupported as err:
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
-    engine.check_structure(specs)
+    engine.check_structure(specs, loading=True)
     _check_numbers(specs, merged, engine)  # a NaN lr would fail every step after the load
     engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
     engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
@@ -365,7 +365,7 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
                     "the state dict's param groups need the generic path (e.g. maximize=True), "
                     "which a sharded FP16_Optimizer does not have"
                 )
-            engine.check_structure(specs)
+            engine.check_structure(specs, loading=True)
     if specs is None:  # the wrapped optimizer will step the groups
         _require_amsgrad_maximum(inner, sd["optimizer_state_dict"], groups)
     trained = sum(len(ps) for ps in params.trainable)

@@ -131,6 +131,7 @@ class ParamSet:
         return RuntimeError(
             f"optimizer.backward(loss): the loss reached none of the {len(trained)} params this "
             f"FP16_Optimizer trains ({first}, ...). Were the model's params replaced after it "
-            "was built -- load_state_dict(..., assign=True), model.to(...), a new module? "
+            "was built -- load_state_dict(..., assign=True), model.to(...), fully_shard(...), "
+            "a new module? "
             "Build the FP16_Optimizer after that, or load weights with assign=False." + fsdp
         )
