@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ def local(t: DTensor) -> torch.Tensor:
 
 
 def local_shards(
-    tree_: Any, root: str = "params", names: Sequence[str] | None = None
+    tree_: Any, root: str = "params", name_of: Callable[[int], str] | None = None
 ) -> tuple[Any, DeviceMesh | None, dist.ProcessGroup | None]:
     """Returns ``(tree_ with each DTensor leaf replaced by its local shard, mesh, group)``.
 
@@ -51,7 +51,7 @@ def local_shards(
     when no leaf is a DTensor; then ``tree_`` itself is returned). ``None`` leaves stay.
 
     Raises:
-      ValueError: naming the leaf (``names[i]`` for leaf ``i``, if given; else its path in
+      ValueError: naming the leaf (``name_of(i)`` for leaf ``i``, if given; else its path in
         the tree, which ``root`` names): a placement other than
         ``Shard``, a mesh of more than one dim, DTensors on different meshes, or a plain
         tensor among DTensors (its elements would be counted once per rank). Nothing changes.
@@ -60,10 +60,11 @@ def local_shards(
     if not has_dtensors(leaves):
         return tree_, None, None
     mesh = next(leaf.device_mesh for leaf in leaves if isinstance(leaf, DTensor))
+    name_of = name_of or functools.partial(_name, tree_, root)
     for i, leaf in enumerate(leaves):  # names are made only for an error: they cost more
         if leaf is None:
             continue
-        name = functools.partial(_name, tree_, root, names, i)
+        name = functools.partial(name_of, i)
         if not isinstance(leaf, DTensor):
             raise ValueError(
                 f"{name()} is a plain {type(leaf).__name__} among DTensors: give every param "
@@ -80,8 +81,8 @@ def local_shards(
     return tree.unflatten(treedef, out), mesh, mesh.get_group()
 
 
-def _name(tree_: Any, root: str, names: Sequence[str] | None, i: int) -> str:
-    return tree.leaf_names(tree_, root=root)[i] if names is None else names[i]
+def _name(tree_: Any, root: str, i: int) -> str:
+    return tree.leaf_names(tree_, root=root)[i]
 
 
 def check_placements(name: Callable[[], str], t: DTensor) -> None:

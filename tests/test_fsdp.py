@@ -551,6 +551,9 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     catch("load_structure", lambda: opt.load_state_dict(saved))
     opt.param_groups[0]["amsgrad"] = True
     catch("structure", opt.step)
+    opt.param_groups[0]["amsgrad"] = False
+    opt.param_groups.append({**opt.param_groups[0], "params": []})  # by hand: not add_param_group
+    catch("appended", opt.step)
     in_place = storages == [dtensors.local(p).data_ptr() for p in model.parameters()]
     same = all(map(torch.equal, before, shards(model)))
     seen["unchanged"] = str(in_place and same and int(state.count) == 0)
@@ -766,10 +769,12 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
             "after it was built (now AdamW with amsgrad, built as AdamW); build a new one"
         )
         assert r["load_structure"] == (
-            "the state dict does not fit this FP16_Optimizer: its param_groups[0] runs AdamW "
-            "with amsgrad, this optimizer's AdamW (an FSDP2 model's FP16_Optimizer keeps the "
-            "structure it was built with: build one over such groups to load it)"
+            "the state dict does not fit this FP16_Optimizer: the state dict's param_groups[0] "
+            "runs AdamW with amsgrad; this optimizer's runs AdamW (an FSDP2 model's "
+            "FP16_Optimizer keeps the structure it was built with: build one over such groups "
+            "to load it)"
         )
+        assert r["appended"].startswith("an FSDP2 model's FP16_Optimizer was built over 1 ")
         assert r["unchanged"] == "True"
 
 

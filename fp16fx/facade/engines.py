@@ -51,12 +51,12 @@ def shard_group(shard: Any) -> Any:
     return group
 
 
-def check_path(path: str, process_group: Any, shard: Any) -> None:
-    """Raises ValueError unless ``path`` is one FP16_Optimizer knows and, sharded (``shard``
-    from :func:`shard_group`), it and ``process_group`` leave the sharding to ``shard``."""
+def check_path(path: str, process_group: Any, group: Any) -> None:
+    """Raises ValueError unless ``path`` is one FP16_Optimizer knows and, sharded (``group``
+    from :func:`shard_group`), it and ``process_group`` leave the sharding to ``group``."""
     if path not in ("auto", "fast", "generic"):
         raise ValueError(f"path must be 'auto', 'fast' or 'generic', got {path!r}")
-    if shard is NOT_SHARDED:
+    if group is NOT_SHARDED:
         return
     if path == "generic":
         raise ValueError("shard=... runs on the fast path only; path='generic' cannot shard")
@@ -86,7 +86,8 @@ def build_engine(
     mesh (the scaler's consensus becomes that one). ``path``:
     ``"auto"`` takes the fast engine when it can run the optimizer, ``"fast"`` insists on it
     (ValueError otherwise), ``"generic"`` never takes it. State the optimizer already holds
-    moves into the engine (the fast one's buffers, or cast to the masters' dtype).
+    moves into the engine (the fast one's buffers, or cast to the masters' dtype; on FSDP2
+    shards the fast engine refuses it).
     ``precision`` other than FP32 masters and moments needs the fast engine (sharded, on FSDP2
     params, or neither).
     """
@@ -95,7 +96,7 @@ def build_engine(
     if precision != FP32 and path == "generic":
         raise ValueError(f"{compact} runs on the fast path only; path='generic' cannot take it")
     flat = [p for params in trainable for p in params]
-    _, mesh, group = dtensors.local_shards(flat, names=[names.get(id(p), "a param") for p in flat])
+    _, mesh, group = dtensors.local_shards(flat, name_of=lambda i: names[id(flat[i])])
     if mesh is not None:  # FSDP2: every rank holds other elements, agreed over the mesh
         if shard is not NOT_SHARDED:
             raise ValueError("shard=... with an FSDP2 model: FSDP2 shards the state already")

@@ -73,7 +73,9 @@ class FastEngine:
     stores masters and moments (:mod:`fp16fx.precision`); with compensated masters there is
     no FP32 copy, and the param groups keep the model's params too.
 
-    Raises Unsupported, before changing anything, when the core cannot run the optimizer.
+    Raises Unsupported, before changing anything, when the core cannot run the optimizer;
+    ValueError when a group's numbers or the state the optimizer holds do not fit (on FSDP2
+    shards, any state it holds: torch's per-param state cannot be taken over there).
     """
 
     def __init__(
@@ -100,15 +102,17 @@ class FastEngine:
             transform = build_transform(specs, groups, self.labels)  # validates the numbers
             # The state the optimizer holds, before the params move (or, sharded, broadcast).
             params = [p for group_params in trainable for p in group_params]
+            fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
             for label, p in zip(self.labels, params):
-                torch_state.check(specs[label], p, optimizer.state.get(p, {}))
-                if optimizer.state.get(p) and dtensors.has_dtensors(params):
+                held = optimizer.state.get(p)
+                if held and fsdp:
                     raise ValueError(
-                        f"{names.get(id(p), 'a param')} has state in the optimizer given: an "
-                        "FSDP2 model's FP16_Optimizer takes over none (its state is FSDP2's "
-                        "shards). Wrap a fresh optimizer, then load the checkpoint with "
-                        "FP16_Optimizer.load_state_dict (through DCP: docs/distributed.md)"
+                        f"{names[id(p)]} has state in the optimizer given: an FSDP2 model's "
+                        "FP16_Optimizer cannot take over torch.optim's state (its state is "
+                        "FSDP2's shards). Wrap a fresh optimizer, then load fp16fx's checkpoint "
+                        "(FP16_Optimizer.state_dict(), through DCP: docs/distributed.md)"
                     )
+                torch_state.check(specs[label], p, held or {})
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
@@ -117,7 +121,7 @@ class FastEngine:
             else StepFunction(inplace=True, compile_options=None)
         )
         self.sharded: fdist.ShardedState | None = None
-        self.fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
+        self.fsdp = fsdp
         if shard is NOT_SHARDED:
             self.flat = (
                 FSDPParams(params)
@@ -417,16 +421,22 @@ class FastEngine:
         return "an FSDP2 model's FP16_Optimizer" if self.fsdp else "a sharded FP16_Optimizer"
 
     def check_structure(self, specs: list[GroupSpec], loading: bool = False) -> None:
-        """Raises ValueError, naming the group and its structures, if a sharded engine's
-        groups change structure (``loading``: to a state dict's groups)."""
+        """Raises ValueError, naming the group and its structures, if a sharded or FSDP2
+        engine's groups change structure (``loading``: to a state dict's groups)."""
         if specs == self.specs:
             return
+        if len(specs) != len(self.specs):  # appended by hand (add_param_group refuses)
+            raise ValueError(
+                f"{self.whose} was built over {len(self.specs)} param groups and now has "
+                f"{len(specs)}; give every group to the wrapped optimizer before building it"
+            )
         k, (new, old) = next((k, p) for k, p in enumerate(zip(specs, self.specs)) if p[0] != p[1])
         if loading:
             raise ValueError(
-                f"the state dict does not fit this FP16_Optimizer: its param_groups[{k}] runs "
-                f"{describe(new)}, this optimizer's {describe(old)} ({self.whose} keeps the "
-                "structure it was built with: build one over such groups to load it)"
+                f"the state dict does not fit this FP16_Optimizer: the state dict's "
+                f"param_groups[{k}] runs {describe(new)}; this optimizer's runs "
+                f"{describe(old)} ({self.whose} keeps the structure it was built with: build "
+                "one over such groups to load it)"
             )
         raise ValueError(
             f"{self.whose} cannot change the structure of param_groups[{k}] after it was "

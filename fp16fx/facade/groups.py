@@ -57,10 +57,13 @@ class GroupSpec:
 
 
 def describe(spec: GroupSpec) -> str:
-    """Names a group's structure, e.g. ``Adam with amsgrad``, ``SGD with momentum, nesterov``."""
-    options = [flag for flag in ("momentum", "nesterov", "amsgrad") if getattr(spec, flag)]
+    """Names a group's structure, e.g. ``Adam with amsgrad``, ``SGD with nesterov momentum``."""
     name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[spec.name]
-    return f"{name} with {', '.join(options)}" if options else name
+    if spec.nesterov:
+        return f"{name} with nesterov momentum"
+    if spec.momentum:
+        return f"{name} with momentum"
+    return f"{name} with amsgrad" if spec.amsgrad else name
 
 
 def fast_kind(optimizer: torch.optim.Optimizer) -> str | None:
