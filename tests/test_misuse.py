@@ -7,6 +7,7 @@ something it should not have; it fails on the code before the fix.
 from __future__ import annotations
 
 import logging
+import operator
 import pickle
 import re
 
@@ -276,6 +277,23 @@ def test_a_param_listed_twice_in_a_group_is_refused_by_name(path):
         inner = torch.optim.SGD([*params, params[0]], lr=0.1)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[4\] is .*twice"):
         wrap(model, path, inner)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_held_state_that_does_not_fit_is_refused_with_the_optimizer_as_given(path):
+    """The wrapped optimizer already holds a state that cannot be its params' (Adam's
+    moments, no 'step'): refused when wrapped, its groups and state as they were (they once
+    held the FP32 masters, the state keyed by them, when torch's own load refused it on the
+    generic path; the fast path's refusal came after the move too)."""
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = next(model.parameters())
+    moments = {"exp_avg": torch.zeros_like(first), "exp_avg_sq": torch.zeros_like(first)}
+    inner.state[first] = dict(moments)
+    with pytest.raises((KeyError, ValueError), match="step"):
+        wrap(model, path, inner)
+    assert all(map(operator.is_, inner.param_groups[0]["params"], model.parameters()))
+    assert list(inner.state) == [first] and inner.state[first] == moments
 
 
 def test_an_in_place_step_given_the_params_as_grads_is_refused_before_compiling():

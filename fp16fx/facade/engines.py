@@ -144,16 +144,24 @@ def build_engine(
         masters = [[engine.entry(p) for p in params] for params in trainable]
     else:
         masters = [GenericEngine.make_masters(params) for params in trainable]
-    for group, params, group_masters in zip(optimizer.param_groups, trainable, masters):
-        replace_params(optimizer, group, params, group_masters)
-    if engine is not None:
-        existing = {m: optimizer.state.pop(m, None) for ms in masters for m in ms}
-        existing = {m: s for m, s in existing.items() if s}
-        if existing:
-            engine.load(existing, {}, scaler.policy)
-        return engine, masters
-    if optimizer.state:  # cast existing state to the masters' dtype, as apex did
-        optimizer.load_state_dict(optimizer.state_dict())
+    given = [list(group["params"]) for group in optimizer.param_groups], dict(optimizer.state)
+    try:
+        for group, params, group_masters in zip(optimizer.param_groups, trainable, masters):
+            replace_params(optimizer, group, params, group_masters)
+        if engine is not None:
+            existing = {m: optimizer.state.pop(m, None) for ms in masters for m in ms}
+            existing = {m: s for m, s in existing.items() if s}
+            if existing:
+                engine.load(existing, {}, scaler.policy)
+            return engine, masters
+        if optimizer.state:  # cast existing state to the masters' dtype, as apex did
+            optimizer.load_state_dict(optimizer.state_dict())
+    except BaseException:  # (torch's own load refusing a state): the optimizer as given
+        for group, params in zip(optimizer.param_groups, given[0]):
+            group["params"] = params
+        optimizer.state.clear()
+        optimizer.state.update(given[1])
+        raise
     return GenericEngine(optimizer, trainable, masters, scaler), masters
 
 
