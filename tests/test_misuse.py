@@ -279,21 +279,62 @@ def test_a_param_listed_twice_in_a_group_is_refused_by_name(path):
         wrap(model, path, inner)
 
 
+@pytest.mark.parametrize("held", ["no step", "a step that is no number"])
 @pytest.mark.parametrize("path", PATHS)
-def test_a_held_state_that_does_not_fit_is_refused_with_the_optimizer_as_given(path):
-    """The wrapped optimizer already holds a state that cannot be its params' (Adam's
-    moments, no 'step'): refused when wrapped, its groups and state as they were (they once
-    held the FP32 masters, the state keyed by them, when torch's own load refused it on the
-    generic path; the fast path's refusal came after the move too)."""
+def test_a_held_state_that_does_not_fit_is_refused_with_the_optimizer_as_given(path, held):
+    """The wrapped optimizer already holds a state that cannot be its params': refused when
+    wrapped, the optimizer as given -- its group list, groups, params lists and state object
+    (the groups once held the FP32 masters, the state keyed by them, where torch's own load
+    refused it on the generic path) -- and wrapping it again, fixed, trains."""
     model = make_model()
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = next(model.parameters())
-    moments = {"exp_avg": torch.zeros_like(first), "exp_avg_sq": torch.zeros_like(first)}
-    inner.state[first] = dict(moments)
-    with pytest.raises((KeyError, ValueError), match="step"):
+    saved = {"exp_avg": torch.zeros_like(first), "exp_avg_sq": torch.zeros_like(first)}
+    if held == "a step that is no number":
+        saved["step"] = "abc"
+    inner.state[first] = dict(saved)
+    given = inner.param_groups, inner.param_groups[0], inner.param_groups[0]["params"]
+    state = inner.state
+    with pytest.raises((KeyError, ValueError)):
         wrap(model, path, inner)
-    assert all(map(operator.is_, inner.param_groups[0]["params"], model.parameters()))
-    assert list(inner.state) == [first] and inner.state[first] == moments
+    now = inner.param_groups, inner.param_groups[0], inner.param_groups[0]["params"]
+    assert all(map(operator.is_, now, given))
+    assert all(map(operator.is_, given[2], model.parameters())) and inner.state is state
+    assert list(inner.state) == [first] and inner.state[first] == saved
+    inner.state[first]["step"] = torch.tensor(0.0)
+    opt = wrap(model, path, inner)
+    before = first.detach().clone()
+    x, y = batch(0)
+    opt.backward(nn.functional.mse_loss(model(x).float(), y))
+    opt.step()
+    assert not torch.equal(first, before)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_group_changed_behind_the_optimizers_back_is_refused_before_a_step(path):
+    """A group appended to param_groups by hand (torch.optim steps it; here the fast path
+    never did, the generic one stepped its FP16 params without masters, by grads still
+    scaled), or a param removed from a group: the step names it, nothing stepped; after
+    add_param_group the new group trains."""
+    model = make_model()
+    opt = wrap(model, path)
+    extra = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt.param_groups.append({**opt.param_groups[0], "params": [extra]})
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(x).float(), y) + extra.float().sum()
+    opt.backward(loss)
+    before = [p.detach().clone() for p in (*model.parameters(), extra)]
+    with pytest.raises(ValueError, match=r"held \[4\] params, they now hold \[4, 1\]"):
+        opt.step()
+    assert all(map(torch.equal, before, (*model.parameters(), extra)))
+    opt.param_groups.pop()
+    opt.add_param_group({"params": [extra]})
+    opt.step()
+    assert not torch.equal(extra, before[-1])
+    removed = opt.param_groups[0]["params"].pop()
+    with pytest.raises(ValueError, match=r"now hold \[3, 1\]"):
+        opt.step()
+    opt.param_groups[0]["params"].append(removed)
 
 
 def test_an_in_place_step_given_the_params_as_grads_is_refused_before_compiling():

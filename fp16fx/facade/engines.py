@@ -144,9 +144,13 @@ def build_engine(
         masters = [[engine.entry(p) for p in params] for params in trainable]
     else:
         masters = [GenericEngine.make_masters(params) for params in trainable]
-    given = [list(group["params"]) for group in optimizer.param_groups], dict(optimizer.state)
+    # What torch's own load may replace (the list, its dicts, the state object) and what
+    # replace_params edits in place (each group's params list, the state's keys).
+    groups, state = optimizer.param_groups, optimizer.state
+    held_groups = [(group, list(group["params"])) for group in groups]
+    held_state = dict(state)
     try:
-        for group, params, group_masters in zip(optimizer.param_groups, trainable, masters):
+        for group, params, group_masters in zip(groups, trainable, masters):
             replace_params(optimizer, group, params, group_masters)
         if engine is not None:
             existing = {m: optimizer.state.pop(m, None) for ms in masters for m in ms}
@@ -156,11 +160,13 @@ def build_engine(
             return engine, masters
         if optimizer.state:  # cast existing state to the masters' dtype, as apex did
             optimizer.load_state_dict(optimizer.state_dict())
-    except BaseException:  # (torch's own load refusing a state): the optimizer as given
-        for group, params in zip(optimizer.param_groups, given[0]):
-            group["params"] = params
-        optimizer.state.clear()
-        optimizer.state.update(given[1])
+    except BaseException:  # e.g. torch's own load refusing a state: the optimizer as given
+        optimizer.param_groups, optimizer.state = groups, state
+        groups[:] = [group for group, _ in held_groups]
+        for group, params in held_groups:
+            group["params"][:] = params
+        state.clear()
+        state.update(held_state)
         raise
     return GenericEngine(optimizer, trainable, masters, scaler), masters
 

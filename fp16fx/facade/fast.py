@@ -425,11 +425,6 @@ class FastEngine:
         engine's groups change structure (``loading``: to a state dict's groups)."""
         if specs == self.specs:
             return
-        if len(specs) != len(self.specs):  # appended by hand (add_param_group refuses)
-            raise ValueError(
-                f"{self.whose} was built over {len(self.specs)} param groups and now has "
-                f"{len(specs)}; give every group to the wrapped optimizer before building it"
-            )
         k, (new, old) = next((k, p) for k, p in enumerate(zip(specs, self.specs)) if p[0] != p[1])
         if loading:
             raise ValueError(

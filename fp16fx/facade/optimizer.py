@@ -188,7 +188,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
             path=path, compiled=compiled, shard=group, names=names, precision=precision,
         )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
-        self._params = ParamSet(trainable, masters, frozen, names)
+        sizes = [len(group["params"]) for group in groups]
+        self._params = ParamSet(trainable, masters, frozen, names, sizes)
         self._engine: Engine = engine
         self._phase = Phase()
 
@@ -379,7 +380,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.overflow = None
                 return self._stepped(None)
         else:
-            self._params.check_frozen()
+            self._check_unchanged()
         self._phase.overflow = None
         engine = self._engine
         assert isinstance(engine, GenericEngine)
@@ -388,11 +389,16 @@ class FP16_Optimizer(torch.optim.Optimizer):
         engine.resync_masters()
         return self._stepped(engine.step())
 
+    def _check_unchanged(self) -> None:
+        """Raises, before a step, where the param groups changed behind this optimizer's back
+        (:meth:`ParamSet.check_unchanged`)."""
+        self._params.check_unchanged(self.param_groups)
+
     def _fast_step(self) -> StepInfo:
         """Runs the fast engine's step on the current grads, after the checks that refuse to
         step them (a param frozen at build time that has a grad now, a param moved out of
         its flat buffer). Raises Unsupported, before anything changed, to hand over."""
-        self._params.check_frozen()
+        self._check_unchanged()
         fast = self._engine
         assert isinstance(fast, FastEngine)
         fast.check_params()
@@ -413,7 +419,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         assert isinstance(engine, GenericEngine)
         engine.resync_masters()
         result = closure.generic_step(
-            fn, engine, self._phase, self._scaler, self._params.check_frozen, first_loss
+            fn, engine, self._phase, self._scaler, self._check_unchanged, first_loss
         )
         return self._stepped(result)
 

@@ -6,6 +6,7 @@ Layer: ``facade`` (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,12 +79,14 @@ class ParamSet:
         FP16/BF16 param, the param itself for an FP32 one).
       frozen: the params that had ``requires_grad=False`` when it was built (never trained).
       names: ``{id(param): readable name}``, for errors.
+      sizes: per param group, how many params it holds, trained or frozen.
     """
 
     trainable: list[list[torch.Tensor]]
     masters: list[list[torch.Tensor]]
     frozen: list[torch.Tensor]
     names: dict[int, str]
+    sizes: list[int]
 
     def known(self) -> set[int]:
         """Returns the ids of every param it holds, trained or frozen."""
@@ -101,14 +104,26 @@ class ParamSet:
         self.masters.append(masters)
         self.frozen.extend(p for p in group["params"] if not p.requires_grad)
         self.names.update(names)
+        self.sizes.append(len(group["params"]))
 
     def master_of(self) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): its master}`` over every group."""
         return {id(p): m for ps, ms in zip(self.trainable, self.masters) for p, m in zip(ps, ms)}
 
-    def check_frozen(self) -> None:
-        """Raises RuntimeError, naming it, if a param frozen when the optimizer was built has
-        a gradient now (it was unfrozen since: the optimizer would not train it)."""
+    def check_unchanged(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Raises before a step, if the optimizer would not step some params as it steps the
+        others: ValueError if ``groups`` (its param groups) gained or lost a group or a param
+        other than by ``add_param_group`` (a group appended by hand: the fast path never
+        stepped it, the generic one stepped it without a master, its grads still scaled);
+        RuntimeError, naming it, if a param frozen when it was built has a gradient now (it
+        was unfrozen since: it would not be trained)."""
+        sizes = [len(group["params"]) for group in groups]
+        if sizes != self.sizes:
+            raise ValueError(
+                f"the param groups changed after the FP16_Optimizer was built: its groups held "
+                f"{self.sizes} params, they now hold {sizes}. Add a group with add_param_group "
+                "and leave each group's 'params' as they are (or build a new FP16_Optimizer)"
+            )
         for p in self.frozen:
             if p.requires_grad and p.grad is not None:
                 raise RuntimeError(

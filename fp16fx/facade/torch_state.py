@@ -137,6 +137,13 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
         return
     if spec.name != "sgd" and "step" not in saved:
         raise ValueError(f"the saved state of a param of shape {tuple(entry.shape)} has no 'step'")
+    step = saved.get("step")
+    number = isinstance(step, (int, float)) and not isinstance(step, bool)
+    if "step" in saved and not (number or (isinstance(step, torch.Tensor) and step.numel() == 1)):
+        raise ValueError(
+            f"the saved 'step' of a param of shape {tuple(entry.shape)} is {step!r}, not a "
+            "number or a one-element tensor"
+        )
     for key in keys(spec):
         value = saved.get(key)
         if value is None and (spec.name == "sgd" or key == "max_exp_avg_sq"):
