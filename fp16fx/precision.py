@@ -321,8 +321,8 @@ def round_moment(
         # are sign and magnitude: this rounds the magnitude).
         bits = x.view(torch.int32) + (noise * 65536.0).to(torch.int32)
         return (bits & -65536).view(torch.float32)
-    # An overflowed value (inf) keeps the largest finite scale and code: the block's others
-    # stay finite, as an FP32 moment's neighbours do.
+    # An overflowed value (inf) keeps the largest finite scale and the top code (its y is
+    # inf, which _round_code takes to the top): the block's other values stay finite.
     scales = torch.clamp(_block_amax(x, block), min=ZERO_BLOCK_SCALE, max=_FP32_MAX)
     n = x.numel()
     if _in_rows(x, block):
@@ -330,7 +330,6 @@ def round_moment(
         noise = None if noise is None else noise.view(-1, block)
     else:
         y = x / _per_value(scales, n, block)
-    y = torch.clamp(y, -1.0, 1.0)
     if non_negative:
         r = _round_code(y, 255.0, 4, noise)
         # A positive value keeps code 1 at least: it never decodes to zero.
@@ -340,7 +339,7 @@ def round_moment(
 
 
 def _round_code(y: torch.Tensor, top: float, power: int, noise: torch.Tensor | None) -> Any:
-    """Returns the code ``c`` in 0..``top`` of ``y`` in [0, 1] (FP32) stored as
+    """Returns the code ``c`` in 0..``top`` of ``y`` in [0, 1] (or inf: ``top``) stored as
     ``(c / top) ** power``: to nearest in the companded domain without ``noise``; with it,
     ``floor(t)`` or the code above, ``t = top * y ** (1 / power)``, the upper one with the
     probability that makes the *decoded value* unbiased: ``(y - lo) / (hi - lo)`` of the two
