@@ -183,6 +183,38 @@ def test_weights_written_before_a_checkpoint_or_a_rebuild_stay_written(path, the
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_saving_after_weights_were_written_leaves_the_run_as_it_was(path, inner):
+    """The dict holds the written weights, and the run that saved it steps on bitwise as one
+    that never did: the fast step decays the old master, then adopts the written weight;
+    saving once adopted it in place first, which dropped that decay from the saving run."""
+
+    def run(save: bool) -> list[torch.Tensor]:
+        model = make_model()
+        opt = wrap(
+            model,
+            path,
+            torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+            if inner == "adamw"
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.5),
+        )
+        for i in range(4):
+            opt.zero_grad()
+            opt.backward(loss_of(model, i))
+            opt.step()
+            if i == 1:
+                with torch.no_grad():
+                    model[0].weight.clamp_(-0.1, 0.1)
+                if save:  # the master rounds to the written weight (clamped to 0.1)
+                    master = opt.state_dict()["fp32_from_fp16"][0][0]
+                    assert torch.equal(master.half(), model[0].weight)
+        return [p.detach().clone() for p in model.parameters()]
+
+    never, saved = run(save=False), run(save=True)
+    assert all(torch.equal(a, b) for a, b in zip(never, saved, strict=True))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_model_whose_params_were_replaced_is_refused_by_name(path):
     model = make_model()
     opt = wrap(model, path)

@@ -42,6 +42,7 @@ from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
+from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import Scaler, ScaleValues, scaler_to_dict
 from fp16fx.precision import Precision
@@ -111,42 +112,45 @@ def state_dict(
             "path: SGD, Adam or AdamW without maximize, path 'auto' or 'fast' "
             "(docs/distributed.md)"
         )
-    engine.resync_masters()  # a param written since the last step is saved as written
-    if on_fsdp2:
-        assert isinstance(engine, FastEngine)
-        return {
-            "format": FSDP_FORMAT,
-            "state": fsdp.state_dict(engine.state, engine.flat.params),
-            "param_groups": [group_numbers(g) for g in inner.param_groups],
-            "trainable": trained_positions(inner, engine),
-            **{key: flags[key] for key in FLAGS},
-        }
-    if isinstance(engine, FastEngine) and engine.sharded is not None:
-        groups = inner.state_dict()["param_groups"]  # the state is the engine's
-        positions = trained_positions(inner, engine)
-        trainable = [[g["params"][i] for i in at] for g, at in zip(groups, positions)]
-        return {
-            "format": SHARDED_FORMAT,
-            "shard": fdist.state_dict(engine.sharded),
-            "param_groups": groups,
-            "trainable": trainable,
-            **scaler_entries(scaler, flags),
-        }
     steps: dict[str, Any] = {}
-    if isinstance(engine, FastEngine):
-        extra, fp32 = engine.export(), engine.fp32_masters()
+    if isinstance(engine, GenericEngine):
+        engine.resync_masters()  # a written param is saved as written (its step adopts it too)
+        extra = {}
+        masters = [
+            [m for p, m in zip(ps, ms) if m is not p]
+            for ps, ms in zip(params.trainable, params.masters)
+        ]
+    else:
+        saved = engine.saved_state()  # a written param is saved as written
+        if on_fsdp2:
+            return {
+                "format": FSDP_FORMAT,
+                "state": fsdp.state_dict(saved, engine.flat.params),
+                "param_groups": [group_numbers(g) for g in inner.param_groups],
+                "trainable": trained_positions(inner, engine),
+                **{key: flags[key] for key in FLAGS},
+            }
+        if (sharded := engine.sharded) is not None:
+            groups = inner.state_dict()["param_groups"]  # the state is the engine's
+            positions = trained_positions(inner, engine)
+            trainable = [[g["params"][i] for i in at] for g, at in zip(groups, positions)]
+            shard = fdist.ShardedState(
+                sharded.flat, sharded.sharding, saved, sharded.treedef, sharded.trained
+            )
+            return {
+                "format": SHARDED_FORMAT,
+                "shard": fdist.state_dict(shard),
+                "param_groups": groups,
+                "trainable": trainable,
+                **scaler_entries(scaler, flags),
+            }
+        extra, fp32 = engine.export(), engine.fp32_masters(saved)
         masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]
         if engine.compact:  # its rounding reads the count
             steps["applied_steps"] = engine.state.count
         # Where the state is cut: int8 blocks start there, and the global norm sums per
         # segment (a clip resumes bitwise only over the same cuts).
         steps["param_segments"] = engine.segment_marks()
-    else:
-        extra = {}
-        masters = [
-            [m for p, m in zip(ps, ms) if m is not p]
-            for ps, ms in zip(params.trainable, params.masters)
-        ]
     with _added(inner.state, extra):
         osd = inner.state_dict()
     return {

@@ -45,6 +45,7 @@ from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScaleState, all_finite
+from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written_
 from fp16fx.transforms import clip_coefficient, replace_hyperparams
@@ -191,11 +192,34 @@ class FastEngine:
         """Whether the param groups hold the model's params (no FP32 master to hold)."""
         return self.sharded is not None or self.state.precision.compensated
 
-    def fp32_masters(self) -> dict[int, torch.Tensor]:
-        """Returns ``{id(param): FP32 master}`` for every FP16/BF16 param (unsharded): the
-        entries, or in a compensated state the masters decoded (new tensors)."""
-        pairs = zip(self.flat.params, tree.flatten(self.state.master)[0])
+    def fp32_masters(self, state: MixedPrecisionState | None = None) -> dict[int, torch.Tensor]:
+        """Returns ``{id(param): FP32 master}`` for every FP16/BF16 param (unsharded) of
+        ``state`` (None: the engine's): the entries, or in a compensated state the masters
+        decoded (new tensors)."""
+        masters = (self.state if state is None else state).master
+        pairs = zip(self.flat.params, tree.flatten(masters)[0])
         return {id(p): master for p, master in pairs if p.dtype != torch.float32}
+
+    def saved_state(self) -> MixedPrecisionState:
+        """Returns the core state (sharded: this rank's shard) as a checkpoint keeps it: an
+        FP32 master whose param was written since the last step (a clamp, the model's
+        ``load_state_dict``) holds the written value (``step.adopt_written``: new tensors),
+        as a load must rebuild it. The engine's state is not touched, so saving leaves the
+        run as it was: the step adopts a written param after its update, which adopting it
+        in place before would change by the written difference's weight decay.
+        (A compensated master is read from its param.)"""
+        state = self.state
+        if state.precision.compensated:
+            return state
+        layout = state.layout
+        copies = [  # (an FP32 param's segment is its own master: saved as it is)
+            master if layout.buckets[seg.bucket].dtype == torch.float32 else master.clone()
+            for seg, master in zip(layout.segments, state.master_segments)
+        ]
+        saved = state.replace(master_segments=Segments(copies, state.master_segments.labels))
+        pairs = zip(tree.flatten(saved.params)[0], tree.flatten(saved.master)[0])
+        adopt_written_((p, m) for p, m in pairs if p is not None and p.dtype != torch.float32)
+        return saved
 
     def resync_masters(self) -> None:
         """Makes each FP32 master take its param's value where the param was written since
