@@ -19,6 +19,7 @@ import functools
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -29,6 +30,25 @@ _SHAPE = operator.attrgetter("shape")
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
+
+#: The padded flat buffers fp16fx made, by their storage's place: the padding after a bucket's
+#: last leaf is fp16fx's own only in these. A buffer of the user's that happens to be as long
+#: is not one of them: what follows the leaves there is memory fp16fx was never given.
+_OWN_BUFFERS: weakref.WeakValueDictionary[tuple[str, int], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def own_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """Returns ``buffer``, a new flat buffer of some bucket's padded length, recorded as one
+    fp16fx made (:func:`flat_view` extends a view of its leaves over its padding)."""
+    _OWN_BUFFERS[_place(buffer)] = buffer
+    return buffer
+
+
+def _place(tensor: torch.Tensor) -> tuple[str, int]:
+    storage = tensor.untyped_storage()
+    return str(storage.device), storage.data_ptr()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +208,9 @@ def pack(
     leaf is None and in the padding. ``out_views`` are ``views(bucket, out)``, if known."""
     if out is None:
         first = next(leaves[i] for i in bucket.indices if leaves[i] is not None)
-        out = torch.empty(bucket.padded, dtype=dtype or bucket.dtype, device=first.device)
+        out = own_buffer(
+            torch.empty(bucket.padded, dtype=dtype or bucket.dtype, device=first.device)
+        )
     targets = views(bucket, out) if out_views is None else out_views
     picked = [leaves[i] for i in bucket.indices]
     with torch.no_grad():
@@ -224,8 +246,8 @@ def flat_view(
 
     It spans the state of their segment (``bucket.stop(hi)``): after a padded bucket's last
     leaf, the padding too, zeroed (no leaf covers it); then it is None unless the storage is
-    exactly one padded buffer of the bucket, as ``fp16fx.grad_buffers`` and
-    :class:`FlatParams` make them.
+    exactly one padded buffer of the bucket that fp16fx made, as ``fp16fx.grad_buffers`` and
+    :class:`FlatParams` make them (:func:`own_buffer`).
     """
     hi = len(bucket) if hi is None else hi
     found = joined(
@@ -299,10 +321,13 @@ def whole_storage(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tensor | None:
     """Returns ``view`` (1-D: the bucket's values from offset ``start`` to its last leaf's end)
     extended over the bucket's padding, with that padding zeroed (no leaf covers it), when
-    its storage is exactly one padded buffer of the bucket, as ``fp16fx.grad_buffers`` makes
-    them; else None."""
+    its storage is exactly one padded buffer of the bucket that fp16fx made
+    (:func:`own_buffer`: ``fp16fx.grad_buffers``', :class:`FlatParams`'); else None."""
+    own = _OWN_BUFFERS.get(_place(view))
     size = view.element_size()
-    if view.storage_offset() != start or view.untyped_storage().nbytes() != bucket.padded * size:
+    if own is None or own.untyped_storage().nbytes() != bucket.padded * size:
+        return None
+    if view.storage_offset() != start:
         return None
     extended = view.as_strided((bucket.padded - start,), (1,), start)
     # Through .data: the padding is no gradient's, so no version counter moves (the facade
@@ -362,7 +387,7 @@ class FlatParams:
         self.layout = plan(leaves, treedef, labels, multiple)
         with torch.no_grad():
             self.param_buffers = adopt(self.layout, self.params)
-            self.grad_buffers = [torch.zeros_like(flat) for flat in self.param_buffers]
+            self.grad_buffers = [own_buffer(torch.zeros_like(b)) for b in self.param_buffers]
         self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket, flat in zip(self.layout.buckets, self.grad_buffers):
             for i, view in zip(bucket.indices, views(bucket, flat)):

@@ -413,9 +413,10 @@ def _is_moment(value: Any) -> bool:
 
 
 def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
-    """Returns ``state`` with each per-element moment ``x`` of segment ``k`` replaced by
-    ``fn(x, non_negative, k)``; ``non_negative`` comes from the owning state class's
-    ``non_negative`` attribute (the names of its fields that are never negative)."""
+    """Returns ``state`` with each per-element moment ``x`` of segment ``k`` (in NamedTuple
+    states, tuples, lists and plain dicts) replaced by ``fn(x, non_negative, k)``;
+    ``non_negative`` comes from the owning NamedTuple class's ``non_negative`` attribute (the
+    names of its fields that are never negative)."""
 
     def visit(node: Any, non_negative: bool) -> Any:
         if isinstance(node, Segments):
@@ -431,6 +432,8 @@ def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
             return type(node)(*(visit(getattr(node, f), f in marked) for f in node._fields))
         if isinstance(node, (tuple, list)):
             return type(node)(visit(child, False) for child in node)
+        if type(node) is dict:  # a transform's own state (not its Hyperparams, a subclass)
+            return {key: visit(child, False) for key, child in node.items()}
         return node
 
     return visit(state, False)

@@ -21,8 +21,8 @@ from fp16fx.scaling import LossScaleState
 from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
 
-#: Flat buffers reused every step, with their views: per bucket, one that grads are packed
-#: into; per (bucket, segment, device) whose params are not one flat tensor, one they are
+#: Flat buffers reused every step, with their views: per (bucket, device), one that grads
+#: are packed into; per (bucket, segment, device) whose params are not one flat tensor, one they are
 #: packed into.
 Scratch = dict[Hashable, tuple[torch.Tensor, list[torch.Tensor]]]
 
@@ -256,11 +256,12 @@ def _pack(
             return found
     if scratch is None:
         return flat.pack(bucket, leaves)
-    if bucket not in scratch:
-        first = next(leaves[i] for i in bucket.indices if leaves[i] is not None)
-        buffer = torch.empty(bucket.padded, dtype=bucket.dtype, device=first.device)
-        scratch[bucket] = (buffer, flat.views(bucket, buffer))
-    buffer, views = scratch[bucket]
+    device = next(leaves[i] for i in bucket.indices if leaves[i] is not None).device
+    key = (bucket, device)  # one step function may step states of one layout on two devices
+    if key not in scratch:
+        buffer = torch.empty(bucket.padded, dtype=bucket.dtype, device=device)
+        scratch[key] = (buffer, flat.views(bucket, buffer))
+    buffer, views = scratch[key]
     return flat.pack(bucket, leaves, out=buffer, out_views=views)
 
 

@@ -286,6 +286,12 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
             raise _NotStored(
                 f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has {tuple(param.shape)}"
             )
+    for key in entry:
+        name = key.rpartition(".")[0]
+        if key.endswith((".scales", ".offset")) and f"{name}.codes" not in entry:
+            raise _NotStored(
+                f"[{key!r}] without the int8 codes it belongs to, [{name + '.codes'!r}]"
+            )
     for key, value in entry.items():
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
@@ -306,13 +312,14 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
                     f"[{name + '.scales'!r}] is {scales.dtype} of shape {tuple(scales.shape)}; "
                     f"its codes need {blocks} FP32 scales"
                 )
-        elif (
-            key.startswith("opt")
-            and (value.ndim or value.is_floating_point())  # not an int64 step count
-            and not key.endswith(".scales")
-            and value.dtype not in (torch.float32, torch.bfloat16)
-        ):
-            raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not FP32 or BF16")
+        elif key.startswith("opt") and not key.endswith((".scales", ".offset")):
+            if not value.is_floating_point() and value.ndim:
+                raise _NotStored(
+                    f"[{key!r}] is a {value.dtype} tensor of shape {tuple(value.shape)}: a step "
+                    "count is 0-d, a moment FP32 or BF16"
+                )
+            if value.is_floating_point() and value.dtype not in (torch.float32, torch.bfloat16):
+                raise _NotStored(f"[{key!r}] has dtype {value.dtype}, not FP32 or BF16")
 
 
 def _decode_leaf(

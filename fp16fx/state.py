@@ -262,7 +262,7 @@ def init(
     args = checked_arguments(
         params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
     )
-    params, leaves, precision, layout = args.params, args.leaves, args.precision, args.layout
+    leaves, precision, layout = args.leaves, args.precision, args.layout
     if args.mesh is not None:
         consensus = _mesh_consensus(consensus, args.mesh, args.group, buckets)
     device = next(p.device for p in leaves if p is not None)
@@ -309,7 +309,9 @@ def init(
         check_kept(opt_state)
         state.opt_state = encode_moments(opt_state, precision)
     if not buckets:
-        state._views["params"] = params  # the caller's own tensors, not views of them
+        # The caller's own tensors, not views of them, in containers of the state's own: a
+        # tensor the caller later puts into its dict is not one the state steps.
+        state._views["params"] = tree.unflatten(args.treedef, leaves)
     return state
 
 
@@ -508,7 +510,7 @@ def grad_buffers(state: MixedPrecisionState) -> Any:
     leaves: list[torch.Tensor | None] = [None] * layout.num_leaves
     device = state.count.device
     for bucket in layout.buckets:
-        buffer = torch.zeros(bucket.padded, dtype=bucket.dtype, device=device)
+        buffer = flat.own_buffer(torch.zeros(bucket.padded, dtype=bucket.dtype, device=device))
         for i, view in zip(bucket.indices, flat.views(bucket, buffer)):
             leaves[i] = view
     return tree.unflatten(layout.treedef, leaves)

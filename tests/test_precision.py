@@ -52,6 +52,7 @@ from fp16fx.precision import (
 )
 from fp16fx.saved_format import StateDictError, canonical, precision_dict
 from fp16fx.segments import named_segments
+from fp16fx.transforms.base import hyperparams
 from tests.strategies import grads_like
 from tests.test_facade_checkpoint import save_and_load
 from tests.test_step import same_bits
@@ -533,6 +534,20 @@ def test_grad_buffers_of_a_padded_state_are_read_with_their_padding_zeroed():
     assert differing(stored(in_place), stored(packed)) == []
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_memory_after_the_params_in_a_buffer_of_the_users_is_never_taken_as_padding(inplace):
+    """Params at the start of a user's buffer two int8 blocks long: what follows them there
+    is not fp16fx's padding, however long the buffer is; init and steps leave it alone."""
+    buffer = torch.full((2 * BLOCK,), 5.0, dtype=torch.float16)
+    params = {"a": buffer[:300], "b": buffer[300:400]}
+    state = fp16fx.init(params, fp16fx.adamw(0.1, weight_decay=0.5), moments="int8")
+    step = StepFunction(inplace=True, compile_options=None) if inplace else fp16fx.step
+    for _ in range(3):
+        state, _ = step(state, {k: torch.ones_like(p) for k, p in params.items()})
+    assert torch.equal(buffer[400:], torch.full((2 * BLOCK - 400,), 5.0, dtype=torch.float16))
+    assert (state.params["a"] < 5.0).all()  # stepped (in place: in the buffer)
+
+
 def _assert_the_numbers_of_eager(eager, compiled):
     off = differing(eager, compiled)
     for key in [k for k in off if k.endswith((".master", ".correction"))]:
@@ -999,6 +1014,15 @@ def _mismatches():
             added("notes", torch.zeros(1)),
             r"\['w'\]\['notes'\] is no key a saved leaf has",
         ),
+        "block scales without their codes": (
+            added("opt[7].zz.scales", torch.ones(2)),
+            r"\['w'\]\['opt\[7\].zz.scales'\] without the int8 codes it belongs to",
+        ),
+        "a step count that is not 0-d": (
+            changed("opt[1].count", lambda t: t.reshape(1)),
+            r"\['w'\]\['opt\[1\].count'\] is a torch.int64 tensor of shape \(1,\): a step "
+            "count is 0-d",
+        ),
         "a master beside the correction": (
             added("master", torch.zeros(30, 20)),
             r"\['w'\]\['correction'\] beside a \['master'\]",
@@ -1089,6 +1113,36 @@ def test_a_compact_checkpoint_round_trips_bitwise_and_steps_alike(moments):
     a, _ = fp16fx.step(source, grads)
     b, _ = fp16fx.step(target, grads)
     assert differing(stored(a), stored(b)) == []
+
+
+def _momentum_kept_in_a_dict() -> fp16fx.transforms.GradientTransformation:
+    """A transform of a user's own whose per-param state is a dict, not a NamedTuple."""
+
+    def init(params):
+        return {
+            "hyperparams": hyperparams(params, momentum=0.9),
+            "buf": optree.tree_map(torch.zeros_like, params),
+        }
+
+    def update(updates, state, params):
+        beta = state["hyperparams"]["momentum"].float()
+        buf = optree.tree_map(lambda b, g: beta * b + g, state["buf"], updates)
+        return buf, {**state, "buf": buf}
+
+    return fp16fx.chain(fp16fx.transforms.GradientTransformation(init, update), fp16fx.sgd(0.1))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_moments_a_transform_keeps_in_a_dict_are_stored_compact(moments):
+    """Before, only NamedTuple states' moments were: a dict's stayed FP32, silently."""
+    source = tail_state("compensated", moments, optimizer=_momentum_kept_in_a_dict())
+    for i in range(3):
+        source, _ = fp16fx.step(source, scaled_grads(source, 10 + i))
+    buf = source.opt_state[0]["buf"][0]
+    assert isinstance(buf, Quantized) if moments == "int8" else buf.dtype == torch.bfloat16
+    target = tail_state("compensated", moments, seed=9, optimizer=_momentum_kept_in_a_dict())
+    target = fp16fx.load_state_dict(target, save_and_load(fp16fx.state_dict(source)))
+    assert differing(stored(source), stored(target)) == []
 
 
 def test_a_checkpoint_cut_where_step_counts_are_equal_again_round_trips_bitwise():

@@ -316,6 +316,18 @@ def test_init_refuses_untrainable_params(params, error, message):
         fp16fx.init(params, fp16fx.sgd(0.1))
 
 
+def test_the_state_steps_the_tensors_given_not_what_the_callers_dict_holds_later():
+    params = {"a": torch.ones(3).half(), "b": torch.ones(2).half()}
+    state = fp16fx.init(params, fp16fx.sgd(0.5), fp16fx.NoLossScale())
+    given = params["a"]
+    params["a"] = torch.full((3,), 7.0).half()  # the caller's dict, reused
+    assert state.params["a"] is given
+    saved = fp16fx.state_dict(state)["params"]["a"]
+    assert torch.equal(saved["param"], saved["master"].half())  # one tensor's values
+    state, _ = fp16fx.step(state, {"a": torch.ones(3).half(), "b": torch.ones(2).half()})
+    assert torch.equal(state.params["a"], torch.full((3,), 0.5).half())
+
+
 def test_init_refuses_a_non_transform_optimizer():
     with pytest.raises(TypeError, match="fp16fx transform"):
         fp16fx.init(GOOD, torch.optim.SGD)

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fp16fx
+from fp16fx.segments import Segments
 from fp16fx.transforms import with_grad_norm
 
 STEPS = 20
@@ -189,6 +190,32 @@ def test_multi_transform_hyperparameters_are_per_group():
         fp16fx.set_hyperparams(state, group=0, betas=(0.5, 0.5))
     with pytest.raises(KeyError, match="no param group 2"):
         fp16fx.set_hyperparams(state, group=2, lr=0.5)
+
+
+def test_a_group_without_params_keeps_its_hyperparameters_on_the_params_device():
+    """A param group whose params are all frozen owns no segment: its hyperparameters were
+    made on the CPU beside a GPU's params (a CUDA graph skips a step reading CPU tensors).
+    The meta device stands in for the GPU."""
+    opt = fp16fx.multi_transform([fp16fx.sgd(0.1), fp16fx.adam(1e-3)], labels=[0, 0])
+    params = Segments([torch.zeros(3, device="meta"), torch.zeros(2, device="meta")], [0, 0])
+    tensors = [x for x in optree.tree_leaves(opt.init(params)) if isinstance(x, torch.Tensor)]
+    assert len(tensors) == 6 and {t.device.type for t in tensors} == {"meta"}
+
+
+def test_a_group_whose_transform_has_no_hyperparameters_keeps_its_number():
+    """A group of a transform without hyperparameters (a user's "freeze") is still group 0:
+    the group after it stays group 1, not renumbered into its place."""
+    freeze = fp16fx.transforms.GradientTransformation(
+        init=lambda params: (),
+        update=lambda updates, state, params: (optree.tree_map(torch.zeros_like, updates), state),
+    )
+    opt = fp16fx.multi_transform([freeze, fp16fx.sgd(0.1)], labels=[0, 1])
+    state = fp16fx.init([torch.ones(2), torch.ones(3)], opt, fp16fx.NoLossScale())
+    assert fp16fx.get_hyperparams(state) == [{}, {"lr": pytest.approx(0.1), "weight_decay": 0.0}]
+    state = fp16fx.set_hyperparams(state, group=1, lr=0.5)
+    assert fp16fx.get_hyperparams(state)[1]["lr"] == 0.5
+    with pytest.raises(KeyError, match=r"no hyperparameter named \['lr'\] in group 0"):
+        fp16fx.set_hyperparams(state, group=0, lr=0.5)
 
 
 @pytest.mark.parametrize(

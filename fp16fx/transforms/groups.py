@@ -87,7 +87,12 @@ def multi_transform(
     def init(params: Params) -> MultiTransformState:
         return MultiTransformState(
             tuple(
-                expand(t.init(select(params, owned(params, k))), owned(params, k), params.labels)
+                _on_device_of(
+                    params,
+                    expand(
+                        t.init(select(params, owned(params, k))), owned(params, k), params.labels
+                    ),
+                )
                 for k, t in enumerate(transforms)
             )
         )
@@ -105,6 +110,16 @@ def multi_transform(
         return updates, MultiTransformState(tuple(new_inner))
 
     return GradientTransformation(init, update, resolve)
+
+
+def _on_device_of(params: Params, state: State) -> State:
+    """Returns ``state`` with its tensors on the params' device. A group that owns no param
+    makes its hyperparameters where no param tells it the device (the CPU), and a step that
+    read them there would keep a GPU's step out of its CUDA graph."""
+    device = next(x.device for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor))
+    return optree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, state, none_is_leaf=True
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -206,6 +221,10 @@ def hyperparam_groups(state: State) -> list[dict[str, torch.Tensor]]:
         return h
 
     map_hyperparams(collect, state)
+    for node in optree.tree_leaves(state, is_leaf=_is_node, none_is_leaf=True):
+        if isinstance(node, MultiTransformState):  # a group with none of its own counts too
+            for k in range(len(node.inner)):
+                groups.setdefault(k, {})
     if not groups:
         return [shared]
     return [{**shared, **groups[k]} for k in sorted(groups)]
