@@ -16,7 +16,7 @@ from torch import nn
 
 import fp16fx
 import fp16fx.fp16_utils
-from fp16fx.facade.policy import NO_FLOOR
+from fp16fx.facade.policy import NO_CEILING, NO_FLOOR
 from fp16fx.fp16_utils import FP16_Optimizer
 from fp16fx.scaling import DynamicLossScale, StaticLossScale
 
@@ -161,7 +161,7 @@ def test_a_floor_above_the_ceiling_is_refused_by_name(path):
     init=st.integers(-4, 30),
     window=st.integers(1, 5000),
     floor=st.one_of(st.none(), st.just(0), st.integers(-10, 0)),
-    ceiling=st.integers(0, 30),
+    ceiling=st.one_of(st.integers(0, 30), st.just(math.inf)),  # inf: apex's "no ceiling"
     factor=st.sampled_from([None, 2, 4]),
     hysteresis=st.one_of(st.none(), st.integers(1, 4)),
 )
@@ -169,6 +169,7 @@ def test_apex_dynamic_loss_args_map_onto_dynamic_loss_scale(
     init, window, floor, ceiling, factor, hysteresis
 ):
     args = {"init_scale": 2.0**init, "scale_window": window, "max_loss_scale": 2.0**ceiling}
+    max_scale = NO_CEILING if ceiling == math.inf else 2.0**ceiling
     args["min_loss_scale"] = floor if floor in (None, 0) else 2.0**floor
     if factor is not None:
         args["scale_factor"] = factor
@@ -184,9 +185,9 @@ def test_apex_dynamic_loss_args_map_onto_dynamic_loss_scale(
         "growth_interval": window,
         "hysteresis": hysteresis or 1,
         "min_scale": min_scale,
-        "max_scale": 2.0**ceiling,
+        "max_scale": max_scale,
     }
-    assert opt.loss_scale == min(max(2.0**init, min_scale), 2.0**ceiling)  # apex: min(init, max)
+    assert opt.loss_scale == min(max(2.0**init, min_scale), max_scale)  # apex: min(init, max)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,8 @@ from fp16fx.scaling import (
 
 #: The floor used for apex's ``min_loss_scale=None``: 2**-126, reciprocal 2**126 (normal FP32).
 NO_FLOOR = 2.0**-126
-#: The ceiling used for the legacy apex ``DynamicLossScaler``, which had none (mirror of NO_FLOOR).
+#: The ceiling used for the legacy apex ``DynamicLossScaler``, which had none, and for
+#: ``max_loss_scale=inf`` (mirror of NO_FLOOR).
 NO_CEILING = 2.0**126
 
 FacadePolicy = DynamicLossScale | StaticLossScale
@@ -106,7 +107,8 @@ def policy_from_args(
     ``dynamic_loss_args`` takes apex's keys (``init_scale``, ``scale_factor``, ``scale_window``,
     ``min_loss_scale``, ``max_loss_scale``) and :class:`~fp16fx.scaling.DynamicLossScale`'s
     field names (``hysteresis``, ``growth_interval``, ...). Defaults are apex's: start 2**16,
-    window 2000, ceiling 2**24, no floor (:data:`NO_FLOOR`). ``scale_factor`` f is honoured as
+    window 2000, ceiling 2**24 (``inf``, apex's "none": :data:`NO_CEILING`), no floor
+    (:data:`NO_FLOOR`). ``scale_factor`` f is honoured as
     growth factor f and back-off factor 1/f (apex's amp-era scaler ignored it and always used 2).
 
     Raises:
@@ -161,6 +163,8 @@ def dynamic_fields(args: Mapping[str, Any]) -> dict[str, Any]:
             put("backoff_factor", 1.0 / value, key)
         elif key == "min_loss_scale" and not value:
             put("min_scale", NO_FLOOR, key)  # apex: None (or 0) means "no floor"
+        elif key == "max_loss_scale" and value == math.inf:
+            put("max_scale", NO_CEILING, key)  # apex: no ceiling
         else:
             put(_APEX_TO_FIELD.get(key, key), value, key)
     fields.setdefault("min_scale", NO_FLOOR)
