@@ -191,6 +191,23 @@ def test_limit_and_data_dir_are_checked_before_the_data_loads(capsys, monkeypatc
     assert_one_line_error(code, err, "--dataset fake reads none")
 
 
+def test_a_global_batch_the_data_cannot_hold_fails_before_any_process_starts(
+    capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr(command, "launch", lambda *args: pytest.fail("processes started"))
+    code, _, err = train_cli(capsys, "--nproc-per-node", "2", "--batch-size", "1000")
+    assert_one_line_error(code, err, "--batch-size 1000 x 2 processes exceeds the 1437")
+
+
+def test_a_stray_world_size_is_named_in_one_line(capsys, monkeypatch) -> None:
+    """WORLD_SIZE alone once went on to torch.distributed's rendezvous and its traceback."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = train_cli(capsys, "--limit", "64")
+    assert_one_line_error(code, err, "WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT not")
+
+
 def test_missing_cifar10_says_where_to_put_it(capsys, tmp_path) -> None:
     code, _, err = train_cli(capsys, "--dataset", "cifar10", "--data-dir", str(tmp_path))
     assert_one_line_error(code, err, "cifar-10-batches-py", "never downloads")

@@ -287,7 +287,9 @@ def test_bad_process_counts_fail_in_one_line(capsys, monkeypatch) -> None:
     error = one_line_error(capsys, "--nproc-per-node", "2", "--device", "cuda:0")
     assert "give --device cuda" in error
     monkeypatch.undo()
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    torchrun |= {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    for name, value in torchrun.items():
         monkeypatch.setenv(name, value)  # as if torchrun had started 2 processes
     error = one_line_error(capsys, "--nproc-per-node", "4")
     assert "torchrun started 2 processes per node" in error

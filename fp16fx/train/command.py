@@ -298,6 +298,14 @@ def _start(config: TrainConfig, args: argparse.Namespace) -> None:
     started = Processes.from_env()
     nproc = args.nproc_per_node
     if started is not None:  # under torchrun: its processes are the ones to use
+        missing = [
+            name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
+        ]
+        if missing:
+            raise SetupError(
+                f"WORLD_SIZE is set but {', '.join(missing)} not: start the processes with "
+                "torchrun (which sets them all), or unset WORLD_SIZE"
+            )
         if nproc is not None and nproc != started.local_size:
             raise SetupError(
                 f"--nproc-per-node {nproc}, but torchrun started {started.local_size} processes "
@@ -307,7 +315,7 @@ def _start(config: TrainConfig, args: argparse.Namespace) -> None:
     elif nproc is not None:
         check_processes(nproc, resolve_device(config.device))
         if nproc > 1:
-            preflight(config)  # bad flags or files: one line now, no processes started
+            preflight(config, nproc)  # bad flags or files: one line now, no processes started
             launch(train_and_report, (config, args.quiet), nproc)
             return
     train_and_report(config, args.quiet)

@@ -166,13 +166,28 @@ def check_processes(nproc: int, device: torch.device) -> None:
         )
 
 
-def preflight(config: TrainConfig) -> None:
-    """Returns None when ``config``'s names, device and files pass the checks :func:`train`
-    makes first; raises what it would. Lets a launcher fail in one line before starting any
-    process."""
+def preflight(config: TrainConfig, processes: int = 1) -> None:
+    """Returns None when ``config``'s names, device, files and batch size (over ``processes``
+    processes) pass the checks :func:`train` makes first; raises what it would. Lets a
+    launcher fail in one line before starting any process."""
     _check(config)
     resolve_device(config.device)
     _resumed(config)
+    data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
+    _check_batch(config, len(data.train), processes)
+
+
+def _check_batch(config: TrainConfig, images: int, processes: int) -> None:
+    """Raises SetupError where the global batch exceeds the ``images`` of the training split."""
+    batch_size = _batch_size(config)
+    if batch_size * processes > images:
+        default = " (the default)" if config.batch_size is None else ""
+        per_process = f" x {processes} processes" if processes > 1 else ""
+        limited = f" (--limit {config.limit})" if config.limit is not None else ""
+        raise SetupError(
+            f"--batch-size {batch_size}{default}{per_process} exceeds the {images} "
+            f"training images{limited}"
+        )
 
 
 def _resumed(config: TrainConfig) -> dict[str, Any] | None:
@@ -390,15 +405,8 @@ def train(config: TrainConfig) -> TrainResult:
     ckpt = _resumed(config)
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
     epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
+    _check_batch(config, len(data.train), processes.size)
     global_batch = batch_size * processes.size
-    if global_batch > len(data.train):
-        default = " (the default)" if config.batch_size is None else ""
-        per_process = f" x {processes.size} processes" if processes.size > 1 else ""
-        limited = f" (--limit {config.limit})" if config.limit is not None else ""
-        raise SetupError(
-            f"--batch-size {batch_size}{default}{per_process} exceeds the {len(data.train)} "
-            f"training images{limited}"
-        )
     distributed = processes.size > 1
     if config.fsdp and not distributed:
         raise SetupError("--fsdp shards the model over processes: add --nproc-per-node N (N > 1)")
