@@ -169,6 +169,7 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
         # Checked before the data loads (and, with --nproc-per-node, before any process).
         (["--limit", "0"], ["--limit must be >= 1, got 0"]),
+        (["--model", "resnet18", "--batch-size", "1"], ["--batch-size 1 is too small for"]),
         (["--data-dir", "/tmp"], ["--dataset digits reads none (drop --data-dir"]),
         (
             ["--limit", "10"],

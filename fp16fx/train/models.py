@@ -59,14 +59,19 @@ def resnet18(in_channels: int, num_classes: int) -> nn.Module:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """A model by name: how to build it, what it is, and the fewest images per batch it
+    trains on (training-mode BatchNorm needs two values per channel)."""
+
     build: Callable[[int, int], nn.Module]
     description: str
+    min_batch: int = 1
 
 
 #: Models by name.
 MODELS: dict[str, ModelSpec] = {
     "cnn": ModelSpec(small_cnn, "small 3-conv CNN with BatchNorm (8.5k params)"),
-    "resnet18": ModelSpec(resnet18, "torchvision ResNet-18, random init (11.2M params)"),
+    # Its last BatchNorm sees 1x1 maps on these small images: one value per image.
+    "resnet18": ModelSpec(resnet18, "torchvision ResNet-18, random init (11.2M params)", 2),
 }
 
 
