@@ -259,7 +259,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype or kind, int8 scales that do not count the blocks or that no
         encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, a
-        negative count or second moment), a master past the range of a param's new dtype --
+        negative count or second moment), a master past the range of its param's dtype (the
+        new one, if the model's changed; a compensated pair at the midpoint to inf) --
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
         is changed.
     """

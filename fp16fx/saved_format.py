@@ -110,6 +110,9 @@ def check_fits(
             value = sd["params"][path][key]
             _check_tensor(f"{where}[{key!r}]", value, like)
             _check_leaf_value(f"{where}[{key!r}]", key, value, key in non_negative)
+        saved = sd["params"][path]
+        if "master" in entry and (why := past_range(saved["master"], saved["param"].dtype)):
+            raise misfit(f"{where}['master'] {why}: its param would step to inf")
 
 
 def without_segments(sd: Mapping[str, Any]) -> dict[str, Any]:

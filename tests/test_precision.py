@@ -921,6 +921,14 @@ def _mismatches():
         sd["params"]["w"]["correction"] = sd["params"]["w"]["correction"][:, :10].clone()
         return sd
 
+    def a_pair_past_fp16s_largest():
+        """(-65504, -128): its master, -65520, is the midpoint to -inf (steps before
+        52d58d2 could save it; the next step made the param -inf)."""
+        sd = saved()
+        sd["params"]["w"]["param"][0, 0] = -65504.0
+        sd["params"]["w"]["correction"][0, 0] = -128
+        return sd
+
     def changed(key, change):
         """The dict with ``['params']['w'][key]`` (or ``[key]`` at the top) changed."""
 
@@ -1069,6 +1077,10 @@ def _mismatches():
         "codes of another shape": (
             changed("opt[1].mu.codes", lambda t: t.reshape(-1)),
             r"\['w'\]\['opt\[1\].mu.codes'\] has shape \(600,\); its \['param'\] has \(30, 20\)",
+        ),
+        "a compensated pair past FP16's largest": (
+            a_pair_past_fp16s_largest,
+            r"\['w'\]\['master'\] holds values past torch.float16's largest \(65504\)",
         ),
         "a correction of another shape": (
             wrong_corrections,
