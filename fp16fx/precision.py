@@ -35,6 +35,7 @@ Moments (``Precision.moments``), every per-element FP32 tensor of the optimizer'
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -44,6 +45,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from fp16fx.segments import MASKED, Segments
+from fp16fx.transforms.base import Hyperparams
 
 MASTERS = ("fp32", "compensated")
 MOMENTS = ("fp32", "bf16", "int8")
@@ -414,7 +416,7 @@ def _is_moment(value: Any) -> bool:
 
 def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
     """Returns ``state`` with each per-element moment ``x`` of segment ``k`` (in NamedTuple
-    states, tuples, lists and plain dicts) replaced by ``fn(x, non_negative, k)``;
+    states, tuples, lists and dicts) replaced by ``fn(x, non_negative, k)``;
     ``non_negative`` comes from the owning NamedTuple class's ``non_negative`` attribute (the
     names of its fields that are never negative)."""
 
@@ -432,8 +434,11 @@ def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
             return type(node)(*(visit(getattr(node, f), f in marked) for f in node._fields))
         if isinstance(node, (tuple, list)):
             return type(node)(visit(child, False) for child in node)
-        if type(node) is dict:  # a transform's own state (not its Hyperparams, a subclass)
-            return {key: visit(child, False) for key, child in node.items()}
+        if isinstance(node, dict) and not isinstance(node, Hyperparams):
+            out = copy.copy(node)  # its own kind of dict, an OrderedDict's order and all
+            for key, child in node.items():
+                out[key] = visit(child, False)
+            return out
         return node
 
     return visit(state, False)

@@ -99,8 +99,7 @@ def call(model: nn.ModuleList, opt: FP16_Optimizer, op: tuple) -> object:
             return loss
 
         try:
-            loss = opt.step(closure)  # None: an overflowed backward before it skips it
-            return math.nan if loss is None else float(loss.detach()), len(calls)
+            return float(opt.step(closure).detach()), len(calls)
         except FloatingPointError as err:  # a static or floored scale cannot help an inf loss
             floored = "at the minimum loss scale" in str(err)
             if not inf_first or (opt.dynamic_loss_scale and not floored):

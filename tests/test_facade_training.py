@@ -309,32 +309,6 @@ def test_closure_that_can_never_be_finite_raises_and_changes_nothing(path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_closure_step_after_an_overflowing_backward_skips_without_running_it(path):
-    """apex's step() looked at its overflow flag before the closure: grads of a backward
-    before it that overflowed skip the step, and the closure does not run."""
-    model, calls = make_model(), []
-    opt = wrap(model, adam, path, dynamic_loss_scale=True)
-    hook = Poison(model)
-    hook.on = True
-    opt.backward(loss_fn(model, *make_data(1)[0]))
-    hook.on = False
-    before, scale = masters_of(opt), opt.loss_scale
-
-    def closure():
-        calls.append(1)
-        opt.zero_grad()
-        loss = loss_fn(model, *make_data(1)[0])
-        opt.backward(loss)
-        return loss
-
-    assert opt.step(closure) is None
-    assert calls == [] and opt.loss_scale == scale / 2
-    assert_same(masters_of(opt), before)
-    opt.step(closure)  # the next one runs it
-    assert calls == [1]
-
-
 def test_closure_on_the_fast_path_matches_the_generic_path():
     results = {}
     for path in PATHS:

@@ -29,6 +29,7 @@ about 35 s on two busy cores with Inductor's cache warm, 2-3 minutes cold.
 
 from __future__ import annotations
 
+import collections
 import math
 import types
 
@@ -1127,32 +1128,34 @@ def test_a_compact_checkpoint_round_trips_bitwise_and_steps_alike(moments):
     assert differing(stored(a), stored(b)) == []
 
 
-def _momentum_kept_in_a_dict() -> fp16fx.transforms.GradientTransformation:
-    """A transform of a user's own whose per-param state is a dict, not a NamedTuple."""
+def _momentum_kept_in_a_dict(kind: type = dict) -> fp16fx.transforms.GradientTransformation:
+    """A transform of a user's own whose per-param state is a dict (of ``kind``), not a
+    NamedTuple."""
 
     def init(params):
-        return {
-            "hyperparams": hyperparams(params, momentum=0.9),
-            "buf": optree.tree_map(torch.zeros_like, params),
-        }
+        return kind(
+            hyperparams=hyperparams(params, momentum=0.9),
+            buf=optree.tree_map(torch.zeros_like, params),
+        )
 
     def update(updates, state, params):
         beta = state["hyperparams"]["momentum"].float()
         buf = optree.tree_map(lambda b, g: beta * b + g, state["buf"], updates)
-        return buf, {**state, "buf": buf}
+        return buf, kind(state, buf=buf)
 
     return fp16fx.chain(fp16fx.transforms.GradientTransformation(init, update), fp16fx.sgd(0.1))
 
 
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict])
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_moments_a_transform_keeps_in_a_dict_are_stored_compact(moments):
+def test_moments_a_transform_keeps_in_a_dict_are_stored_compact(moments, kind):
     """Before, only NamedTuple states' moments were: a dict's stayed FP32, silently."""
-    source = tail_state("compensated", moments, optimizer=_momentum_kept_in_a_dict())
+    source = tail_state("compensated", moments, optimizer=_momentum_kept_in_a_dict(kind))
     for i in range(3):
         source, _ = fp16fx.step(source, scaled_grads(source, 10 + i))
     buf = source.opt_state[0]["buf"][0]
     assert isinstance(buf, Quantized) if moments == "int8" else buf.dtype == torch.bfloat16
-    target = tail_state("compensated", moments, seed=9, optimizer=_momentum_kept_in_a_dict())
+    target = tail_state("compensated", moments, seed=9, optimizer=_momentum_kept_in_a_dict(kind))
     target = fp16fx.load_state_dict(target, save_and_load(fp16fx.state_dict(source)))
     assert differing(stored(source), stored(target)) == []
 

@@ -201,15 +201,16 @@ class FastEngine:
         return {id(p): master for p, master in pairs if p.dtype != torch.float32}
 
     def saved_state(self) -> MixedPrecisionState:
-        """Returns the core state (sharded: this rank's shard) as a checkpoint keeps it: an
-        FP32 master whose param was written since the last step (a clamp, the model's
-        ``load_state_dict``) holds the written value (``step.adopt_written``: new tensors),
-        as a load must rebuild it. The engine's state is not touched, so saving leaves the
-        run as it was: the step adopts a written param after its update, which adopting it
-        in place before would change by the written difference's weight decay.
-        (A compensated master is read from its param.)"""
+        """Returns the core state (sharded: this rank's shard) as a checkpoint keeps it: where
+        a param was written since the last step (a clamp, the model's ``load_state_dict``),
+        with copies of the FP32 masters in which it has its written value
+        (``step.adopt_written``), as a load must rebuild it; else the state itself (one sync
+        to tell). The engine's state is not touched, so saving leaves the run as it was: the
+        step adopts a written param after its update, which adopting it in place before
+        would change by the written difference's weight decay."""
         state = self.state
-        if state.precision.compensated:
+        pairs = _written_pairs(state)
+        if not pairs or not bool(torch.stack([p.ne(m.to(p.dtype)).any() for p, m in pairs]).any()):
             return state
         layout = state.layout
         copies = [  # (an FP32 param's segment is its own master: saved as it is)
@@ -217,22 +218,15 @@ class FastEngine:
             for seg, master in zip(layout.segments, state.master_segments)
         ]
         saved = state.replace(master_segments=Segments(copies, state.master_segments.labels))
-        pairs = zip(tree.flatten(saved.params)[0], tree.flatten(saved.master)[0])
-        adopt_written_((p, m) for p, m in pairs if p is not None and p.dtype != torch.float32)
+        adopt_written_(_written_pairs(saved))
         return saved
 
     def resync_masters(self) -> None:
         """Makes each FP32 master take its param's value where the param was written since
-        the last step (``step.adopt_written``), in place, before the masters are saved or the
-        state rebuilt from them: the step adopts a written param itself, but a checkpoint or
-        a new param group taken before it would carry the old master and undo the write on
-        loading. Sharded or on FSDP2 shards, each rank adopts its own slices (no collective).
-        (A compensated master is read from its param.)"""
-        if self.state.precision.compensated:
-            return
-        params, masters = tree.flatten(self.state.params)[0], tree.flatten(self.state.master)[0]
-        pairs = zip(params, masters)
-        adopt_written_((p, m) for p, m in pairs if p is not None and p.dtype != torch.float32)
+        the last step (``step.adopt_written``), in place, before the state is rebuilt from
+        them (a new param group, a group's new structure), which would otherwise carry the
+        old master and undo the write."""
+        adopt_written_(_written_pairs(self.state))
 
     def forget_written(self) -> None:
         """Makes the next step write every param group number and the clipping threshold into
@@ -764,6 +758,16 @@ class FastEngine:
         self.flat.zero_grads(set_to_none)
         self._checked.forget()
         self._scattered = self._agreed = None
+
+
+def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Returns the (FP16/BF16 param, FP32 master) leaves of ``state`` whose master a write of
+    the param can leave behind: none in a compensated state, whose master is read from its
+    param."""
+    if state.precision.compensated:
+        return []
+    pairs = zip(tree.flatten(state.params)[0], tree.flatten(state.master)[0])
+    return [(p, m) for p, m in pairs if p is not None and p.dtype != torch.float32]
 
 
 __all__ = ["NOT_SHARDED", "FastEngine"]

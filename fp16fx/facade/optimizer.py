@@ -367,18 +367,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         and return the loss) the closure is re-run until its gradients are finite, as in apex;
         when they cannot become finite (static scale, or scale at its minimum) it raises
         FloatingPointError. Grads produced without ``backward`` (e.g. ``loss.backward()``) are
-        taken as grads of the scaled loss. Grads of a ``backward`` before the step that
-        overflowed skip it, the closure not run, as apex's ``step`` skipped on its
-        ``overflow`` flag first.
+        taken as grads of the scaled loss.
         """
         if closure is not None:
-            if self._phase.grads != "stale" and self.overflow:
-                return self.step()
-            try:
-                return self._step_with_closure(closure)
-            except BaseException:  # it ended the step too: the next one starts afresh
-                self._phase.grads = "stale"
-                raise
+            return self._step_with_closure(closure)
         if isinstance(self._engine, FastEngine):
             try:
                 self._fast_step()
