@@ -186,6 +186,14 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
             found["solo"] = str(err)
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
     found["alone"] = refused_on_one_rank(rank)
+    # Models that differ in a param after a frozen one: named as the param groups hold it.
+    frozen, a = torch.ones(4).half(), torch.ones(5).half().requires_grad_()
+    b = torch.ones(5 + rank).half().requires_grad_()
+    groups = [{"params": [frozen, a]}, {"params": [b]}]
+    try:
+        FP16_Optimizer(torch.optim.Adam(groups), shard=True, verbose=False, compiled=False)
+    except ValueError as err:
+        found["other_model"] = str(err)
     opt = make_optimizer(model, "adam", shard=True)
     for what in ("state", "inspect_master_grad_data"):
         try:
@@ -388,6 +396,9 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
         assert rank_0["errors"][case] == refused, (case, rank_0["errors"][case])
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
+    for found in (r["refusals"] for r in runs[2]):  # it said params[1], its trained params'
+        other = "rank 1 of the group has param_groups[1]['params'][0] as float16[6], its first"
+        assert found["other_model"].startswith(other), found["other_model"]
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]
 
 

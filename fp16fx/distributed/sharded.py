@@ -204,6 +204,7 @@ def init_sharded(
     group: Any = None,
     master: str = "fp32",
     moments: str = "fp32",
+    names: Sequence[str] | None = None,
 ) -> ShardedState:
     """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
 
@@ -212,10 +213,17 @@ def init_sharded(
     does), so every rank starts from the same values. ``master`` and ``moments`` are the
     shard's storage, as for :func:`fp16fx.init`; with int8 moments each buffer is padded to a
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
-    bucket's.
+    bucket's. ``names``: each leaf's name in errors (default: its path in ``params``).
     """
     args = check_on_every_rank(
-        params, optimizer, loss_scale, group, master=master, moments=moments, buckets=True
+        params,
+        optimizer,
+        loss_scale,
+        group,
+        master=master,
+        moments=moments,
+        buckets=True,
+        names=names,
     )
     leaves, treedef, labels, precision = args.leaves, args.treedef, args.labels, args.precision
     trained = [i for i, p in enumerate(leaves) if p is not None]
@@ -259,17 +267,19 @@ def check_on_every_rank(
     master: str,
     moments: str,
     buckets: bool,
+    names: Sequence[str] | None = None,
 ) -> Arguments:
     """Returns ``fp16fx.init``'s checks of its arguments (:func:`checked_arguments`), run on
     every rank of ``group`` before the params are broadcast (or moved): where any rank
     refuses, or holds other params, every rank raises, nothing changed (a rank left alone
-    would wait in the broadcast). A collective."""
+    would wait in the broadcast). A collective. ``names``: each leaf's name in errors
+    (default: its path in ``params``)."""
     with refusing_together(group):  # a label function's KeyError too: the others must not wait
         _refuse_dtensors(params)
         args = checked_arguments(
             params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
         )
-    _check_alike(params, group, None)
+    _check_alike(params, group, None, names)
     return args
 
 
@@ -302,7 +312,9 @@ def _refuse_dtensors(params: Any) -> None:
         )
 
 
-def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
+def _check_alike(
+    params: Any, group: Any, refusal: Exception | None, names: Sequence[str] | None = None
+) -> None:
     """Raises ValueError on every rank where another rank refused its arguments
     (``refusal``: this rank's; the caller raises it, and ``params`` goes unread), or unless
     every rank's params have the group's first rank's structure, dtypes and shapes (as DDP
@@ -328,9 +340,8 @@ def _check_alike(params: Any, group: Any, refusal: Exception | None) -> None:
             what = f"params of the structure {theirs[0]}, its first rank {first[0]}"
         else:
             i = next(i for i, (a, b) in enumerate(zip(first[1], theirs[1])) if a != b)
-            what = (
-                f"{tree.leaf_names(params)[i]} as {theirs[1][i]}, its first rank as {first[1][i]}"
-            )
+            name = (tree.leaf_names(params) if names is None else names)[i]
+            what = f"{name} as {theirs[1][i]}, its first rank as {first[1][i]}"
         raise ValueError(
             f"rank {rank} of the group has {what}: every rank must build its state from the "
             "same model"
@@ -374,8 +385,9 @@ def reduce_grads(state: ShardedState, grads: Any) -> list[torch.Tensor]:
     by d in place), others are copied into those buffers first.
 
     Raises:
-      ValueError: a trained param has no gradient -- before any collective, so no rank is
-        left waiting (a sharded bucket keeps one step count for its slice).
+      ValueError: a trained param has no gradient (a sharded bucket keeps one step count for
+        its slice) -- before any collective, so where every rank lacks it, none waits; where
+        one rank alone does, the others wait in the reduce-scatter until the timeout.
     """
     leaves = tree.flatten(grads)[0]
     own = state.flat.grad_views

@@ -138,6 +138,7 @@ class FastEngine:
                 group=shard,
                 master=precision.master,
                 moments=precision.moments,
+                names=[names[id(p)] for p in params],
             )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
@@ -537,7 +538,8 @@ class FastEngine:
     def grads(self) -> list[torch.Tensor | None]:
         """Returns each trained param's grad, a view of its flat buffer (None: it has none).
 
-        Raises ValueError for a sharded engine when a param has none (before any collective).
+        Raises ValueError for a sharded engine when a param has none (this rank's check, before
+        any collective: the other ranks wait in the reduce-scatter, unless they raise too).
         """
         try:
             grads = self.flat.grads()
