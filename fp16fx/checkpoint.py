@@ -58,6 +58,7 @@ from fp16fx.saved_format import (
     StateDictError,
     canonical_params,
     check_codes,
+    check_compensable,
     check_dense,
     check_fits,
     full_param,
@@ -259,8 +260,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype or kind, int8 scales that do not count the blocks or that no
         encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, a
-        negative count or second moment), a master past the range of its param's dtype (the
-        new one, if the model's changed; a compensated pair at the midpoint to inf) --
+        negative count or second moment), a master past the range of a param's new dtype or,
+        into a compensated state, of its dtype (a pair at the midpoint to inf) --
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
         is changed.
     """
@@ -285,6 +286,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         },
     }
     check_fits(mine, theirs, non_negative_keys(signs))
+    if state.precision.compensated:
+        check_compensable(theirs["params"])
     paths = leaf_paths(state)
     canon = [theirs["params"].get(path) for path in paths]
     marks = [None if entry is None else leaf_scalars(entry) for entry in canon]

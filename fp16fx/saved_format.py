@@ -110,9 +110,20 @@ def check_fits(
             value = sd["params"][path][key]
             _check_tensor(f"{where}[{key!r}]", value, like)
             _check_leaf_value(f"{where}[{key!r}]", key, value, key in non_negative)
-        saved = sd["params"][path]
-        if "master" in entry and (why := past_range(saved["master"], saved["param"].dtype)):
-            raise misfit(f"{where}['master'] {why}: its param would step to inf")
+
+
+def check_compensable(params: Mapping[str, Any]) -> None:
+    """Raises StateDictError naming a leaf of a state dict's ``params`` in FP32 terms
+    (:func:`canonical_params`) whose master rounds past its FP16/BF16 param's largest value,
+    which a compensated state cannot hold: its param would step to inf. (A compensated pair
+    at the midpoint to inf, which steps before ``52d58d2`` could save; an FP32-master state
+    holding such a master beside a finite param takes the param as written, and loads it.)"""
+    for path, entry in params.items():
+        if "master" in entry and (why := past_range(entry["master"], entry["param"].dtype)):
+            raise misfit(
+                f"['params'][{path!r}]: its master {why}, which a compensated state cannot "
+                "hold (its param would step to inf)"
+            )
 
 
 def without_segments(sd: Mapping[str, Any]) -> dict[str, Any]:

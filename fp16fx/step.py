@@ -198,7 +198,13 @@ def adopt_written(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     -- and then the written value, which is the truth. Exact; the one definition for the
     step (which applies the update to it) and the facade (before it saves or rebuilds)."""
     require_rounding_casts()
-    return torch.where(param != master.to(param.dtype), param.float(), master)
+    return torch.where(was_written(param, master), param.float(), master)
+
+
+def was_written(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Returns where FP16/BF16 ``param`` is no longer its FP32 ``master`` rounded: there
+    someone wrote it (:func:`adopt_written`)."""
+    return param != master.to(param.dtype)
 
 
 def adopt_written_(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:

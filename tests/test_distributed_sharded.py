@@ -266,12 +266,15 @@ def refused_load() -> dict[str, Any]:
     zero_scales = fp16fx.state_dict(sources["restarted"])
     scales = zero_scales["params"]["a"]["opt[1].mu.scales"]
     zero_scales["params"]["a"]["opt[1].mu.scales"] = torch.zeros_like(scales)
+    past_fp16 = fp16fx.state_dict(sources["restarted"])  # a pair whose master rounds to -inf
+    past_fp16["params"]["a"]["param"].view(-1)[0] = -65504.0
+    past_fp16["params"]["a"]["correction"].view(-1)[0] = -128
     sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
     before = optree.tree_map(  # copies, not views of the state
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
     )
     messages = []
-    for given in (sd, zero_scales, fdist.state_dict(sharded)):  # the last: this rank's alone
+    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded)):  # last: this rank's
         try:
             fdist.load_state_dict(sharded, given)
             messages.append("loaded")
@@ -281,7 +284,8 @@ def refused_load() -> dict[str, Any]:
     return {
         "message": messages[0],
         "zero_scales": messages[1],
-        "one_rank": messages[2],
+        "past_fp16": messages[2],
+        "one_rank": messages[3],
         "unchanged": unchanged,
     }
 
@@ -580,6 +584,7 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
         zero = "['a']['opt[1].mu.scales'] holds a scale that is not finite"
         assert zero in refused["zero_scales"]
         assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
+        assert "['a']: its master holds values past torch.float16's largest" in refused["past_fp16"]
         assert refused["unchanged"]
 
 

@@ -396,9 +396,9 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
         assert rank_0["errors"][case] == refused, (case, rank_0["errors"][case])
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
-    for found in (r["refusals"] for r in runs[2]):  # it said params[1], its trained params'
-        other = "rank 1 of the group has param_groups[1]['params'][0] as float16[6], its first"
-        assert found["other_model"].startswith(other), found["other_model"]
+    other = "rank 1 of the group has param_groups[1]['params'][0] as float16[6], its first"
+    for refused in (r["refusals"]["other_model"] for r in runs[2]):  # it said params[1]
+        assert refused.startswith(other), refused
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]
 
 

@@ -309,6 +309,33 @@ def test_closure_that_can_never_be_finite_raises_and_changes_nothing(path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_grads_made_after_a_closure_step_that_raised_are_stepped(path):
+    """The generic path took a raised closure step's inf grads, unscaled into its masters,
+    for the grads a plain ``loss.backward()`` made next: that step skipped."""
+    model = make_model()
+    opt = wrap(model, adam, path, static_loss_scale=8.0)
+    hook = Poison(model)
+    x, y = make_data(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        opt.backward(loss)
+        return loss
+
+    hook.on = True
+    with pytest.raises(FloatingPointError):
+        opt.step(closure)
+    hook.on = False
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    (loss_fn(model, x, y) * 8.0).backward()  # grads of the scaled loss, without backward()
+    opt.step()
+    assert not opt.overflow
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_closure_on_the_fast_path_matches_the_generic_path():
     results = {}
     for path in PATHS:

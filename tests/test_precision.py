@@ -1081,7 +1081,8 @@ def _mismatches():
         ),
         "a compensated pair past FP16's largest": (
             a_pair_past_fp16s_largest,
-            r"\['w'\]\['master'\] holds values past torch.float16's largest \(65504\)",
+            r"\['w'\]: its master holds values past torch.float16's largest \(65504\), which a "
+            "compensated state cannot hold",
         ),
         "a correction of another shape": (
             wrong_corrections,

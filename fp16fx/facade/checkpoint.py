@@ -101,7 +101,7 @@ def state_dict(
     scaler: Scaler,
     flags: Mapping[str, bool],
 ) -> dict[str, Any]:
-    """Returns the checkpoint dict (see the module docstring); one sync."""
+    """Returns the checkpoint dict (see the module docstring); a sync or two."""
     on_fsdp2 = isinstance(engine, FastEngine) and engine.fsdp
     if not on_fsdp2 and dtensors.has_dtensors([p for ps in params.trainable for p in ps]):
         raise RuntimeError(

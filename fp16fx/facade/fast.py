@@ -47,7 +47,7 @@ from fp16fx.precision import Precision
 from fp16fx.scaling import LossScaleState, all_finite
 from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
-from fp16fx.step import StepInfo, adopt_written_
+from fp16fx.step import StepInfo, adopt_written_, was_written
 from fp16fx.transforms import clip_coefficient, replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
@@ -211,7 +211,7 @@ class FastEngine:
         would change by the written difference's weight decay."""
         state = self.state
         pairs = _written_pairs(state)
-        if not pairs or not bool(torch.stack([p.ne(m.to(p.dtype)).any() for p, m in pairs]).any()):
+        if not pairs or not bool(torch.stack([was_written(p, m).any() for p, m in pairs]).any()):
             return state
         layout = state.layout
         copies = [  # (an FP32 param's segment is its own master: saved as it is)

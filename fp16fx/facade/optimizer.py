@@ -370,7 +370,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         taken as grads of the scaled loss.
         """
         if closure is not None:
-            return self._step_with_closure(closure)
+            try:
+                return self._step_with_closure(closure)
+            except BaseException:  # it ended the step too: its grads are spent
+                self._phase.grads = "stale"
+                raise
         if isinstance(self._engine, FastEngine):
             try:
                 self._fast_step()
