@@ -114,20 +114,22 @@ def master_noise(bits: torch.Tensor) -> torch.Tensor:
 
 
 def moment_noise(bits: torch.Tensor, i: int) -> torch.Tensor:
-    """Returns the dither of the ``i``-th short moment of a segment (``i`` mod 3), 16 bits of
-    the step's hash as (k + 1/2) / 65536: the first moment's from the high half of ``bits``
-    (above the master's byte), the next two the halves of ``bits`` hashed again.
+    """Returns the dither of the ``i``-th short moment of a segment, 16 bits of the step's
+    hash as (k + 1/2) / 65536: the first moment's from the high half of ``bits`` (above the
+    master's byte), each next two the halves of ``bits`` hashed once more.
 
     Sixteen bits, not eight: stochastic rounding moves a value up with probability ``f``,
     its place between two codes, as drawn on the dither's grid: a change below half a step
     of that grid is never applied. Adam's second moment decaying by beta2 = 0.9999 a step
     moves 1/10,000 of its value, at code 78 1/512 of the way to the next code down: with one
     byte, every lower code froze (and rose with its block's scale)."""
-    i %= 3
     if i == 0:
         return _dither(bits, 16, 16)
-    mixed = ((bits ^ (bits >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
-    return _dither(mixed ^ (mixed >> 16), 16 * (i - 1), 16)
+    mixed = bits
+    for _ in range((i + 1) // 2):  # a bijection of 32 bits: (1, 2) once, (3, 4) twice...
+        mixed = ((mixed ^ (mixed >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        mixed = mixed ^ (mixed >> 16)
+    return _dither(mixed, 16 * ((i - 1) % 2), 16)
 
 
 def _dither(bits: torch.Tensor, shift: int, width: int) -> torch.Tensor:

@@ -549,6 +549,18 @@ def test_memory_after_the_params_in_a_buffer_of_the_users_is_never_taken_as_padd
     assert (state.params["a"] < 5.0).all()  # stepped (in place: in the buffer)
 
 
+def test_each_moment_of_a_segment_draws_its_own_dither():
+    """A transform may keep more than three moments; the fourth once reused the first's
+    dither, so their roundings went up and down together."""
+    bits = precision.hash_bits(1 << 16, 0, torch.tensor(3))
+    noises = [precision.moment_noise(bits, i) for i in range(6)]
+    for a in range(6):
+        for b in range(a):
+            assert (noises[a] == noises[b]).float().mean() < 0.01, (a, b)
+            correlation = torch.corrcoef(torch.stack([noises[a], noises[b]]))[0, 1]
+            assert abs(correlation) < 0.02, (a, b)
+
+
 def _assert_the_numbers_of_eager(eager, compiled):
     off = differing(eager, compiled)
     for key in [k for k in off if k.endswith((".master", ".correction"))]:
