@@ -113,13 +113,19 @@ def check_fits(
 
 
 def check_compensable(params: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming a leaf of a state dict's ``params`` in FP32 terms
-    (:func:`canonical_params`) whose master rounds past its FP16/BF16 param's largest value,
-    which a compensated state cannot hold: its param would step to inf. (A compensated pair
-    at the midpoint to inf, which steps before ``52d58d2`` could save; an FP32-master state
-    holding such a master beside a finite param takes the param as written, and loads it.)"""
+    """Raises StateDictError naming a leaf of a state dict's ``params`` (as saved, or in FP32
+    terms: :func:`canonical_params`) whose master rounds past its FP16/BF16 param's largest
+    value, which a compensated state cannot hold: its param would step to inf. (A compensated
+    pair at the midpoint to inf, which steps before ``52d58d2`` could save; an FP32-master
+    state holding such a master beside a finite param takes the param as written.)"""
     for path, entry in params.items():
-        if "master" in entry and (why := past_range(entry["master"], entry["param"].dtype)):
+        if "correction" in entry:
+            master = decode_master(entry["param"], entry["correction"])
+        elif "master" in entry:
+            master = entry["master"]
+        else:
+            continue
+        if (why := past_range(master, entry["param"].dtype)) is not None:
             raise misfit(
                 f"['params'][{path!r}]: its master {why}, which a compensated state cannot "
                 "hold (its param would step to inf)"

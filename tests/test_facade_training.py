@@ -336,6 +336,25 @@ def test_grads_made_after_a_closure_step_that_raised_are_stepped(path):
     assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_closure_that_raises_before_making_grads_leaves_the_pending_ones(path):
+    """A closure that raised before its backward (the data ran out) once marked the grads
+    of the backward before it spent: ``overflow`` then read the last step's result."""
+    model = make_model()
+    opt = wrap(model, adam, path, dynamic_loss_scale=True)
+    hook = Poison(model)
+    hook.on = True
+    opt.backward(loss_fn(model, *make_data(1)[0]))
+    assert opt.overflow
+
+    def exhausted():
+        raise StopIteration
+
+    with pytest.raises(StopIteration):
+        opt.step(exhausted)
+    assert opt.overflow and opt.inspect_master_grad_data() is None
+
+
 def test_closure_on_the_fast_path_matches_the_generic_path():
     results = {}
     for path in PATHS:

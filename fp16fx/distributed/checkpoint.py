@@ -254,10 +254,7 @@ def load_state_dict(
         saved_format.check_fits(template(state, canonical=True), converted, non_negative)
     saved_format.check_codes(sd["params"], signs)
     if precision.compensated:
-        decoded = (
-            entries if saved != precision else saved_format.canonical_params(entries, saved.block)
-        )
-        saved_format.check_compensable(decoded)
+        saved_format.check_compensable(entries)
     paths = _leaf_paths(state)
     per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
     for bucket, saved_entries in zip(state.buckets, per_bucket):

@@ -370,10 +370,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         taken as grads of the scaled loss.
         """
         if closure is not None:
+            before = self._engine.grad_stamp()
             try:
                 return self._step_with_closure(closure)
-            except BaseException:  # it ended the step too: its grads are spent
-                self._phase.grads = "stale"
+            except BaseException:
+                if not before.unchanged():  # it made grads, then raised: they are spent
+                    self._phase.grads = "stale"
                 raise
         if isinstance(self._engine, FastEngine):
             try:
