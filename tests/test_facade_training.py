@@ -355,6 +355,26 @@ def test_a_closure_that_raises_before_making_grads_leaves_the_pending_ones(path)
     assert opt.overflow and opt.inspect_master_grad_data() is None
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_first_closure_call_this_step_reads_as_apex_left_it(path):
+    """apex's wrapped closure set the flag False before its first call: inside the closure
+    it reads False, on the re-run after an overflow too (the fast path read True)."""
+    model, seen = make_model(), []
+    opt = wrap(model, adam, path, dynamic_loss_scale=True)
+    hook = Poison(model)
+
+    def closure():
+        seen.append(opt.first_closure_call_this_step)
+        opt.zero_grad()
+        hook.on = len(seen) == 1  # the first attempt overflows
+        loss = loss_fn(model, *make_data(1)[0])
+        opt.backward(loss)
+        return loss
+
+    opt.step(closure)
+    assert seen == [False, False] and opt.first_closure_call_this_step
+
+
 def test_closure_on_the_fast_path_matches_the_generic_path():
     results = {}
     for path in PATHS:

@@ -43,27 +43,34 @@ class HandOver(Exception):
 def fast_step(
     closure: Callable[[], Any],
     attempt: Callable[[], StepInfo],
+    phase: Phase,
     scaler: Scaler,
     stepped: Callable[[Any], Any],
 ) -> Any:
     """Returns the loss of the first ``closure()`` whose step (``attempt()``: the fast path's
     compiled step, skipped exactly on overflow) applied; ``stepped`` is told of each step.
+    ``phase.first_closure_call`` reads False inside the closure, as apex's wrapped closure
+    left it from its first call on, and True again after the step.
 
     Raises HandOver when ``attempt()`` raises Unsupported: the generic path takes the grads
     that call made (a closure may draw the next batch: running it again would skip one).
     """
-    while True:
-        with torch.enable_grad():
-            loss = closure()
-        try:
-            info = attempt()
-        except Unsupported as err:
-            raise HandOver(err, loss) from err
-        stepped(None)
-        finite, floored = torch.stack([info.finite, info.loss_scale_floored]).tolist()
-        if finite:
-            return loss
-        _overflowed(scaler, floored)
+    phase.first_closure_call = False
+    try:
+        while True:
+            with torch.enable_grad():
+                loss = closure()
+            try:
+                info = attempt()
+            except Unsupported as err:
+                raise HandOver(err, loss) from err
+            stepped(None)
+            finite, floored = torch.stack([info.finite, info.loss_scale_floored]).tolist()
+            if finite:
+                return loss
+            _overflowed(scaler, floored)
+    finally:  # the generic step a HandOver leads to starts afresh too
+        phase.first_closure_call = True
 
 
 def generic_step(

@@ -414,7 +414,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         first_loss = closure.NOT_RUN
         if isinstance(self._engine, FastEngine):
             try:
-                loss = closure.fast_step(fn, self._fast_step, self._scaler, self._stepped)
+                loss = closure.fast_step(
+                    fn, self._fast_step, self._phase, self._scaler, self._stepped
+                )
             except closure.HandOver as handing:
                 self._handover(handing.reason)
                 first_loss = handing.loss  # its grads are in place: the generic step reads them
