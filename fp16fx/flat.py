@@ -324,10 +324,7 @@ def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tenso
     its storage is exactly one padded buffer of the bucket that fp16fx made
     (:func:`own_buffer`: ``fp16fx.grad_buffers``', :class:`FlatParams`'); else None."""
     own = _OWN_BUFFERS.get(_place(view))
-    size = view.element_size()
-    if own is None or own.untyped_storage().nbytes() != bucket.padded * size:
-        return None
-    if view.storage_offset() != start:
+    if own is None or own.numel() != bucket.padded or view.storage_offset() != start:
         return None
     extended = view.as_strided((bucket.padded - start,), (1,), start)
     # Through .data: the padding is no gradient's, so no version counter moves (the facade

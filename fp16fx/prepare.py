@@ -22,8 +22,8 @@ from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
 
 #: Flat buffers reused every step, with their views: per (bucket, device), one that grads
-#: are packed into; per (bucket, segment, device) whose params are not one flat tensor, one they are
-#: packed into.
+#: are packed into; per (bucket, segment, device) whose params are not one flat tensor, one
+#: they are packed into.
 Scratch = dict[Hashable, tuple[torch.Tensor, list[torch.Tensor]]]
 
 

@@ -274,11 +274,11 @@ def _check(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    fewest = MODELS[config.model].min_batch
-    if _batch_size(config) < fewest:
+    batch_size, fewest = _batch_size(config), MODELS[config.model].min_batch
+    if batch_size < fewest:
         raise SetupError(
-            f"--batch-size {_batch_size(config)} is too small for --model {config.model}: "
-            f"its BatchNorm layers need at least {fewest} images per process"
+            f"--batch-size {batch_size} is too small for --model {config.model}: its "
+            f"BatchNorm layers need at least {fewest} images per process"
         )
     if config.master not in MASTERS:
         raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")

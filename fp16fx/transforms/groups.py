@@ -85,17 +85,11 @@ def multi_transform(
         return [label == k for label in labels_of(params)]
 
     def init(params: Params) -> MultiTransformState:
-        return MultiTransformState(
-            tuple(
-                _on_device_of(
-                    params,
-                    expand(
-                        t.init(select(params, owned(params, k))), owned(params, k), params.labels
-                    ),
-                )
-                for k, t in enumerate(transforms)
-            )
-        )
+        inner = []
+        for k, t in enumerate(transforms):
+            mine = owned(params, k)
+            inner.append(expand(t.init(select(params, mine)), mine, params.labels))
+        return _on_device_of(params, MultiTransformState(tuple(inner)))
 
     def update(updates: Updates, state: MultiTransformState, params: Params) -> Any:
         new_inner = []
