@@ -28,6 +28,7 @@ import torch._inductor
 
 from fp16fx import tree
 from fp16fx.prepare import Prepared, Scratch, finish, prepare
+from fp16fx.scaling import GradCheck
 from fp16fx.state import MixedPrecisionState
 from fp16fx.step import StepInfo, apply_updates, apply_updates_, check
 
@@ -162,14 +163,15 @@ class StepFunction:
             new, info = self._run(apply_updates, prepared, *args)
         return finish(prepared, new), info
 
-    def check(self, state: MixedPrecisionState, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find; nothing moves
-        (the state's segments may be cut, as the step would cut them)."""
+    def check(self, state: MixedPrecisionState, grads: Any) -> GradCheck:
+        """Returns what a step on ``grads`` would find; nothing moves (the state's segments
+        may be cut, as the step would cut them)."""
         prepared = self._prepare(state, grads, gather=False)
         with torch.no_grad():
-            return self._run(
+            finite, norm = self._run(
                 check, prepared, state.consensus, prepared.grads, state.loss_scale.scale
             )
+        return GradCheck(finite, norm)
 
 
 def compile_step(

@@ -17,9 +17,12 @@ from typing import Any, NamedTuple
 import torch
 
 from fp16fx import dtensors, flat, tree
-from fp16fx.scaling import LossScaleState
+from fp16fx.consensus import Consensus
+from fp16fx.precision import Precision
+from fp16fx.scaling import LossScalePolicy, LossScaleState
 from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
+from fp16fx.transforms import GradientTransformation
 
 #: Flat buffers reused every step, with their views: per (bucket, device), one that grads
 #: are packed into; per (bucket, segment, device) whose params are not one flat tensor, one
@@ -45,6 +48,25 @@ class Trained(NamedTuple):
     count: torch.Tensor
 
 
+class CoreArgs(NamedTuple):
+    """The arguments of the core (``step.apply_updates`` and ``apply_updates_``), in order.
+
+    Attributes:
+      optimizer, policy, consensus, precision: the state's own.
+      places: per active segment, its bucket and its start in the bucket's flat buffer
+        (where its per-value rounding noise is drawn from).
+      grads, trained: :class:`Prepared`'s.
+    """
+
+    optimizer: GradientTransformation
+    policy: LossScalePolicy
+    consensus: Consensus | None
+    precision: Precision
+    places: tuple[tuple[int, int], ...]
+    grads: Segments
+    trained: Trained
+
+
 class Prepared(NamedTuple):
     """A step's inputs, checked and gathered on the host (:func:`prepare`).
 
@@ -65,7 +87,7 @@ class Prepared(NamedTuple):
     grads: Segments
     trained: Trained
 
-    def core_args(self) -> tuple[Any, ...]:
+    def core_args(self) -> CoreArgs:
         """Returns the arguments of the core (``apply_updates`` and ``apply_updates_``)."""
         state = self.state
         places = tuple(
@@ -73,14 +95,14 @@ class Prepared(NamedTuple):
             for seg, active in zip(state.layout.segments, self.active)
             if active
         )
-        return (
-            state.optimizer,
-            state.policy,
-            state.consensus,
-            state.precision,
-            places,
-            self.grads,
-            self.trained,
+        return CoreArgs(
+            optimizer=state.optimizer,
+            policy=state.policy,
+            consensus=state.consensus,
+            precision=state.precision,
+            places=places,
+            grads=self.grads,
+            trained=self.trained,
         )
 
 

@@ -143,7 +143,7 @@ class DynamicLossScale:
 
     Hysteresis N tolerates N-1 overflows (each still skips its step) before backing off.
     At the floor the scale is clamped, never lowered further, and ``adjust`` reports the clamp
-    (``info["loss_scale_floored"]`` in a step): raising on a collapsed scale is left to the
+    (``info.loss_scale_floored`` in a step): raising on a collapsed scale is left to the
     caller, which can check that flag whenever it is willing to sync with the device.
 
     All factors and bounds must be powers of two, so that scaling and unscaling stay exact.
@@ -213,6 +213,18 @@ class DynamicLossScale:
             overflows=torch.where(changed, zero, overflows),
         )
         return new_state, back_off & (wanted < self.min_scale)
+
+
+class GradCheck(NamedTuple):
+    """What a step on the current grads would decide by, asked without stepping.
+
+    Attributes:
+      finite: 0-d bool, False when any element of any grad is inf or NaN.
+      norm: 0-d float32, the global L2 norm of the unscaled grads (inf when not finite).
+    """
+
+    finite: torch.Tensor
+    norm: torch.Tensor
 
 
 class CheckedGrads(NamedTuple):

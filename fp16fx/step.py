@@ -39,22 +39,23 @@ from fp16fx.precision import (
     split_master,
 )
 from fp16fx.prepare import Trained, finish, prepare
-from fp16fx.scaling import CheckedGrads, LossScalePolicy, unscale_and_check
+from fp16fx.scaling import CheckedGrads, GradCheck, LossScalePolicy, unscale_and_check
 from fp16fx.segments import Segments
 from fp16fx.state import MixedPrecisionState, check_state, decode_moments
 from fp16fx.transforms import (
     GradientTransformation,
     Hyperparams,
     read_hyperparams,
+    replace_hyperparams,
     with_grad_norm,
 )
-from fp16fx.transforms import replace_hyperparams as _replace_hyperparams
 
 
 class StepInfo(NamedTuple):
     """What a step reports, as 0-d tensors (nothing is synced to the host).
 
-    Also read by key, ``info["finite"]``, as the dict it used to be.
+    Also readable as a mapping (``info["finite"]``, ``info.items()``), for callers that treat
+    a step's report as a dict of named values.
 
     Attributes:
       finite: False when the step was skipped (some gradient held inf or NaN).
@@ -79,15 +80,19 @@ class StepInfo(NamedTuple):
         return key in self._fields if isinstance(key, str) else tuple.__contains__(self, key)
 
     def get(self, key: str, default: Any = None) -> Any:
+        """Returns the field named ``key``, or ``default`` if there is none (``dict.get``)."""
         return getattr(self, key) if key in self._fields else default
 
     def keys(self) -> tuple[str, ...]:
+        """Returns the field names, in order."""
         return self._fields
 
     def values(self) -> tuple[torch.Tensor, ...]:
+        """Returns the fields' values, in order."""
         return tuple(self)
 
     def items(self) -> list[tuple[str, torch.Tensor]]:
+        """Returns ``(name, value)`` for each field, in order."""
         return list(zip(self._fields, self))
 
 
@@ -183,11 +188,11 @@ def apply_updates(
     )
     count = keep_if_skipped(trained.count + 1, trained.count)
     new = Trained(
-        Segments(new_params, grads.labels),
-        Segments(new_masters, labels),
-        opt_state,
-        loss_scale,
-        count,
+        params=Segments(new_params, grads.labels),
+        masters=Segments(new_masters, labels),
+        opt_state=opt_state,
+        loss_scale=loss_scale,
+        count=count,
     )
     return new, info
 
@@ -272,8 +277,13 @@ def apply_updates_(
     for old, value in zip(trained.params, new.params):
         if old is not None:
             write(old, value)
-    optree.tree_map(write, tuple(trained)[1:], tuple(new)[1:], is_leaf=_is_quantized)
+    optree.tree_map(write, _kept(trained), _kept(new), is_leaf=_is_quantized)
     return info
+
+
+def _kept(trained: Trained) -> tuple[Any, ...]:
+    """Returns what the state keeps of ``trained``, the params aside."""
+    return trained.masters, trained.opt_state, trained.loss_scale, trained.count
 
 
 def unscale_and_agree(
@@ -289,12 +299,10 @@ def unscale_and_agree(
     return checked._replace(finite=finite, norm=norm)
 
 
-def check(
-    consensus: Consensus | None, grads: Segments, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(finite, grad_norm)`` that a step on ``grads`` would find (no state moves)."""
+def check(consensus: Consensus | None, grads: Segments, scale: torch.Tensor) -> GradCheck:
+    """Returns what a step on ``grads`` would find (no state moves)."""
     checked = unscale_and_agree(list(grads), scale, consensus)
-    return checked.finite, checked.norm.float()
+    return GradCheck(checked.finite, checked.norm.float())
 
 
 def step(state: MixedPrecisionState, grads: Any) -> tuple[MixedPrecisionState, StepInfo]:
@@ -351,5 +359,5 @@ def set_hyperparams(
         nothing is changed.
     """
     check_state(state, "set_hyperparams")
-    opt_state = _replace_hyperparams(state.opt_state, values, group=group, inplace=inplace)
+    opt_state = replace_hyperparams(state.opt_state, values, group=group, inplace=inplace)
     return state if inplace else state.replace(opt_state=opt_state)

@@ -1,4 +1,5 @@
-"""Pytree helpers: flattening with ``None`` kept in place, leaf names, and input validation.
+"""Pytree helpers: flattening with ``None`` kept in place, leaf names, input validation, and
+the bytes of distinct storages.
 
 Layer: ``tree`` (docs/design.md). Knows nothing about optimizers or loss scales.
 
@@ -13,7 +14,7 @@ import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -299,3 +300,15 @@ def _grad_problem(param: Any, grad: Any) -> tuple[type[Exception], str] | None:
     if grad.layout != torch.strided:
         return TypeError, f"is a {grad.layout} tensor; fp16fx steps dense gradients"
     return None
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Returns the bytes of the distinct storages behind ``tensors``, each storage once (two
+    views of one buffer count once; meta tensors, which hold no memory, not at all)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        if tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

@@ -19,13 +19,8 @@ from fp16fx.bench import command, harness, interleave, measure, presets
 from fp16fx.bench.baselines import ApexStyleRunner, TorchCompiledRunner, TorchFusedRunner
 from fp16fx.bench.harness import BenchOptions, run_bench, select_runners
 from fp16fx.bench.report import format_report, to_json
-from fp16fx.bench.runner import (
-    BenchConfig,
-    Runner,
-    register_runner,
-    runner_classes,
-    storage_bytes,
-)
+from fp16fx.bench.runner import BenchConfig, Runner, register_runner, runner_classes
+from fp16fx.tree import storage_bytes
 
 TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
 COMPACT = "fp16fx-compensated-int8"

@@ -36,7 +36,8 @@ from fp16fx.bench.interleave import interleaved_ms
 from fp16fx.bench.options import MIN_TIMED_STEPS, BenchOptions
 from fp16fx.bench.presets import Preset
 from fp16fx.bench.results import ROOFLINE, BenchResult, ContenderResult, PresetResult
-from fp16fx.bench.runner import Runner, runner_classes, storage_bytes
+from fp16fx.bench.runner import Runner, runner_classes
+from fp16fx.tree import storage_bytes
 
 __all__ = [
     "BASELINE_APEX",

@@ -38,7 +38,6 @@ __all__ = [
     "Runner",
     "register_runner",
     "runner_classes",
-    "storage_bytes",
 ]
 
 
@@ -168,14 +167,3 @@ def runner_classes() -> list[type[Runner]]:
     for module in DEFAULT_RUNNER_MODULES:
         importlib.import_module(module)
     return sorted(_REGISTRY.values(), key=lambda cls: (cls.order, cls.name))
-
-
-def storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Return the bytes of the distinct storages behind ``tensors`` (each storage once)."""
-    seen: dict[tuple[str, int], int] = {}
-    for tensor in tensors:
-        if tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())

@@ -451,6 +451,4 @@ def persistent_bytes(state: ShardedState | MixedPrecisionState, grads: Any = Non
         ]
     else:
         found = optree.tree_leaves(state)
-    found += extra
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
-    return sum(storages.values())
+    return tree.storage_bytes([*found, *extra])

@@ -104,7 +104,7 @@ def generic_step(
             floored = engine.adjust_scale()
             if engine.finite():
                 return loss
-            _overflowed(scaler, floored)
+            _overflowed(scaler, bool(floored))
 
     try:
         result = engine.optimizer.step(wrapped_closure)

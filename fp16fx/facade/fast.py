@@ -44,11 +44,12 @@ from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams
 from fp16fx.precision import Precision
-from fp16fx.scaling import LossScaleState, all_finite
+from fp16fx.scaling import GradCheck, LossScaleState, all_finite
 from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written_, was_written
-from fp16fx.transforms import clip_coefficient, replace_hyperparams
+from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
+from fp16fx.transforms.primitives import CLIP_EPS
 
 logger = logging.getLogger("fp16fx")
 
@@ -147,11 +148,11 @@ class FastEngine:
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
         self._made_at = GradMemo[torch.Tensor]()  # the scale the last step's grads had
-        self._checked = GradMemo[tuple[torch.Tensor, torch.Tensor]]()  # check()'s result
+        self._checked = GradMemo[GradCheck]()  # check()'s result
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         # Across processes, the last check every rank made of these grads (a clip's, or the
         # step's): what a read one rank makes alone returns, with no collective.
-        self._agreed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._agreed: GradCheck | None = None
         self._entries = self._make_entries()
         # {id(param): torch-format tensors its group's structure does not use now}, kept as
         # torch.optim keeps them (amsgrad or momentum off, then on again, resumes them)
@@ -172,7 +173,7 @@ class FastEngine:
             self.sharded.shard = value
 
     def _init(
-        self, transform: Any, consensus: Consensus | None, precision: Precision
+        self, transform: GradientTransformation, consensus: Consensus | None, precision: Precision
     ) -> MixedPrecisionState:
         return init(
             self.flat.params,
@@ -592,7 +593,7 @@ class FastEngine:
         else:  # the core moved it
             self.scaler.count(info.finite, info.loss_scale_floored)
         self.last_info, self._scattered = info, None
-        self._agreed = (info.finite, info.grad_norm)
+        self._agreed = GradCheck(info.finite, info.grad_norm)
         self._checked.forget()
         self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
         return info
@@ -615,7 +616,8 @@ class FastEngine:
             first = clip_coefficient(clipped_to, norm)
             clipped = norm * first
             both = first * clip_coefficient(limit, clipped)
-            limit = float(both * (norm.double() + 1e-6)) if both < 1 else NO_CLIP
+            # the limit whose clip_coefficient at ``norm`` is ``both``: the rule solved for it
+            limit = float(both * (norm.double() + CLIP_EPS)) if both < 1 else NO_CLIP
             norm = clipped
         self._clip.remember(limit, self.grad_stamp())
         return norm
@@ -682,8 +684,8 @@ class FastEngine:
         """Whether a check is a collective (a consensus across processes)."""
         return self.sharded is not None or self.state.consensus is not None
 
-    def check(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(finite, norm)`` of the current unscaled grads (0-d tensors); sharded, of
+    def check(self) -> GradCheck:
+        """Returns the check of the current unscaled grads (0-d tensors); sharded, of
         the mean grads. Unless across processes, cached while the grads are unchanged. Across
         processes it is a collective, called by every rank (``clip_master_grads``;
         ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
@@ -700,7 +702,7 @@ class FastEngine:
             self._checked.remember(checked, self.grad_stamp())
         return checked
 
-    def agreed(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def agreed(self) -> GradCheck:
         """Returns :meth:`check`'s result for a read one rank may make alone: across
         processes, that of the last check every rank made (a clip's or the step's; a check
         made now if none was since the last ``zero_grad``)."""
@@ -712,7 +714,7 @@ class FastEngine:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
         sharded, the mean grads once they were reduce-scattered)."""
         if self._scattered is not None:  # reduce-scattered by a clip: its agreed check
-            return bool(self.agreed()[0])
+            return bool(self.agreed().finite)
         self.flat.collect_grads()
         return all_finite(self.flat.grad_buffers)
 
@@ -738,7 +740,7 @@ class FastEngine:
         inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
         coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
         if max_norm != NO_CLIP:  # as the step will clip them
-            coef = clip_coefficient(max_norm, self.agreed()[1]).float()
+            coef = clip_coefficient(max_norm, self.agreed().norm).float()
         return {
             self.entry(p): g.float() * inv_scale * coef
             for p, g in zip(self.flat.params, self.grads())

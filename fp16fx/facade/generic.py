@@ -21,6 +21,7 @@ from fp16fx.facade.grads import GradMemo, GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, all_finite
 from fp16fx.step import adopt_written_, unscale_and_agree
+from fp16fx.transforms.primitives import CLIP_EPS
 
 
 class GenericEngine:
@@ -161,12 +162,12 @@ class GenericEngine:
         """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
         return True if self._finite is None else bool(self._finite)
 
-    def adjust_scale(self) -> bool:
+    def adjust_scale(self) -> torch.Tensor:
         """Moves the loss scale for the last checked grads (once per step); returns whether
-        an overflow found the scale at its floor (one sync)."""
+        an overflow found the scale at its floor (a 0-d tensor: no sync)."""
         finite = torch.ones((), dtype=torch.bool) if self._finite is None else self._finite
         self._stepped_finite = finite
-        return bool(self.scaler.adjust(finite.to(self.scaler.state.scale.device)))
+        return self.scaler.adjust(finite.to(self.scaler.state.scale.device))
 
     def stepped_finite(self) -> bool:
         """Returns whether the last step's grads were finite (one sync; True before any)."""
@@ -207,7 +208,7 @@ class GenericEngine:
             raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
         else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
             # by clip_grad_norm_'s own rule, in its FP32, as the branch above does
-            coef = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
+            coef = torch.clamp(max_norm / (self._norm + CLIP_EPS), max=1.0)
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)

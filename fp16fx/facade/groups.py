@@ -50,18 +50,18 @@ class Unsupported(Exception):
 class GroupSpec:
     """The structure of a param group's transform (changing it means rebuilding)."""
 
-    name: str  # "sgd", "adam" or "adamw"
-    momentum: bool = False
+    optimizer: str  # the fp16fx optimizer that steps it: "sgd", "adam" or "adamw"
+    has_momentum: bool = False
     nesterov: bool = False
     amsgrad: bool = False
 
 
 def describe(spec: GroupSpec) -> str:
     """Names a group's structure, e.g. ``Adam with amsgrad``, ``SGD with nesterov momentum``."""
-    name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[spec.name]
+    name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[spec.optimizer]
     if spec.nesterov:
         return f"{name} with nesterov momentum"
-    if spec.momentum:
+    if spec.has_momentum:
         return f"{name} with momentum"
     return f"{name} with amsgrad" if spec.amsgrad else name
 
@@ -89,10 +89,10 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
             # torch.optim.SGD refuses this only when built; set later, or in a group added
             # later, it steps it. The core's momentum refuses it always: torch's path takes it.
             raise Unsupported(f"param group {index} has nesterov=True with dampening={dampening}")
-        return GroupSpec("sgd", momentum=momentum, nesterov=nesterov)
+        return GroupSpec("sgd", has_momentum=momentum, nesterov=nesterov)
     # torch >= 2.7 marks the decay in every Adam/AdamW group; older AdamW groups lack the key.
-    name = "adamw" if group.get("decoupled_weight_decay", kind == "adamw") else "adam"
-    return GroupSpec(name, amsgrad=bool(group["amsgrad"]))
+    optimizer = "adamw" if group.get("decoupled_weight_decay", kind == "adamw") else "adam"
+    return GroupSpec(optimizer, amsgrad=bool(group["amsgrad"]))
 
 
 def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str, Any]:
@@ -100,8 +100,8 @@ def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str
     lr, as floats); raises TypeError/ValueError naming the group and the value that is not a
     number in its range (None, a string, a tensor of several values, a NaN...)."""
     values = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
-    if spec.name == "sgd":
-        if spec.momentum:
+    if spec.optimizer == "sgd":
+        if spec.has_momentum:
             values.update(momentum=group["momentum"], dampening=group["dampening"])
     else:
         values.update(betas=group["betas"], eps=group["eps"])
@@ -116,11 +116,10 @@ def group_transform(spec: GroupSpec, values: dict[str, Any]) -> GradientTransfor
 
     Raises ValueError/TypeError (from the transforms) when a value is out of range.
     """
-    if spec.name == "sgd":
-        momentum, dampening = values.get("momentum", 0.0), values.get("dampening", 0.0)
-        return sgd(values["lr"], momentum, dampening, values["weight_decay"], spec.nesterov)
-    make = adamw if spec.name == "adamw" else adam
-    return make(values["lr"], values["betas"], values["eps"], values["weight_decay"], spec.amsgrad)
+    if spec.optimizer == "sgd":
+        return sgd(**values, nesterov=spec.nesterov)
+    make = adamw if spec.optimizer == "adamw" else adam
+    return make(**values, amsgrad=spec.amsgrad)
 
 
 def build_transform(

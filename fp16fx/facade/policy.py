@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fp16fx.consensus import Consensus
 from fp16fx.scaling import (
     DynamicLossScale,
     LossScaleState,
@@ -65,7 +66,7 @@ class Scaler:
     policy: FacadePolicy
     state: LossScaleState
     stats: torch.Tensor
-    consensus: Any = None
+    consensus: Consensus | None = None
 
     def write(self, values: LossScaleState) -> None:
         """Writes ``values`` (tensors) into the state's tensors, in place."""

@@ -42,8 +42,8 @@ def count_key(leaf: Mapping[str, Any]) -> str | None:
 
 def keys(spec: GroupSpec) -> tuple[str, ...]:
     """Returns the per-param tensors torch.optim keeps for a group of structure ``spec``."""
-    if spec.name == "sgd":
-        return ("momentum_buffer",) if spec.momentum else ()
+    if spec.optimizer == "sgd":
+        return ("momentum_buffer",) if spec.has_momentum else ()
     return ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if spec.amsgrad else ()))
 
 
@@ -117,7 +117,7 @@ def from_torch(
     for key, like in mine.items():
         name = field(key)
         if name == "count":
-            if spec.name == "sgd":
+            if spec.optimizer == "sgd":
                 has = saved.get("momentum_buffer") is not None
                 out[key] = torch.tensor(int(has), dtype=like.dtype)
             else:
@@ -135,7 +135,7 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
     """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``."""
     if not saved:
         return
-    if spec.name != "sgd" and "step" not in saved:
+    if spec.optimizer != "sgd" and "step" not in saved:
         raise ValueError(f"the saved state of a param of shape {tuple(entry.shape)} has no 'step'")
     step = saved.get("step")
     number = isinstance(step, (int, float)) and not isinstance(step, bool)
@@ -146,7 +146,7 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
         )
     for key in keys(spec):
         value = saved.get(key)
-        if value is None and (spec.name == "sgd" or key == "max_exp_avg_sq"):
+        if value is None and (spec.optimizer == "sgd" or key == "max_exp_avg_sq"):
             continue  # torch starts these lazily
         if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else value

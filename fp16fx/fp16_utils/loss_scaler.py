@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fp16fx.fp16_utils.master_params import to_python_float
+from fp16fx.scaling import all_finite
 
 __all__ = ["DynamicLossScaler", "LossScaler", "to_python_float"]  # apex's module had all three
 
@@ -83,7 +84,10 @@ class DynamicLossScaler(LossScaler):
         """Returns True if any param's ``.grad`` holds an inf or NaN (syncs with the device);
         a sparse grad, by its stored values. (apex summed each grad in FP32, so a finite FP32 grad
         whose sum overflowed counted too.)"""
-        return any(p.grad is not None and not _finite(p.grad) for p in params)
+        # A sparse grad by its stored values, uncoalesced: adding repeated indices in FP16
+        # could overflow where no value does.
+        grads = [p.grad for p in params if p.grad is not None]
+        return not all_finite(g._values() if g.is_sparse else g for g in grads)
 
     def update_scale(self, overflow: bool) -> None:
         """Returns None; advances one iteration by the rule in the class docstring."""
@@ -93,10 +97,3 @@ class DynamicLossScaler(LossScaler):
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
             self.cur_scale *= self.scale_factor
         self.cur_iter += 1
-
-
-def _finite(grad: torch.Tensor) -> bool:
-    # A sparse grad's stored values, uncoalesced: adding repeated indices in FP16 could
-    # overflow where no value does.
-    values = grad._values() if grad.is_sparse else grad
-    return bool(torch.isfinite(values).all())

@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -57,9 +57,10 @@ class Processes:
     local_size: int = 1
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Processes | None:
+    def from_env(cls) -> Processes | None:
         """Returns the processes torchrun (or :func:`launch`) started, from the variables it
         sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); None outside."""
+        environ = os.environ
         if "WORLD_SIZE" not in environ:
             return None
         size = int(environ["WORLD_SIZE"])

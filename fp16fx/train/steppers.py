@@ -346,7 +346,7 @@ class FunctionalStepper(Stepper):
         self.state, info = self._step(self.state, grads)
         return StepOutput(
             loss=loss,
-            skipped=~info["finite"],
+            skipped=~info.finite,
             # Cloned: the in-place step overwrites this tensor at the next step.
             loss_scale=self.state.loss_scale.scale.clone(),
         )

@@ -15,8 +15,13 @@ a transform treats them as any pytree: its per-param state is a tree like the pa
 arguments, the global norm of the step's gradients (for clipping), the step puts into the
 transform's own state, in a :class:`GradNorm` slot. Hyperparameters live in the state as
 :class:`Hyperparams`, 0-d float64 tensors under their names, so they can change between steps
-(:func:`set_hyperparams`) without recompiling a compiled step; float64 keeps scalar arithmetic
-such as Adam's bias corrections as precise as torch.optim's host-side math.
+(``fp16fx.set_hyperparams``) without recompiling a compiled step; float64 keeps scalar
+arithmetic such as Adam's bias corrections as precise as torch.optim's host-side math.
+
+A NamedTuple state may name the fields that are never negative (Adam's second moments) in a
+class attribute ``non_negative``: a compact state then stores them in a form for non-negative
+values (:mod:`fp16fx.precision`'s int8 moments: unsigned, with a fourth-root companding that
+keeps small values).
 """
 
 from __future__ import annotations

@@ -25,8 +25,21 @@ def sgd(
 ) -> GradientTransformation:
     """Returns ``torch.optim.SGD``'s update: L2 decay, optional (Nesterov) momentum, ``-lr``.
 
-    Momentum is built in when ``momentum > 0`` or ``nesterov``; a momentum of 0 given here
-    cannot be raised later (there would be no buffer).
+    For a gradient ``g`` of param ``p``, with a buffer ``b`` (set to ``g`` at the first step)::
+
+        g <- g + weight_decay * p
+        b <- momentum * b + (1 - dampening) * g
+        p <- p - lr * (g + momentum * b if nesterov else b)      (with momentum)
+        p <- p - lr * g                                           (without)
+
+    Args:
+      lr: the learning rate.
+      momentum: the momentum factor. Momentum is built in when ``momentum > 0`` or
+        ``nesterov``; a momentum of 0 given here cannot be raised later (there would be no
+        buffer).
+      dampening: the damping of the gradient entering the buffer.
+      weight_decay: the L2 penalty's factor, added to the gradient.
+      nesterov: Nesterov momentum.
     """
     check_hyperparam("momentum", momentum)
     parts = [add_decayed_weights(weight_decay)]
@@ -43,7 +56,22 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
 ) -> GradientTransformation:
-    """Returns ``torch.optim.Adam``'s update: L2 decay added to the gradient, then Adam."""
+    """Returns ``torch.optim.Adam``'s update: L2 decay added to the gradient, then Adam.
+
+    At step ``t`` (from 1), for a gradient ``g`` of param ``p`` (Kingma & Ba, 2015)::
+
+        g <- g + weight_decay * p
+        m <- b1 * m + (1 - b1) * g
+        v <- b2 * v + (1 - b2) * g**2              (amsgrad: v_max <- max(v_max, v), used for v)
+        p <- p - lr * (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)
+
+    Args:
+      lr: the learning rate.
+      betas: ``(b1, b2)``, the decay rates of the first and second moments.
+      eps: added to the denominator.
+      weight_decay: the L2 penalty's factor, added to the gradient.
+      amsgrad: divide by the largest second moment so far (Reddi et al., 2018).
+    """
     return chain(
         add_decayed_weights(weight_decay),
         scale_by_adam(betas, eps, amsgrad),
@@ -60,7 +88,9 @@ def adamw(
 ) -> GradientTransformation:
     """Returns ``torch.optim.AdamW``'s update: Adam, then decoupled decay, times ``-lr``.
 
-    ``p <- p - lr * (adam(u) + weight_decay * p)`` (Loshchilov & Hutter, 2019).
+    ``p <- p - lr * (adam(g) + weight_decay * p)`` (Loshchilov & Hutter, 2019), where
+    ``adam(g)`` is :func:`adam`'s bias-corrected ``m / (sqrt(v) + eps)`` of the plain
+    gradient. The arguments are :func:`adam`'s; ``weight_decay`` is the decoupled decay's.
     """
     return chain(
         scale_by_adam(betas, eps, amsgrad),

@@ -83,11 +83,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+#: The ``1e-6`` of ``torch.nn.utils.clip_grad_norm_``'s rule, which keeps a zero norm finite.
+CLIP_EPS = 1e-6
+
+
 def clip_coefficient(max_norm: float | torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d float64 tensor: the factor
     :func:`clip_by_global_norm` scales updates by when the gradients' global norm is ``norm``
     (``torch.nn.utils.clip_grad_norm_``'s rule, computed in float64)."""
-    return torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0)
+    return torch.clamp(max_norm / (norm.double() + CLIP_EPS), max=1.0)
 
 
 class TraceState(NamedTuple):
@@ -151,7 +155,7 @@ class ScaleByAdamState(NamedTuple):
     nu: Params
     nu_max: Params | None
 
-    #: The fields that are never negative (an int8 store keeps them unsigned).
+    #: The fields that are never negative, averages of squares (see transforms.base).
     non_negative = ("nu", "nu_max")
 
 
