@@ -126,6 +126,12 @@ class StepFunction:
         self.cuda_graph = cuda_graph
         self._scratch: Scratch = {}
 
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """Returns the buffers it keeps from call to call (in place: the flat buffers grads
+        and params not laid out like the state's buckets are packed into), which count in
+        the memory a training run holds between steps."""
+        return [buffer for buffer, _ in self._scratch.values()]
+
     def _run(self, fn: Callable[..., Any], prepared: Prepared, *args: Any) -> Any:
         if self.compile_options is None:
             return fn(*args)

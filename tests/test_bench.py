@@ -11,6 +11,7 @@ import os
 import statistics
 from math import prod
 
+import optree
 import pytest
 import torch
 import torchvision
@@ -323,6 +324,25 @@ def test_fp16fx_contenders_step_as_torch_adam(runner_cls: type[Runner], dtype) -
     assert storage_bytes(runner.persistent_tensors()) >= 7 * sum(prod(s) for s in TINY_SHAPES)
 
 
+def test_the_buffers_an_in_place_step_keeps_count_as_persistent() -> None:
+    """Over separate leaves, the in-place step packs the grads, and the params it writes,
+    into two FP16 buffers it keeps from step to step: 4 B/param the column once left out."""
+    (runner_cls,) = (c for c in runner_classes() if c.name == "fp16fx-compiled-leaves")
+    params, grads = presets.make_param_set(TINY_SHAPES)
+    runner = runner_cls(BenchConfig())
+    runner.setup(params, grads)
+    runner.step()
+    state_and_grads = storage_bytes(optree.tree_leaves((runner.state, runner.grad_tree)))
+    n = sum(prod(s) for s in TINY_SHAPES)
+    assert storage_bytes(runner.persistent_tensors()) == state_and_grads + 2 * 2 * n
+
+
+def test_p90_is_a_measured_time_by_nearest_rank() -> None:
+    assert measure.median_min_p90(range(1, 11)) == (5.5, 1, 9)  # not the slowest of 10
+    assert measure.median_min_p90(range(1, 71))[2] == 63  # 0.9 * 70 is 63.00000000000001
+    assert measure.median_min_p90([3.0]) == (3.0, 3.0, 3.0)
+
+
 # --- CLI -----------------------------------------------------------------------------------
 
 CLI_ARGS = [
@@ -484,3 +504,53 @@ def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch)
     assert rows["torch-fused"].speedup_vs_torch_fused == 1.0 and rows["apex-style"].steps == 4
     report = format_report(result)
     assert result.interleaved and "timed in each interleaved iteration" in report
+
+
+def test_a_contender_that_raises_in_the_interleaved_loop_leaves_it_to_the_others(
+    monkeypatch,
+) -> None:
+    """Every state is alive at once there, so running out of memory is likely: the others'
+    loop goes on, and the contender keeps its first-pass times, with a note."""
+    setup, step = ApexStyleRunner.setup, ApexStyleRunner.step
+    setups = []
+
+    def counted_setup(self, params, grads):
+        setups.append(self)
+        setup(self, params, grads)
+
+    def failing_step(self):  # the interleaved instance fails after its warm-up step
+        self.steps_taken = getattr(self, "steps_taken", 0) + 1
+        if len(setups) == 2 and self.steps_taken > 1:
+            raise MemoryError("simulated")
+        step(self)
+
+    monkeypatch.setattr(ApexStyleRunner, "setup", counted_setup)
+    monkeypatch.setattr(ApexStyleRunner, "step", failing_step)
+    result = _tiny_run(["torch-fused", "apex-style"], steps=6, interleave=True)
+    rows = {r.name: r for r in result.presets[0].results}
+    assert rows["torch-fused"].steps == 6 and not rows["torch-fused"].notes
+    apex = rows["apex-style"]
+    assert apex.status == "ok" and apex.steps == 6 and apex.ms_per_step > 0  # the first pass
+    assert apex.notes == [
+        "raised in the interleaved loop (MemoryError: simulated): its times are the first "
+        "pass's, and its ratios set them against the loop's"
+    ]
+
+
+def test_a_time_budget_that_cuts_the_interleaved_loop_short_says_so() -> None:
+    result = _tiny_run(["torch-fused"], steps=40, interleave=True, time_budget_s=1e-6)
+    (fused,) = (r for r in result.presets[0].results if r.name == "torch-fused")
+    assert fused.steps == 5  # MIN_TIMED_STEPS, of the loop: the first pass's note is gone
+    assert fused.notes == [
+        "5 of 40 interleaved iterations timed (time budget 1e-06 s per contender)"
+    ]
+
+
+def test_a_compiled_contender_measured_again_compiles_again() -> None:
+    """Each round makes a new instance: without a reset between them, Dynamo's recompile
+    limit (8 by default) was reached and the contender quietly ran eagerly."""
+    before = measure.graphs_compiled()
+    with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch's undo deletes it)
+        result = _tiny_run(["torch-compiled"], rounds=2)
+    assert result.presets[0].results[1].status == "ok"
+    assert measure.graphs_compiled() - before >= 2

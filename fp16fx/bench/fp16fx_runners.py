@@ -27,6 +27,7 @@ from torch import Tensor
 
 import fp16fx
 from fp16fx.bench.runner import Runner, register_runner
+from fp16fx.compile import StepFunction
 from fp16fx.precision import correction_dtype
 
 __all__ = [
@@ -65,7 +66,10 @@ class _FunctionalRunner(Runner):
         self.state, self.info = self._step(self.state, self.grad_tree)
 
     def persistent_tensors(self) -> Iterable[Tensor]:
-        return [t for t in optree.tree_leaves((self.state, self.grad_tree)) if t is not None]
+        kept = optree.tree_leaves((self.state, self.grad_tree))
+        if isinstance(self._step, StepFunction):  # an in-place step's packing buffers
+            kept += self._step.kept_buffers()
+        return [t for t in kept if t is not None]
 
     def masters(self) -> list[Tensor]:
         """The FP32 masters (a compensated state's decoded: copies)."""

@@ -130,6 +130,8 @@ def _measure(
     if opts.rounds > 1:
         tag += f" (round {round_ + 1}/{opts.rounds})"
     result = _row(cls, opts)
+    if cls.compiled:  # each instance compiles afresh: never near Dynamo's recompile limit
+        measure.forget_compiled()
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
@@ -169,10 +171,6 @@ def _measure(
 
     _set_times(result, [t * 1e3 for t in times])
     median = result.ms_per_step / 1e3
-    if len(times) < opts.steps:
-        result.notes.append(
-            f"{len(times)} of {opts.steps} steps timed (time budget {opts.time_budget_s:g} s)"
-        )
     if cold_s is not None and warm_s is not None:
         result.cold_compile_s = max(cold_s - median, 0.0)
         result.warm_compile_s = max(warm_s - median, 0.0)
@@ -289,16 +287,33 @@ def _run_preset(
     for cls in runners:
         rows.append(failed[cls.name] if cls.name in failed else _merge_rounds(measured[cls.name]))
     per_round = {name: [r.ms_per_step for r in rounds] for name, rounds in measured.items()}
+    looped: set[str] = set()
     if opts.interleave:
         alive = [cls for cls in runners if cls.name in measured]
-        per_round = interleaved_ms(preset, alive, opts, device, bandwidth.buffer_bytes, progress)
+        loop = interleaved_ms(preset, alive, opts, device, bandwidth.buffer_bytes, progress)
+        per_round, looped = loop.ms, set(loop.ms)
         for row in rows:
-            if row.name in per_round:
-                _set_times(row, per_round[row.name])
+            if row.name in loop.ms:
+                _set_times(row, loop.ms[row.name])
+            elif row.name in loop.failed:
+                row.notes.append(
+                    f"raised in the interleaved loop ({loop.failed[row.name]}): its times are "
+                    "the first pass's, and its ratios set them against the loop's"
+                )
     elif round_roofline_ms:
         per_round[ROOFLINE] = round_roofline_ms
         _set_times(roofline, round_roofline_ms)
     _fill_ratios(rows, per_round, nbytes)
+    for row in rows[1:]:  # a time budget that cut the timing short says so
+        if row.name in looped:
+            of, what = opts.steps, "interleaved iterations"
+        else:
+            of, what = opts.steps * opts.rounds, "steps"
+        if row.status == "ok" and row.steps < of:
+            row.notes.append(
+                f"{row.steps} of {of} {what} timed "
+                f"(time budget {opts.time_budget_s:g} s per contender)"
+            )
     return PresetResult(
         preset.name,
         preset.num_params,

@@ -6,10 +6,14 @@ steps each of them once (odd iterations in reverse order); every iteration also 
 ``dst.copy_(src)`` of the size :func:`~fp16fx.bench.measure.copy_bandwidth` measures, which
 gives that iteration's roofline. A speed-up or a fraction of the roofline is then the median
 of same-iteration ratios: two steps taken moments apart.
+
+A contender that raises here (most likely out of memory: every state is alive at once) leaves
+the loop, and the others go on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -39,6 +43,23 @@ class _CopyProbe:
         return measure.ms_at(roofline_bytes, measure.gbps_of(2 * self.buffer_bytes, copy_ms))
 
 
+@dataclasses.dataclass
+class Interleaved:
+    """What the interleaved loop measured.
+
+    Attributes:
+      ms: each contender's step times (ms) in the loop, and under :data:`ROOFLINE` the
+        roofline's time at each iteration's copy bandwidth.
+      iterations: how many iterations the loop ran (fewer than ``steps`` when the time budget
+        ran out).
+      failed: ``{contender: "Error: message"}`` for each one that raised, left out of ``ms``.
+    """
+
+    ms: dict[str, list[float]]
+    iterations: int
+    failed: dict[str, str]
+
+
 def interleaved_ms(
     preset: Preset,
     runners: Sequence[type[Runner]],
@@ -46,36 +67,52 @@ def interleaved_ms(
     device: torch.device,
     copy_buffer_bytes: int,
     progress: Callable[[str], None],
-) -> dict[str, list[float]]:
-    """Returns each runner's step times (ms), and under :data:`ROOFLINE` the roofline's time
-    at each iteration's copy bandwidth, timed in turn with every state alive at once.
+) -> Interleaved:
+    """Times ``runners`` in turn with every state alive at once (:class:`Interleaved`).
 
-    Stops once ``opts.time_budget_s`` per runner is spent, after at least
-    :data:`~fp16fx.bench.options.MIN_TIMED_STEPS` iterations.
+    Stops once ``opts.time_budget_s`` per contender (the copy counting as one) is spent, after
+    at least :data:`~fp16fx.bench.options.MIN_TIMED_STEPS` iterations.
     """
-    live: list[tuple[str, Callable[[], None]]] = []
+    # No runner is alive now: drop the compiled code of earlier instances, or a compiled
+    # contender made once per round would reach Dynamo's recompile limit and run eagerly.
+    measure.forget_compiled()
+    failed: dict[str, str] = {}
+    live: dict[str, Callable[[], None]] = {}
     for cls in runners:
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
-        params, grads = opts.param_set(preset, device)
-        runner = cls(opts.config)
-        runner.setup(params, grads)
-        for _ in range(max(opts.warmup, 1)):
-            runner.step()
-        live.append((cls.name, runner.step))
+        try:
+            params, grads = opts.param_set(preset, device)
+            runner = cls(opts.config)
+            runner.setup(params, grads)
+            for _ in range(max(opts.warmup, 1)):
+                runner.step()
+        except Exception as exc:  # a broken contender must not sink the others
+            failed[cls.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        live[cls.name] = runner.step
     probe = _CopyProbe(copy_buffer_bytes, device)
     probe.step()
-    live.insert(0, (ROOFLINE, probe.step))
+    live = {ROOFLINE: probe.step, **live}
     measure.synchronize(device)
-    timers = {name: StepTimer(device) for name, _ in live}
-    budget = None if opts.time_budget_s is None else opts.time_budget_s * len(runners)
-    start = time.monotonic()
-    for i in range(opts.steps):
-        for name, step in live if i % 2 == 0 else live[::-1]:
-            timers[name].time(step)
-        if budget is not None and time.monotonic() - start > budget and i + 1 >= MIN_TIMED_STEPS:
+    timers = {name: StepTimer(device) for name in live}
+    budget = None if opts.time_budget_s is None else opts.time_budget_s * len(live)
+    start, iterations = time.monotonic(), 0
+    while iterations < opts.steps:
+        names = list(live) if iterations % 2 == 0 else list(live)[::-1]
+        for name in names:
+            try:
+                timers[name].time(live[name])
+            except Exception as exc:
+                if name == ROOFLINE:
+                    raise
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                del live[name], timers[name]
+        iterations += 1
+        spent = time.monotonic() - start
+        if budget is not None and spent > budget and iterations >= MIN_TIMED_STEPS:
             break
-    progress(f"[{preset.name}] interleaved: {i + 1} steps of each contender")
+    progress(f"[{preset.name}] interleaved: {iterations} steps of each contender")
     ms = {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
     roofline_bytes = measure.roofline_bytes(preset.num_params)
     ms[ROOFLINE] = [probe.roofline_ms(t, roofline_bytes) for t in ms[ROOFLINE]]
-    return ms
+    return Interleaved(ms, iterations, failed)
