@@ -296,12 +296,17 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     as_list = {**good, "state": {**good["state"], "params": list(entries.values())}}
     extra = {**entries, "nope": next(iter(entries.values()))}
     extra_param = {**good, "state": {**good["state"], "params": extra}}
+    # The second Linear's weight's DTensors under the first's: the message says both layouts.
+    first, _, second, _ = entries
+    swapped = {**entries, first: entries[second]}
+    swapped = {**good, "state": {**good["state"], "params": swapped}}
     for name, bad in (
         ("nan_lr", nan_lr),
         ("no_flag", no_flag),
         ("no_trainable", no_trainable),
         ("as_list", as_list),
         ("extra_param", extra_param),
+        ("swapped", swapped),
     ):
         try:
             opt.load_state_dict(bad)
@@ -791,6 +796,8 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "its 'trainable' is []: one list per param group" in r["no_trainable"]
         assert "['params'] is a list, not a dict" in r["as_list"]
         assert "['params'] has ['nope'], which this state does not keep" in r["extra_param"]
+        assert "is (3, 13) placed" in r["swapped"]
+        assert "its param is (13, 8) placed (Shard(dim=0),)" in r["swapped"]
         assert r["refusals_unchanged"]
         assert r["load_keeps_the_grads_scale"]
 

@@ -228,10 +228,14 @@ def _check_like(where: str, value: DTensor, param: Any) -> None:
         and tuple(value.placements) == tuple(param.placements)
         and value.shape == param.shape
     ):
+        laid_out = (
+            f"{tuple(param.shape)} placed {tuple(param.placements)} on {param.device_mesh}"
+            if isinstance(param, DTensor)
+            else f"{tuple(param.shape)}, not a DTensor"
+        )
         raise saved_format.StateDictError(
             f"the state dict does not fit this state: {where} is {tuple(value.shape)} placed "
-            f"{tuple(value.placements)} on {value.device_mesh}; its param is "
-            f"{getattr(param, 'placements', 'not a DTensor')}"
+            f"{tuple(value.placements)} on {value.device_mesh}; its param is {laid_out}"
         )
 
 
