@@ -382,6 +382,17 @@ def test_dynamic_has_overflow_detects_inf_and_nan(grads, expected):
     assert DynamicLossScaler().has_overflow(params) is expected
 
 
+def test_dynamic_has_overflow_takes_an_integer_grad_as_finite():
+    """As apex's FP32 sum did; a norm of it, taken to check all grads at once, raised."""
+    counts = torch.zeros(2, dtype=torch.long)
+    counts.grad = torch.ones(2, dtype=torch.long)
+    weight = nn.Parameter(torch.zeros(2))
+    weight.grad = torch.ones(2)
+    assert DynamicLossScaler().has_overflow([weight, counts]) is False
+    weight.grad = torch.tensor([0.0, math.inf])
+    assert DynamicLossScaler().has_overflow([counts, weight]) is True
+
+
 def test_dynamic_has_overflow_reads_a_sparse_grad_by_its_values():
     """An nn.Embedding(sparse=True) grad once raised NotImplementedError (apex answered)."""
     embedding = nn.Embedding(5, 2, sparse=True)

@@ -85,3 +85,20 @@ def test_the_table_matches_the_docs():
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
     layers = [r for r in rows if r not in ("layer", "---")]
     assert [name.split(" /")[0] for name in layers] == [name for name, _ in LAYERS]
+
+
+#: The table's "may not", where an import shows it: transforms know nothing of FP16, loss
+#: scales or flat buffers; the loss-scale math touches no params (nor their buffers).
+FORBIDDEN = {
+    "transforms": {"fp16fx.flat", "fp16fx.scaling", "fp16fx.dtensors"},
+    "scaling": {"fp16fx.flat", "fp16fx.segments", "fp16fx.dtensors"},
+}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_what_its_layer_may_not_know(path):
+    name = "fp16fx." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    forbidden = FORBIDDEN.get(LAYERS[_layer_of(name)][0], set())
+    imported = _fp16fx_imports(path.read_text(), name)
+    known = sorted(m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden))
+    assert not known, f"{name} imports {known}, which its layer may not know about"

@@ -1,9 +1,9 @@
 """The legacy ``apex.fp16_utils`` loss scalers, host-side as apex had them (layer: fp16_utils).
 
 These are kept so old scripts that build ``DynamicLossScaler`` or ``LossScaler`` by hand keep
-running. They decide on the host: ``DynamicLossScaler.has_overflow`` reads every gradient back
-to the CPU (one sync per param), which is exactly what fp16fx's own compiled step avoids. Use
-them for compatibility, not for speed.
+running. They decide on the host: ``DynamicLossScaler.has_overflow`` reads the gradients' verdict
+back to the CPU (one sync per device, every step), which is exactly what fp16fx's own compiled
+step avoids. Use them for compatibility, not for speed.
 """
 
 from __future__ import annotations
@@ -84,10 +84,16 @@ class DynamicLossScaler(LossScaler):
         """Returns True if any param's ``.grad`` holds an inf or NaN (syncs with the device);
         a sparse grad, by its stored values. (apex summed each grad in FP32, so a finite FP32 grad
         whose sum overflowed counted too.)"""
-        # A sparse grad by its stored values, uncoalesced: adding repeated indices in FP16
-        # could overflow where no value does.
-        grads = [p.grad for p in params if p.grad is not None]
-        return not all_finite(g._values() if g.is_sparse else g for g in grads)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            # A sparse grad by its stored values, uncoalesced: adding repeated indices in
+            # FP16 could overflow where no value does.
+            values = p.grad._values() if p.grad.is_sparse else p.grad
+            if values.is_floating_point() or values.is_complex():  # integers are all finite
+                by_device.setdefault(values.device, []).append(values)
+        return not all(all_finite(grads) for grads in by_device.values())  # a sync per device
 
     def update_scale(self, overflow: bool) -> None:
         """Returns None; advances one iteration by the rule in the class docstring."""
