@@ -291,7 +291,10 @@ def _run_preset(
     if opts.interleave:
         alive = [cls for cls in runners if cls.name in measured]
         loop = interleaved_ms(preset, alive, opts, device, bandwidth.buffer_bytes, progress)
-        per_round, looped = loop.ms, set(loop.ms)
+        # A contender that raised in the loop keeps its first pass's time, for its ratios and
+        # those against it (a baseline, whose column would otherwise go blank in every row).
+        first_pass = {row.name: [row.ms_per_step] for row in rows if row.name in loop.failed}
+        per_round, looped = {**first_pass, **loop.ms}, set(loop.ms)
         for row in rows:
             if row.name in loop.ms:
                 _set_times(row, loop.ms[row.name])

@@ -50,13 +50,10 @@ class Interleaved:
     Attributes:
       ms: each contender's step times (ms) in the loop, and under :data:`ROOFLINE` the
         roofline's time at each iteration's copy bandwidth.
-      iterations: how many iterations the loop ran (fewer than ``steps`` when the time budget
-        ran out).
       failed: ``{contender: "Error: message"}`` for each one that raised, left out of ``ms``.
     """
 
     ms: dict[str, list[float]]
-    iterations: int
     failed: dict[str, str]
 
 
@@ -76,23 +73,19 @@ def interleaved_ms(
     # No runner is alive now: drop the compiled code of earlier instances, or a compiled
     # contender made once per round would reach Dynamo's recompile limit and run eagerly.
     measure.forget_compiled()
+    # The probe first: memory that runs out does so in a contender's setup, which is handled.
+    probe = _CopyProbe(copy_buffer_bytes, device)
+    probe.step()
     failed: dict[str, str] = {}
-    live: dict[str, Callable[[], None]] = {}
+    live: dict[str, Callable[[], None]] = {ROOFLINE: probe.step}
     for cls in runners:
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
         try:
-            params, grads = opts.param_set(preset, device)
-            runner = cls(opts.config)
-            runner.setup(params, grads)
-            for _ in range(max(opts.warmup, 1)):
-                runner.step()
+            live[cls.name] = _set_up(cls, preset, opts, device)
         except Exception as exc:  # a broken contender must not sink the others
             failed[cls.name] = f"{type(exc).__name__}: {exc}"
-            continue
-        live[cls.name] = runner.step
-    probe = _CopyProbe(copy_buffer_bytes, device)
-    probe.step()
-    live = {ROOFLINE: probe.step, **live}
+        if cls.name in failed:  # (out of the except: its traceback held the runner)
+            measure.release_memory(device)
     measure.synchronize(device)
     timers = {name: StepTimer(device) for name in live}
     budget = None if opts.time_budget_s is None else opts.time_budget_s * len(live)
@@ -106,7 +99,9 @@ def interleaved_ms(
                 if name == ROOFLINE:
                     raise
                 failed[name] = f"{type(exc).__name__}: {exc}"
+            if name in failed:  # the step held the runner: its memory goes
                 del live[name], timers[name]
+                measure.release_memory(device)
         iterations += 1
         spent = time.monotonic() - start
         if budget is not None and spent > budget and iterations >= MIN_TIMED_STEPS:
@@ -115,4 +110,17 @@ def interleaved_ms(
     ms = {name: [t * 1e3 for t in timer.seconds()] for name, timer in timers.items()}
     roofline_bytes = measure.roofline_bytes(preset.num_params)
     ms[ROOFLINE] = [probe.roofline_ms(t, roofline_bytes) for t in ms[ROOFLINE]]
-    return Interleaved(ms, iterations, failed)
+    return Interleaved(ms, failed)
+
+
+def _set_up(
+    cls: type[Runner], preset: Preset, opts: BenchOptions, device: torch.device
+) -> Callable[[], None]:
+    """Returns the step of a new ``cls`` runner over fresh params, set up and warmed up (its
+    one reference: the loop drops it to free the runner)."""
+    params, grads = opts.param_set(preset, device)
+    runner = cls(opts.config)
+    runner.setup(params, grads)
+    for _ in range(max(opts.warmup, 1)):
+        runner.step()
+    return runner.step
