@@ -154,6 +154,26 @@ def test_a_clipped_run_resumes_bitwise_after_a_param_missed_its_gradient():
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_load_right_after_an_overflow_restores_the_flag_and_the_pending_overflows(path):
+    """A run resumed then reads ``overflow`` as the saving run did, and its scale backs off
+    at the next overflow as that run's would (its second under hysteresis 2)."""
+    args = {"init_scale": 2.0**10, "hysteresis": 2}
+    model = make_model()
+    opt = wrap(model, path, dynamic_loss_args=args)
+    run(model, opt, range(3), poison={2})
+    sd = opt.state_dict()
+    assert sd["overflow"] is True and sd["loss_scaler"]["overflows"] == 1
+    resumed = make_model(seed=1)
+    resumed_opt = wrap(resumed, path, dynamic_loss_args=args)
+    resumed_opt.load_state_dict(sd)
+    assert resumed_opt.overflow is True
+    assert resumed_opt.state_dict()["loss_scaler"]["overflows"] == 1
+    run(model, opt, [3], poison={3})
+    run(resumed, resumed_opt, [3], poison={3})
+    assert resumed_opt.loss_scale == opt.loss_scale == 2.0**9
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_state_dict_keeps_apexs_keys_with_a_plain_scaler(path):
     model = make_model()
     opt = wrap(model, path)

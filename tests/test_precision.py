@@ -50,6 +50,7 @@ from fp16fx.precision import (
     decode_moment,
     encode_master,
     encode_moment,
+    round_moment,
 )
 from fp16fx.saved_format import StateDictError, canonical, precision_dict
 from fp16fx.segments import named_segments
@@ -366,6 +367,20 @@ def _check_unbiased(p, c, u64):
 def test_stochastic_rounding_is_unbiased_over_the_dither(data, dtype):
     """Averaged over every dither the hash can draw, the decoded master is the master."""
     _check_unbiased(*data.draw(masters_and_updates(dtype)))
+
+
+def test_bf16_moments_round_stochastically_unbiased_over_every_dither():
+    """Averaged over all 2**16 dithers below BF16's last bit, a moment rounds to itself: a
+    dither on half that range would round every moment down (second moments then decay
+    too fast, which no accuracy figure shows in a few steps)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, generator=g) * torch.logspace(-20, 5, 64)
+    dithers = (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16
+    noise = dithers.float().repeat_interleave(x.numel())
+    rounded = round_moment(x.repeat(2**16), "bf16", False, 256, noise)
+    assert torch.equal(rounded, rounded.bfloat16().float())  # BF16 values
+    mean = rounded.view(2**16, -1).double().mean(0)
+    torch.testing.assert_close(mean, x.double(), rtol=1e-12, atol=0)
 
 
 def test_a_value_draws_its_dither_from_its_place_however_the_state_is_cut():
@@ -918,6 +933,11 @@ def _mismatches():
     def other_shapes():
         return saved(params={**tail_params(1), "c": torch.randn(600).half()})
 
+    def other_policy():
+        sd = saved()
+        sd["policy"] = {**sd["policy"], "growth_interval": 7}
+        return sd
+
     def bad_precision():
         sd = saved()
         sd["precision"] = {"master": "fp8", "moments": "int8", "block": 256}
@@ -1021,6 +1041,7 @@ def _mismatches():
             r"\['loss_scale'\]\['scale'\]: the loss scale must be",
         ),
         "a negative count": (changed("count", lambda t: t - 10), r"\['count'\] is -9, a count"),
+        "a count of -1": (changed("count", lambda t: t - 2), r"\['count'\] is -1, a count"),
         "a negative step count of a param": (
             changed("opt[1].count", lambda t: t - 10),
             r"\['w'\]\['opt\[1\].count'\] is -9, a step count below 0",
@@ -1081,6 +1102,10 @@ def _mismatches():
         "another optimizer": (
             lambda: saved(fp16fx.sgd(0.1, momentum=0.9)),
             r"\['hyperparams'\] lacks .*betas.*another optimizer",
+        ),
+        "another loss-scale policy": (
+            other_policy,
+            r"it was saved with loss-scale policy .*'growth_interval': 7.*, this state has",
         ),
         "an unknown precision": (bad_precision, r"\['precision'\] is .*master must be one of"),
         "truncated int8 scales": (

@@ -150,6 +150,33 @@ def test_a_param_written_between_steps_keeps_its_written_value(
         assert bitwise_equal(state.master, masters)
 
 
+@pytest.mark.parametrize("buckets", [False, True])
+def test_the_step_after_a_write_decays_the_master_it_had(buckets):
+    """The written param is adopted after the update is computed, not before
+    (docs/design.md, step 3): AdamW's decoupled decay of that step is the old master's, so
+    the new master is the written value plus the update a run without the write takes."""
+    params = {"w": torch.linspace(-2, 2, 12).half()}
+    grads = {"w": torch.linspace(1, -1, 12).half() * 2**8}
+    masters = {}
+    for write in (False, True):
+        state = fp16fx.init(
+            {"w": params["w"].clone()},
+            fp16fx.adamw(0.1, weight_decay=0.5),
+            fp16fx.StaticLossScale(2.0**8),
+            buckets=buckets,
+        )
+        state, _ = fp16fx.step(state, grads)
+        before = state.master["w"].clone()
+        if write:
+            with torch.no_grad():
+                state.params["w"].mul_(-1)  # written: every value moves far
+        state, _ = fp16fx.step(state, grads)
+        masters[write] = (before, state.master["w"])
+    (old, unwritten), (_, stepped) = masters[False], masters[True]
+    written = -old.half().float()
+    torch.testing.assert_close(stepped, written + (unwritten - old), rtol=0, atol=1e-6)
+
+
 def test_one_in_place_step_function_steps_states_of_two_dtypes_as_their_own_would():
     """Its buffers for params that are not one flat tensor are its own per dtype (keyed by a
     segment's place alone, a BF16 state once got an FP16 one's and lost its updates)."""

@@ -133,8 +133,11 @@ def test_low_precision_params_follow_torch_run_on_their_fp32_masters(dtype):
         assert torch.equal(state.params[k], expected.detach().to(dtype))
 
 
-def test_clip_by_global_norm_matches_torch_clip_grad_norm():
-    grads = [torch.randn(10) * 5, torch.randn(3, 3) * 5]
+@pytest.mark.parametrize("size", [5.0, 0.01], ids=["clipped", "left as they are"])
+def test_clip_by_global_norm_matches_torch_clip_grad_norm(size):
+    """Above ``max_norm`` scaled by torch's rule; below it (a coefficient clamped to 1)
+    untouched, as torch leaves them."""
+    grads = [torch.randn(10) * size, torch.randn(3, 3) * size]
     reference = [g.clone().requires_grad_(False) for g in grads]
     holders = [torch.zeros_like(g, requires_grad=True) for g in grads]
     for h, g in zip(holders, reference):
@@ -147,6 +150,8 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm():
     assert same is state
     for o, h in zip(out, holders):
         torch.testing.assert_close(o, h.grad, rtol=1e-6, atol=0)
+    if size < 1:
+        assert all(torch.equal(o, g) for o, g in zip(out, reference))
 
 
 def test_chain_and_multi_transform_apply_each_group_its_own_hyperparameters():
