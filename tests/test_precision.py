@@ -383,6 +383,29 @@ def test_bf16_moments_round_stochastically_unbiased_over_every_dither():
     torch.testing.assert_close(mean, x.double(), rtol=1e-12, atol=0)
 
 
+def test_a_step_rounds_each_moment_of_a_segment_with_its_own_dither():
+    """Adam's first step from zero moments, BF16: whether ``mu`` and ``nu`` rounded up are
+    all but uncorrelated (measured 0.02 over these 20,000 values; 0.38 when the step gave
+    both moments the first one's dither, and their errors went up and down together)."""
+    g = torch.Generator().manual_seed(11)
+    params = {"w": torch.randn(20000, generator=g).half()}
+    grads = {"w": (torch.randn(20000, generator=g) * 2**8).half()}
+    state = fp16fx.init(
+        params, adam(), fp16fx.StaticLossScale(2.0**8), buckets=True, master="compensated",
+        moments="bf16",
+    )  # fmt: skip
+    state, _ = fp16fx.step(state, grads)
+    moments = state.opt_state[1]
+    (b1, b2), unscaled = moments.hyperparams["betas"].tolist(), grads["w"].float() / 2**8
+    mu, nu = (unscaled * (1 - b1)).double(), (unscaled.square() * (1 - b2)).double()
+    up_mu = moments.mu[0].double().abs() > mu.abs()
+    up_nu = moments.nu[0].double() > nu
+    rounded = (moments.mu[0].double() != mu) & (moments.nu[0].double() != nu)
+    a, b = up_mu[rounded].double(), up_nu[rounded].double()
+    correlation = ((a - a.mean()) * (b - b.mean())).mean() / (a.std() * b.std())
+    assert abs(correlation) < 0.1, correlation
+
+
 def test_a_value_draws_its_dither_from_its_place_however_the_state_is_cut():
     """Compensated masters, BF16 moments: "b" shares a bucket with "a". When "a" has no
     gradient the step cuts "b" into a segment of its own, and "b" still rounds exactly as
