@@ -5,6 +5,7 @@ Speed is never asserted; nothing large is compiled.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import json
@@ -483,9 +484,10 @@ def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch)
 
     monkeypatch.setattr(interleave, "StepTimer", ScriptedTimer)
     result = _tiny_run(["torch-fused", "apex-style"], steps=4, interleave=True)
-    # The last 12 steps are the interleaved ones, the copy probe first, odd iterations reversed.
+    # The last 12 steps are the interleaved ones, the copy probe first, the contenders' order
+    # rotating: each follows the copy as often as the others.
     order = ["copy", "torch-fused", "apex-style"]
-    assert calls[-12:] == [*order, *order[::-1]] * 2
+    assert calls[-12:] == [*order, "copy", "apex-style", "torch-fused"] * 2
     (preset,) = result.presets
     rows = {r.name: r for r in preset.results}
     # Seconds per iteration, by timer: copy 4 2 6 2, torch-fused 2 8 5 2, apex-style 6 3 6 6.
@@ -506,6 +508,16 @@ def test_interleaved_timing_steps_every_contender_in_each_iteration(monkeypatch)
     assert rows["torch-fused"].speedup_vs_torch_fused == 1.0 and rows["apex-style"].steps == 4
     report = format_report(result)
     assert result.interleaved and "timed in each interleaved iteration" in report
+
+
+@pytest.mark.parametrize("contenders", [1, 2, 3, 5])
+def test_the_interleaved_order_gives_each_contender_every_place_equally_often(contenders):
+    names = ["copy", *(f"c{k}" for k in range(contenders))]
+    orders = [interleave._order(names, i) for i in range(2 * contenders)]
+    assert all(order[0] == "copy" and sorted(order) == sorted(names) for order in orders)
+    for place in range(1, contenders + 1):  # the place right after the copy included
+        taken = collections.Counter(order[place] for order in orders)
+        assert taken == {name: 2 for name in names[1:]}
 
 
 def test_a_contender_that_raises_in_the_interleaved_loop_leaves_it_to_the_others(
