@@ -185,7 +185,7 @@ def median_min_p90(times: Sequence[float]) -> tuple[float, float, float]:
     return (
         statistics.median(ordered),
         ordered[0],
-        ordered[-(-9 * len(ordered) // 10) - 1],  # ceil(0.9 n) in integers: 0.9 * 70 > 63
+        ordered[-(-9 * len(ordered) // 10) - 1],  # the ceil(0.9 n)-th, in integers
     )
 
 
