@@ -130,13 +130,13 @@ def _measure(
     if opts.rounds > 1:
         tag += f" (round {round_ + 1}/{opts.rounds})"
     result = _row(cls, opts)
-    if cls.compiled:  # each instance compiles afresh: never near Dynamo's recompile limit
-        measure.forget_compiled()
+    time_compiles = cls.compiled and opts.compile_times and round_ == 0
+    if cls.compiled and not time_compiles:  # (a fresh compile cache forgets them itself)
+        measure.forget_compiled()  # each instance compiles afresh: never near Dynamo's limit
     probe = measure.MemoryProbe(device)
     measure.release_memory(device)
     level_before = probe.current()
     params, grads = opts.param_set(preset, device)
-    time_compiles = cls.compiled and opts.compile_times and round_ == 0
     with measure.compile_cache(fresh=time_compiles):
         runner = cls(opts.config)
         cold_s = warm_s = None

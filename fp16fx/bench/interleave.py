@@ -82,10 +82,10 @@ def interleaved_ms(
         progress(f"[{preset.name}] {cls.name}: set up for interleaved timing")
         try:
             live[cls.name] = _set_up(cls, preset, opts, device)
+            continue
         except Exception as exc:  # a broken contender must not sink the others
             failed[cls.name] = f"{type(exc).__name__}: {exc}"
-        if cls.name in failed:  # (out of the except: its traceback held the runner)
-            measure.release_memory(device)
+        measure.release_memory(device)  # out of the except: its traceback held the runner
     measure.synchronize(device)
     timers = {name: StepTimer(device) for name in live}
     budget = None if opts.time_budget_s is None else opts.time_budget_s * len(live)
@@ -94,13 +94,13 @@ def interleaved_ms(
         for name in _order(list(live), iterations):
             try:
                 timers[name].time(live[name])
+                continue
             except Exception as exc:
                 if name == ROOFLINE:
                     raise
                 failed[name] = f"{type(exc).__name__}: {exc}"
-            if name in failed:  # the step held the runner: its memory goes
-                del live[name], timers[name]
-                measure.release_memory(device)
+            del live[name], timers[name]  # the step held the runner: its memory goes
+            measure.release_memory(device)
         iterations += 1
         spent = time.monotonic() - start
         if budget is not None and spent > budget and iterations >= MIN_TIMED_STEPS:
