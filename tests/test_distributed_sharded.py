@@ -386,6 +386,36 @@ def refused_names_and_dtensors(rank: int, world: int) -> dict[str, list[str]]:
     return found
 
 
+#: fdist.init arguments rank 1 alone sets otherwise, each valid, and how the ranks name it.
+APART = {
+    "hyperparameter": ({"optimizer": fp16fx.adam(1e-2)}, "opt[2]['lr'] 0.01, its first rank 0.001"),
+    "moments": ({"moments": "int8"}, "has moments 'int8', its first rank 'fp32'"),
+    "master": ({"master": "compensated"}, "has master 'compensated', its first rank 'fp32'"),
+    "optimizer": ({"optimizer": fp16fx.sgd(1e-3)}, "has the optimizer's state"),
+    "policy": ({"loss_scale": fp16fx.DynamicLossScale(init_scale=2.0**10)}, "loss-scale policy"),
+}
+
+
+def settings_apart(rank: int) -> dict[tuple[str, bool], tuple[str, bool]]:
+    """fdist.init, sharded and not, where rank 1 alone builds its state otherwise (ranks once
+    stepped by their own settings, or padded their buffers apart): each error, and whether
+    the params stayed where and as they were."""
+    found = {}
+    for shard in (True, False):
+        for case, (options, _) in APART.items():
+            mine = {"optimizer": fp16fx.adam(1e-3), **(options if rank == 1 else {})}
+            params = {"w": torch.full((4,), float(rank + 1), dtype=torch.float16)}
+            before, storage = params["w"].clone(), params["w"].data_ptr()
+            try:
+                fdist.init(params, mine.pop("optimizer"), shard=shard, **mine)
+                error = "accepted"
+            except ValueError as err:
+                error = str(err)
+            kept = torch.equal(params["w"], before) and params["w"].data_ptr() == storage
+            found[case, shard] = (error, kept)
+    return found
+
+
 def all_dicts(state: Any) -> list[dict[str, Any]]:
     """Every rank's ``fdist.state_dict`` of ``state`` (a collective), copied."""
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -416,6 +446,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["scalar"] = scalar_params(rank, world)
     found["refused_init"] = refused_init(rank, world)
     found["refused_names_and_dtensors"] = refused_names_and_dtensors(rank, world)
+    found["settings_apart"] = settings_apart(rank)
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -610,12 +641,19 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
         # values into another shape): DDP refuses such models too.
         assert shapes == (
             "rank 1 of the group has params['w'] as float16[3], its first rank as float16[4]: "
-            "every rank must build its state from the same model",
+            "every rank must build its state from the same model, optimizer and arguments",
             True,
         )
     (rank_0, _), (rank_1, _) = (found["refused_init"][-1] for found in runs[2])
     assert "same tensor" in rank_1, rank_1
     assert rank_0 == f"rank 1 of the group refused its arguments: {rank_1}"
+
+
+def test_fdist_init_refuses_ranks_that_build_their_states_otherwise(runs):
+    rank_0, rank_1 = (found["settings_apart"] for found in runs[2])
+    for (case, shard), (error, kept) in rank_0.items():
+        assert error.startswith("rank 1 of the group has") and APART[case][1] in error, error
+        assert rank_1[case, shard] == (error, True) and kept
 
 
 def test_fdist_init_refuses_a_name_on_one_rank_and_dtensors_on_every_rank(runs):

@@ -228,34 +228,62 @@ ALONE = {
     "meta param": ({}, "is on the meta device"),
     "lr": ({}, "'lr' must be >= 0"),
     "saved state": ({}, "the saved 'exp_avg' of a param of shape (3,) is (7,)"),
+    "step counts": ({}, "keeps one step count per param group and dtype"),
 }
+
+#: What rank 1 alone sets otherwise, each valid: every rank names the difference (ranks once
+#: stepped their slices by their own settings, or rank 1 alone took over its state).
+APART = {
+    "moments": (
+        {"moments": "bf16"},
+        "rank 1 of the group has moments 'bf16', its first rank 'fp32'",
+    ),
+    "loss scale": ({"static_loss_scale": 8.0}, "rank 1 of the group has the loss-scale policy"),
+    "hyperparameter": ({}, "['lr'] 0.5, its first rank 0.001"),
+    "held state": ({}, "rank 1 of the group has the state its optimizer holds for"),
+}
+
+
+def _held(param: torch.Tensor, steps: float) -> dict[str, torch.Tensor]:
+    """An Adam's state for ``param`` after ``steps`` steps (zero moments)."""
+    moments = {
+        name: torch.zeros_like(param, dtype=torch.float32) for name in ("exp_avg", "exp_avg_sq")
+    }
+    return {"step": torch.tensor(steps), **moments}
 
 
 def refused_on_one_rank(rank: int) -> dict[str, Any]:
     """Sharded optimizers that rank 1 alone refuses, by the facade's checks of its arguments
-    and params, the fast path's of a group's numbers and of the state its optimizer holds:
-    each rank's error (the others once waited for rank 1 until the timeout, or a refused
-    state was found after the broadcast), and whether every rank's params stayed where and
-    as they were (each rank's own values, so that a broadcast would show)."""
+    and params, the fast path's of a group's numbers and of the state its optimizer holds
+    (``ALONE``), or that rank 1 builds otherwise (``APART``): each rank's error (the others
+    once waited for rank 1 until the timeout, or a refused state was found after the
+    broadcast), and whether every rank's params stayed where and as they were (each rank's
+    own values, so that a broadcast would show)."""
     model = Net()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(rank)
     before = [(p.data_ptr(), p.clone()) for p in model.parameters()]
     errors = {}
-    for case, (options, _) in ALONE.items():
-        inner = torch.optim.Adam(model.parameters())
+    for case, (options, _) in {**ALONE, **APART}.items():
+        inner = torch.optim.Adam(model.parameters(), lr=1e-3)
         mine: dict[str, Any] = {"shard": True, "verbose": False, "compiled": False}
+        first, second = inner.param_groups[0]["params"][:2]
         if rank == 1:
             mine.update(options)
             if case == "meta param":
                 inner.param_groups[0]["params"][0] = nn.Parameter(torch.ones(5, 8, device="meta"))
             if case == "lr":
                 inner.param_groups[0]["lr"] = -1.0
+            if case == "hyperparameter":
+                inner.param_groups[0]["lr"] = 0.5
             if case == "saved state":
-                first = inner.param_groups[0]["params"][0]
                 moments = {"exp_avg": torch.zeros(7), "exp_avg_sq": torch.zeros(7)}
                 inner.state[first] = {"step": torch.tensor(1.0), **moments}
+            if case == "step counts":  # one flat bucket, two counts: its slices keep one
+                inner.state[first], inner.state[second] = _held(first, 2.0), _held(second, 1.0)
+            if case == "held state":
+                inner.state[first] = _held(first, 1.0)
         try:
             FP16_Optimizer(inner, **mine)
             errors[case] = "accepted"
@@ -394,6 +422,9 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
         assert refusal in rank_1["errors"][case], (case, rank_1["errors"][case])
         refused = f"rank 1 of the group refused its arguments: {rank_1['errors'][case]}"
         assert rank_0["errors"][case] == refused, (case, rank_0["errors"][case])
+    for case, (_, difference) in APART.items():
+        assert difference in rank_0["errors"][case], (case, rank_0["errors"][case])
+        assert rank_1["errors"][case] == rank_0["errors"][case]
     assert "optimizer.state" in found["state"]
     assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
     other = "rank 1 of the group has param_groups[1]['params'][0] as float16[6], its first"

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fp16fx import dtensors, flat, tree
+from fp16fx import checkpoint, dtensors, flat, tree
 from fp16fx.compile import StepFunction
 from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
@@ -205,6 +205,7 @@ def init_sharded(
     master: str = "fp32",
     moments: str = "fp32",
     names: Sequence[str] | None = None,
+    agreed: Sequence[tuple[str, Any]] = (),
 ) -> ShardedState:
     """Returns this rank's :class:`ShardedState` for ``params`` (the same on every rank).
 
@@ -213,7 +214,9 @@ def init_sharded(
     does), so every rank starts from the same values. ``master`` and ``moments`` are the
     shard's storage, as for :func:`fp16fx.init`; with int8 moments each buffer is padded to a
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
-    bucket's. ``names``: each leaf's name in errors (default: its path in ``params``).
+    bucket's. ``names``: each leaf's name in errors (default: its path in ``params``);
+    ``agreed``: more ``(name, value)`` pairs every rank must hold alike
+    (:func:`check_on_every_rank`).
     """
     args = check_on_every_rank(
         params,
@@ -224,6 +227,7 @@ def init_sharded(
         moments=moments,
         buckets=True,
         names=names,
+        agreed=agreed,
     )
     leaves, treedef, labels, precision = args.leaves, args.treedef, args.labels, args.precision
     trained = [i for i, p in enumerate(leaves) if p is not None]
@@ -268,19 +272,54 @@ def check_on_every_rank(
     moments: str,
     buckets: bool,
     names: Sequence[str] | None = None,
+    agreed: Sequence[tuple[str, Any]] = (),
 ) -> Arguments:
     """Returns ``fp16fx.init``'s checks of its arguments (:func:`checked_arguments`), run on
     every rank of ``group`` before the params are broadcast (or moved): where any rank
-    refuses, or holds other params, every rank raises, nothing changed (a rank left alone
-    would wait in the broadcast). A collective. ``names``: each leaf's name in errors
-    (default: its path in ``params``)."""
+    refuses, holds other params, or builds another state of them (other ``master`` or
+    ``moments``, loss-scale policy, optimizer or hyperparameters: :func:`_settings`; or any
+    of the ``(name, value)`` pairs ``agreed``), every rank raises, nothing changed (a rank
+    left alone would wait in the broadcast; ranks stepping by other rules would drift apart
+    silently). A collective. ``names``: each leaf's name in errors (default: its path in
+    ``params``)."""
     with refusing_together(group):  # a label function's KeyError too: the others must not wait
         _refuse_dtensors(params)
         args = checked_arguments(
             params, optimizer, loss_scale, buckets=buckets, master=master, moments=moments
         )
-    _check_alike(params, group, None, names)
+        settings = [*_settings(args, optimizer), *agreed]
+    _check_alike(params, group, None, names, settings)
     return args
+
+
+def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[str, Any]]:
+    """Returns what a state built from checked ``args`` keeps besides the params, as named
+    Python values every rank can compare: the precision, the loss-scale policy, and the
+    optimizer's structure and hyperparameters -- read from the state it builds over one
+    value per trained param, so a transform's settings need no description of their own."""
+    trained = [i for i, leaf in enumerate(args.leaves) if leaf is not None]
+    if args.labels is not None:  # the labels the real params get, not the stand-ins'
+        given = tuple(args.labels[i] for i in trained)
+        optimizer = optimizer._replace(
+            param_labels=dataclasses.replace(optimizer.param_labels, given=given)
+        )
+    stand_ins = [args.leaves[i].new_zeros(1) for i in trained]
+    probe = init(
+        stand_ins,
+        optimizer,
+        args.policy,
+        buckets=True,
+        master=args.precision.master,
+        moments=args.precision.moments,
+    )
+    hyperparams = checkpoint.hyperparam_tensors(probe.opt_state)
+    return [
+        ("master", args.precision.master),
+        ("moments", args.precision.moments),
+        ("the loss-scale policy", checkpoint.policy_dict(args.policy)),
+        ("the optimizer's state", str(optree.tree_structure(probe.opt_state, none_is_leaf=True))),
+        *((f"the hyperparameter {key}", t.tolist()) for key, t in hyperparams.items()),
+    ]
 
 
 @contextlib.contextmanager
@@ -313,38 +352,45 @@ def _refuse_dtensors(params: Any) -> None:
 
 
 def _check_alike(
-    params: Any, group: Any, refusal: Exception | None, names: Sequence[str] | None = None
+    params: Any,
+    group: Any,
+    refusal: Exception | None,
+    names: Sequence[str] | None = None,
+    settings: Sequence[tuple[str, Any]] = (),
 ) -> None:
     """Raises ValueError on every rank where another rank refused its arguments
     (``refusal``: this rank's; the caller raises it, and ``params`` goes unread), or unless
     every rank's params have the group's first rank's structure, dtypes and shapes (as DDP
-    checks): the broadcast would pour its values into other shapes, or fail inside the
-    backend. A collective, before anything changes."""
+    checks: the broadcast would pour its values into other shapes, or fail inside the
+    backend) and its ``settings``, named values. A collective, before anything changes."""
     if refusal is None:
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-        mine: tuple[Any, ...] = (str(treedef), [_kind(leaf) for leaf in leaves], None)
+        mine: tuple[Any, ...] = (str(treedef), [_kind(leaf) for leaf in leaves], settings, None)
     else:
-        mine = (None, None, str(refusal))
+        mine = (None, None, None, str(refusal))
     ranks: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranks, mine, group=group)
-    refused = next(((rank, r[2]) for rank, r in enumerate(ranks) if r[2] is not None), None)
+    refused = next(((rank, r[3]) for rank, r in enumerate(ranks) if r[3] is not None), None)
     if refused is not None:
         if refusal is not None:
             return  # the caller raises its own
         raise ValueError(f"rank {refused[0]} of the group refused its arguments: {refused[1]}")
-    first = ranks[0][:2]
-    for rank, theirs in enumerate(r[:2] for r in ranks):
+    first = ranks[0][:3]
+    for rank, theirs in enumerate(r[:3] for r in ranks):
         if theirs == first:
             continue
         if theirs[0] != first[0]:
             what = f"params of the structure {theirs[0]}, its first rank {first[0]}"
-        else:
+        elif theirs[1] != first[1]:
             i = next(i for i, (a, b) in enumerate(zip(first[1], theirs[1])) if a != b)
             name = (tree.leaf_names(params) if names is None else names)[i]
             what = f"{name} as {theirs[1][i]}, its first rank as {first[1][i]}"
+        else:
+            (name, value), (_, its) = next(p for p in zip(theirs[2], first[2]) if p[0] != p[1])
+            what = f"{name} {value!r}, its first rank {its!r}"
         raise ValueError(
             f"rank {rank} of the group has {what}: every rank must build its state from the "
-            "same model"
+            "same model, optimizer and arguments"
         )
 
 
