@@ -216,6 +216,21 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         torch.equal(a, b) if torch.is_tensor(a) else a == b
         for a, b in zip(everything(), stepped, strict=True)
     )
+    # A sparse grad needs the generic path, which cannot take a sharded state: it once
+    # logged a switch to it, then raised that optimizer.state is not available.
+    opt.zero_grad()
+    opt.backward(F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 3)))
+    held = everything()
+    model.gain.grad = model.gain.grad.to_sparse()
+    try:
+        opt.step()
+    except ValueError as err:
+        found["sparse"] = str(err)
+    model.gain.grad = model.gain.grad.to_dense()
+    found["sparse_unchanged"] = opt.path == "fast" and all(
+        torch.equal(a, b) if torch.is_tensor(a) else a == b
+        for a, b in zip(everything(), held, strict=True)
+    )
     return found
 
 
@@ -431,6 +446,8 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     for refused in (r["refusals"]["other_model"] for r in runs[2]):  # it said params[1]
         assert refused.startswith(other), refused
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]
+    sparse = "this needs the generic path, which a sharded FP16_Optimizer cannot take"
+    assert sparse in found["sparse"] and found["sparse_unchanged"], found["sparse"]
 
 
 def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(runs):
@@ -447,6 +464,23 @@ def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(run
             assert torch.equal(ours, resumed)
     for ours, theirs in zip(first["run"], unsharded, strict=True):
         assert_nearly_bitwise(ours, theirs)
+
+
+def test_consolidation_takes_the_ranks_in_any_order_and_or_s_their_overflow(runs):
+    """The flags and param groups were rank 0's only if its dict came first: a rank reads
+    ``overflow`` from its own grads until a step agrees on them (the step then skips if any
+    rank's held inf/NaN); dicts whose param groups differ are refused."""
+    shards = [torch.load(runs["dir"] / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert not any(d["overflow"] for d in shards)
+    shards[1] = {**shards[1], "overflow": True}
+    forward, backward = consolidate_state_dict(shards), consolidate_state_dict(shards[::-1])
+    assert forward["overflow"] and backward["overflow"]
+    assert optree.tree_structure(forward) == optree.tree_structure(backward)
+    for a, b in zip(optree.tree_leaves(forward), optree.tree_leaves(backward), strict=True):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+    groups = [{**g, "lr": 2 * g["lr"]} for g in shards[1]["param_groups"]]
+    with pytest.raises(ValueError, match="rank 1's dict has another 'param_groups' than rank 0's"):
+        consolidate_state_dict([shards[0], {**shards[1], "param_groups": groups}][::-1])
 
 
 def test_a_compact_sharded_checkpoint_consolidates_into_an_unsharded_compact_optimizer(runs):

@@ -172,9 +172,12 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
 
     It loads into any ``FP16_Optimizer`` over the same params and optimizer: unsharded, or
     sharded at any world size. Tensors are views of one joined tensor per bucket and key.
+    ``overflow`` is whether any rank's saw inf/NaN: each rank reads its own grads until a
+    step agrees on them, and the step skips where any rank's hold one.
 
     Raises:
-      ValueError: the dicts are not one complete sharded ``FP16_Optimizer`` checkpoint.
+      ValueError: the dicts are not one complete sharded ``FP16_Optimizer`` checkpoint (or
+        their param groups, trained params or loss scalers differ).
     """
     if not (
         isinstance(shards, Sequence)
@@ -186,7 +189,15 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
             f"FP16_Optimizer's state_dict()), got {type(shards).__name__}"
         )
     full = fdist.consolidate([d["shard"] for d in shards])
-    first = shards[0]
+    ranked = sorted(shards, key=lambda d: d["shard"]["rank"])
+    first = ranked[0]
+    for d in ranked[1:]:
+        for key in ("param_groups", "trainable", "loss_scaler", "dynamic_loss_scale"):
+            if d[key] != first[key]:
+                raise ValueError(
+                    f"rank {d['shard']['rank']}'s dict has another {key!r} than rank 0's: the "
+                    "dicts were saved at different steps, or by different runs"
+                )
     groups, trainable = first["param_groups"], first["trainable"]
     precision = saved_format.precision_of(full)
     leaves = [
@@ -205,6 +216,7 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
     steps = {"applied_steps": full["count"]} if precision != Precision() else {}
     return {
         **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
+        "overflow": any(d["overflow"] for d in ranked),
         "optimizer_state_dict": {"state": state, "param_groups": groups},
         "fp32_from_fp16": masters,
         **steps,

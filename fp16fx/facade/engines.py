@@ -178,9 +178,15 @@ def handover(
     cannot run), the optimizer state moved over with ``keep_state`` (without, the caller is
     about to load one). The masters' grads are not made yet.
 
-    Raises ValueError, before anything changed, if ``fast`` keeps compact precision (the
+    Raises ValueError, before anything changed, if ``fast`` is sharded (or an FSDP2
+    model's: the generic path keeps no sharded state) or keeps compact precision (the
     generic path steps FP32 masters).
     """
+    if fast.sharded is not None or fast.fsdp:
+        raise ValueError(
+            f"{reason}: this needs the generic path, which {fast.whose} cannot take (it keeps "
+            "whole FP32 masters and torch.optim's state on every rank)"
+        )
     if fast.compact:
         precision = fast.state.precision
         raise ValueError(
