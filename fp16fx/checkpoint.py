@@ -200,9 +200,7 @@ def state_dict_copy(state: MixedPrecisionState) -> dict[str, Any]:
     )
 
 
-def _in_dtype_of(
-    path: str, entry: dict[str, Any], like: Mapping[str, Any] | None
-) -> dict[str, Any]:
+def in_dtype_of(path: str, entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
     """Returns a saved leaf's FP32-terms ``entry`` (at ``path``) for a param of ``like``'s
     dtype, where the model's dtype has changed since (FP16, BF16, FP32): its master -- the
     saved one, or an FP32 param, its own -- stays, and the param is that master rounded to
@@ -281,7 +279,7 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         **sd,
         "precision": template["precision"],
         "params": {
-            path: _in_dtype_of(path, entry, mine["params"].get(path))
+            path: in_dtype_of(path, entry, mine["params"].get(path))
             for path, entry in their_params.items()
         },
     }

@@ -256,6 +256,37 @@ def load_converted(rank: int, world: int, out: Path) -> None:
         torch.save(whole, out / f"whole_params_{name}_{world}_{rank}.pt")
 
 
+def dtype_changed() -> dict[str, bool]:
+    """A checkpoint saved over params of other dtypes ("a" FP32 then, FP16 now; "b" FP16
+    then, BF16 now) loads into a sharded state as into an unsharded one (it was refused: a
+    saved FP32 param has no master): per precision, whether the consolidated dict equals the
+    unsharded state's after the same load, bitwise."""
+
+    def params(dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        return {k: v.to(dtypes.get(k, v.dtype)) for k, v in compact_params().items()}
+
+    before, after = {"a": torch.float32}, {"a": torch.float16, "b": torch.bfloat16}
+    source = fp16fx.init(params(before), fp16fx.adam(1e-2), buckets=True)
+    for step in range(2):
+        grads = {
+            k: g.to(p.dtype)
+            for (k, g), p in zip(
+                compact_grads(step, source.loss_scale.scale).items(), source.params.values()
+            )
+        }
+        source, _ = fp16fx.step(source, grads)
+    saved = fp16fx.state_dict(source)
+    found = {}
+    for name, precision in (("fp32", {}), ("compact", COMPACT)):
+        sharded = fdist.init(params(after), fp16fx.adam(1e-2), shard=True, **precision)
+        fdist.load_state_dict(sharded, saved)
+        unsharded = fp16fx.init(params(after), fp16fx.adam(1e-2), buckets=True, **precision)
+        unsharded = fp16fx.load_state_dict(unsharded, saved)
+        ours = fdist.consolidate(all_dicts(sharded))["params"]
+        found[name] = same_tensors(ours, fp16fx.state_dict(unsharded)["params"])
+    return found
+
+
 def refused_load() -> dict[str, Any]:
     """Loads an FP32 checkpoint whose second moment went negative, and a compact one (as the
     state stores it) whose block scales are zero, into a sharded compact state: the errors'
@@ -447,6 +478,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["refused_init"] = refused_init(rank, world)
     found["refused_names_and_dtensors"] = refused_names_and_dtensors(rank, world)
     found["settings_apart"] = settings_apart(rank)
+    found["dtype_changed"] = dtype_changed()
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -647,6 +679,11 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
     (rank_0, _), (rank_1, _) = (found["refused_init"][-1] for found in runs[2])
     assert "same tensor" in rank_1, rank_1
     assert rank_0 == f"rank 1 of the group refused its arguments: {rank_1}"
+
+
+def test_a_checkpoint_over_params_of_other_dtypes_loads_as_unsharded(runs):
+    for found in runs[2]:
+        assert found["dtype_changed"] == {"fp32": True, "compact": True}
 
 
 def test_fdist_init_refuses_ranks_that_build_their_states_otherwise(runs):

@@ -224,7 +224,8 @@ def load_state_dict(
     sharded run's, or an unsharded one's whose blocks did not restart inside a bucket) loads
     bitwise. Any other -- saved in another precision, or with blocks restarting where params
     missed gradients -- is decoded to FP32 and encoded into the state's precision, rounded to
-    nearest, as ``fp16fx.load_state_dict`` does.
+    nearest, as ``fp16fx.load_state_dict`` does; so is one saved over params of another
+    float dtype (each FP32 master kept, the param that master rounded).
 
     Raises:
       ValueError (StateDictError): the checkpoint does not fit -- another optimizer, policy or
@@ -243,15 +244,20 @@ def load_state_dict(
     saved, precision = saved_format.precision_of(sd), state.shard.precision
     signs = checkpoint.moment_signs(state.shard.opt_state)
     non_negative = checkpoint.non_negative_keys(signs)
-    if saved == precision:
+    if not isinstance(sd.get("params"), Mapping):
+        raise saved_format.StateDictError("the state dict has no ['params'] dict")
+    in_fp32_terms = template(state, canonical=True)
+    as_stored = saved == precision and not _dtypes_changed(in_fp32_terms["params"], sd["params"])
+    if as_stored:
         saved_format.check_fits(template(state), sd, non_negative)
         entries = sd["params"]
     else:
-        if not isinstance(sd.get("params"), Mapping):
-            raise saved_format.StateDictError("the state dict has no ['params'] dict")
-        entries = saved_format.canonical_params(sd["params"], saved.block)
+        entries = {
+            path: checkpoint.in_dtype_of(path, entry, in_fp32_terms["params"].get(path))
+            for path, entry in saved_format.canonical_params(sd["params"], saved.block).items()
+        }
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}
-        saved_format.check_fits(template(state, canonical=True), converted, non_negative)
+        saved_format.check_fits(in_fp32_terms, converted, non_negative)
     saved_format.check_codes(sd["params"], signs)
     if precision.compensated:
         saved_format.check_compensable(entries)
@@ -265,13 +271,25 @@ def load_state_dict(
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
     with torch.no_grad():
-        if saved == precision and _blocks_start_alike(state, per_bucket):
+        if as_stored and _blocks_start_alike(state, per_bucket):
             _copy_as_stored(state, per_bucket)
         else:
             block = saved.block
             canonical = [[saved_format.canonical(e, block) for e in es] for es in per_bucket]
             _store_converted(state, canonical, saved.compensated)
         checkpoint.load_shared(state.shard, sd)
+
+
+def _dtypes_changed(mine: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
+    """Whether a saved leaf's param has another dtype than the state's param there (the
+    model's dtype changed since: FP16, BF16, FP32)."""
+    return any(
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("param"), torch.Tensor)
+        and path in mine
+        and entry["param"].dtype != mine[path]["param"].dtype
+        for path, entry in saved.items()
+    )
 
 
 def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> bool:
