@@ -279,6 +279,19 @@ def test_sparse_gradients_take_the_generic_path_and_train():
     assert moved.tolist() == [i in (1, 4) for i in range(10)]
 
 
+def test_overflow_and_state_dict_read_a_sparse_gradient_before_the_step_hands_it_over():
+    """apex scripts read ``overflow`` after backward: with a sparse grad still on the fast
+    path, it (and state_dict, which saves it) raised TypeError from the flat buffers."""
+    emb = nn.Embedding(10, 3, sparse=True).half()
+    opt = FP16_Optimizer(torch.optim.SGD(emb.parameters(), lr=0.5), verbose=False)
+    opt.backward(emb(torch.tensor([1, 4])).float().sum())
+    assert opt.path == "fast" and opt.overflow is False
+    assert opt.state_dict()["overflow"] is False
+    opt.zero_grad()
+    opt.backward(emb(torch.tensor([1])).float().sum() * float("inf"))
+    assert opt.overflow is True
+
+
 # -- 5. finite but huge gradients --------------------------------------------------------------
 
 

@@ -721,7 +721,10 @@ class FastEngine:
         sharded, the mean grads once they were reduce-scattered)."""
         if self._scattered is not None:  # reduce-scattered by a clip: its agreed check
             return bool(self.agreed().finite)
-        self.flat.collect_grads()
+        try:
+            self.flat.collect_grads()
+        except TypeError:  # a sparse grad, which no flat buffer holds (a step hands it over)
+            return all_finite(p.grad for p in self.flat.params if p.grad is not None)
         return all_finite(self.flat.grad_buffers)
 
     def forget_check(self) -> None:
