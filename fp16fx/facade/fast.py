@@ -116,7 +116,8 @@ class FastEngine:
                     )
                 torch_state.check(specs[label], p, held or {})
             if shard is not NOT_SHARDED:
-                _check_one_count_per_bucket(optimizer, specs, self.labels, params, names)
+                held = optimizer.state
+                torch_state.check_one_count_per_bucket(specs, self.labels, params, held, names)
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
@@ -143,7 +144,10 @@ class FastEngine:
                 moments=precision.moments,
                 names=[names[id(p)] for p in params],
                 agreed=[
-                    (f"the state its optimizer holds for {names[id(p)]}", _summary(optimizer, p))
+                    (
+                        f"the state its optimizer holds for {names[id(p)]}",
+                        torch_state.summary(optimizer.state.get(p)),
+                    )
                     for p in params
                 ],
             )
@@ -771,42 +775,6 @@ class FastEngine:
         self.flat.zero_grads(set_to_none)
         self._checked.forget()
         self._scattered = self._agreed = None
-
-
-def _check_one_count_per_bucket(
-    optimizer: torch.optim.Optimizer,
-    specs: Sequence[GroupSpec],
-    labels: Sequence[int],
-    params: Sequence[torch.Tensor],
-    names: Mapping[int, str],
-) -> None:
-    """Raises ValueError where two params of one sharded flat bucket (one param group and
-    dtype) hold different step counts in the optimizer given (no state: none taken): each
-    rank's slice of a bucket keeps one."""
-    first: dict[tuple[int, torch.dtype], tuple[float, torch.Tensor]] = {}
-    for label, p in zip(labels, params):
-        if specs[label].optimizer == "sgd":  # torch's SGD counts no steps
-            continue
-        held = optimizer.state.get(p) or {}
-        steps = float(held["step"]) if "step" in held else 0.0
-        other_steps, other = first.setdefault((label, p.dtype), (steps, p))
-        if steps != other_steps:
-            raise ValueError(
-                f"{names[id(p)]} has taken {steps:g} steps in the optimizer given, "
-                f"{names[id(other)]} {other_steps:g}: a sharded FP16_Optimizer keeps one step "
-                f"count per param group and dtype (param_groups[{label}], {p.dtype})"
-            )
-
-
-def _summary(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Any:
-    """Returns what the optimizer given holds for ``param`` as a value ranks can compare: its
-    state's keys and step count (None: no state)."""
-    held = optimizer.state.get(param)
-    if not held:
-        return None
-    return {
-        key: float(value) if key == "step" else type(value).__name__ for key, value in held.items()
-    }
 
 
 def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -153,6 +153,42 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
             raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
 
 
+def check_one_count_per_bucket(
+    specs: Sequence[GroupSpec],
+    labels: Sequence[int],
+    params: Sequence[torch.Tensor],
+    held: Mapping[torch.Tensor, Mapping[str, Any]],
+    names: Mapping[int, str],
+) -> None:
+    """Raises ValueError where two params of one sharded flat bucket (one param group and
+    dtype: ``labels[i]`` is param ``i``'s group) hold different step counts in ``held``
+    (torch.optim's state; none held: no step taken): each rank's slice of a bucket keeps
+    one."""
+    first: dict[tuple[int, torch.dtype], tuple[float, torch.Tensor]] = {}
+    for label, p in zip(labels, params):
+        if specs[label].optimizer == "sgd":  # torch's SGD counts no steps
+            continue
+        state = held.get(p) or {}
+        steps = float(state["step"]) if "step" in state else 0.0
+        other_steps, other = first.setdefault((label, p.dtype), (steps, p))
+        if steps != other_steps:
+            raise ValueError(
+                f"{names[id(p)]} has taken {steps:g} steps in the optimizer given, "
+                f"{names[id(other)]} {other_steps:g}: a sharded FP16_Optimizer keeps one step "
+                f"count per param group and dtype (param_groups[{label}], {p.dtype})"
+            )
+
+
+def summary(state: Mapping[str, Any] | None) -> Any:
+    """Returns a param's torch.optim ``state`` as a value processes can compare: its keys
+    and step count (None: no state)."""
+    if not state:
+        return None
+    return {
+        key: float(value) if key == "step" else type(value).__name__ for key, value in state.items()
+    }
+
+
 def core_entries(
     template: Mapping[str, Mapping[str, torch.Tensor]],
     paths: Sequence[str],
