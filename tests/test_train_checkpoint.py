@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp16fx import cli
-from fp16fx.train import checkpoint, command, loop
+from fp16fx.train import checkpoint, command, loop, session
 from fp16fx.train.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from fp16fx.train.models import build_model, to_half
 
@@ -198,6 +198,43 @@ def test_functional_checkpoint_weights_load_into_a_plain_module(capsys, tmp_path
     optimizer = ckpt["stepper"]["optimizer"]  # fp16fx.state_dict: keyed like the model
     trained = {name for name, p in model.named_parameters()}
     assert optimizer["format"] == "fp16fx.state/1" and set(optimizer["params"]) == trained
+
+
+# --- --save replaces no file but the checkpoint the run continues ---------------------------
+
+
+def test_save_refuses_a_file_it_would_replace_before_anything_loads(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """--save once replaced whatever its path held without a word: a 2-epoch checkpoint by a
+    1-epoch one (the same command without --resume), a text file by a zip. Such a path is
+    refused before the data loads (or any process starts), in one line naming the file, what
+    it holds and what to do; the file stays as it was."""
+    monkeypatch.setattr(session, "load_dataset", lambda *args: pytest.fail("the data loaded"))
+    monkeypatch.setattr(command, "launch", lambda *args: pytest.fail("processes started"))
+    ck, notes, link = tmp_path / "ck1.pt", tmp_path / "notes.txt", tmp_path / "latest.pt"
+    empty = {"stepper": {}, "rng": {}, "history": {}}
+    save_atomic({"format": checkpoint.FORMAT, "run": {}, "epoch": 2, **empty}, str(ck))
+    notes.write_text("my notes\n")
+    link.symlink_to(ck.name)
+    before = {path: path.read_bytes() for path in (ck, notes)}
+    held = "holds an fp16fx train checkpoint at epoch 2, which this run would replace"
+    foreign = "exists and is not an fp16fx train checkpoint, which this run would replace"
+    for argv, said in [
+        (("--epochs", "1", "--save", str(ck)), f"--save {ck} {held}: pass --resume {ck} to"),
+        (("--save", str(link)), f"--save {link} {held}: pass --resume {link} to continue it"),
+        (("--nproc-per-node", "2", "--save", str(ck)), f"--save {ck} {held}: pass --resume"),
+        (("--resume", str(ck), "--save", str(notes)), f"--save {notes} {foreign}: remove it"),
+    ]:
+        code, out, err = train_cli(capsys, *argv, *SMALL)
+        line = one_line(err)
+        assert code == 1 and out == "" and said in line, line
+        assert line.endswith(" remove it or choose another --save path"), line
+    assert {path: path.read_bytes() for path in (ck, notes)} == before
+    # The checkpoint the run resumes is the one file it replaces, also through a link.
+    checkpoint.check_new(str(ck), resume=str(ck))
+    checkpoint.check_new(str(link), resume=str(tmp_path / "." / "ck1.pt"))
+    checkpoint.check_new(str(tmp_path / "new.pt"), resume=None)
 
 
 # --- bad checkpoints: one line, nothing trained ---------------------------------------------

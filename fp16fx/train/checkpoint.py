@@ -34,6 +34,7 @@ from fp16fx.train import outputs
 __all__ = [
     "FORMAT",
     "CheckpointError",
+    "check_new",
     "check_writable",
     "load_checkpoint",
     "save_atomic",
@@ -72,6 +73,35 @@ def check_writable(path: str) -> None:
     reason = outputs.problem(path)
     if reason is not None:
         raise CheckpointError(f"cannot save to {path}: {reason}")
+
+
+def check_new(path: str, resume: str | None) -> None:
+    """Returns None when a checkpoint saved to ``path`` replaces no file, or only ``resume``,
+    the checkpoint the run continues (also named through a link or another spelling).
+
+    Anything else at ``path`` -- a checkpoint of another run, of this one at another epoch, a
+    file that is no checkpoint -- would be lost at the first save, so it is refused before
+    training starts. (What is not a regular file is left to :func:`check_writable`.) Raises
+    :class:`CheckpointError` naming the file, what it holds and what to do.
+    """
+    if not os.path.isfile(path) or (resume is not None and outputs.same_file(path, resume)):
+        return
+    instead = "remove it or choose another --save path"
+    try:
+        epoch = load_checkpoint(path, {})["epoch"]  # compared with no run: any checkpoint
+    except CheckpointError:
+        held = (
+            "exists and is not an fp16fx train checkpoint"
+            if os.access(path, os.R_OK)
+            else "exists (a file this user cannot read)"
+        )
+        raise CheckpointError(
+            f"--save {path} {held}, which this run would replace: {instead}"
+        ) from None
+    raise CheckpointError(
+        f"--save {path} holds an fp16fx train checkpoint at epoch {epoch}, which this run "
+        f"would replace: pass --resume {path} to continue it, or {instead}"
+    )
 
 
 def save_atomic(obj: Any, path: str) -> None:

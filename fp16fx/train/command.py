@@ -189,7 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     out = parser.add_argument_group("output")
-    out.add_argument("--save", metavar="PATH", help="write a checkpoint after every epoch")
+    out.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write a checkpoint after every epoch; PATH must not exist yet, unless it is the "
+        "--resume checkpoint (refused before training: nothing is replaced)",
+    )
     out.add_argument(
         "--resume",
         metavar="PATH",

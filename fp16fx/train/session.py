@@ -293,6 +293,8 @@ def _check(config: TrainConfig) -> None:
             if other is not None and outputs.same_file(config.plot, other):
                 raise SetupError(f"--plot and {flag} name the same file, {config.plot}")
         check_plotting(config.plot)
+    if config.save is not None:  # a file it would replace: before anything loads
+        checkpoint.check_new(config.save, config.resume)
 
 
 def _check_outputs(config: TrainConfig) -> None:
