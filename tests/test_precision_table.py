@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from fp16fx.train import command
+from fp16fx.train import command, session
 from fp16fx.train.models import build_model, to_half
 from fp16fx.train.steppers import FunctionalStepper
 
@@ -89,11 +89,14 @@ def test_runs_report_mean_and_sample_spread() -> None:
 
 
 def test_train_precision_flags_reach_the_config_and_default_to_fp32() -> None:
+    """Left out, the flags are None ("not given"): FP32 in a new run, the checkpoint's in a
+    resumed one (tests/test_train_checkpoint.py)."""
     parser = command.argparse.ArgumentParser()
     command.add_arguments(parser)
     config = command.config_from_args(parser.parse_args([]))
-    assert (config.master, config.moments) == ("fp32", "fp32")
-    assert config.precision() == {"master": "fp32", "moments": "fp32"}
+    assert config.precision() == {"master": None, "moments": None}
+    new_run = session._with_precision(config, ckpt=None)
+    assert new_run.precision() == {"master": "fp32", "moments": "fp32"}
     for spelling in ("--masters", "--master"):  # --masters passes through torchrun
         args = parser.parse_args([spelling, "compensated", "--moments", "int8"])
         config = command.config_from_args(args)

@@ -160,15 +160,17 @@ def test_interrupted_run_resumes_exactly_with_the_cosine_schedule(
 
 
 COMPACT = ("--masters", "compensated", "--moments", "int8")
+FP32 = ("--masters", "fp32", "--moments", "fp32")
 
 
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("direction", ["fp32 to compact", "compact to fp32"])
 def test_a_checkpoint_resumes_in_another_precision(capsys, tmp_path, api, direction) -> None:
     """An epoch saved with FP32 masters and moments resumes with compensated masters and int8
-    moments, or the reverse: the optimizer state is converted, the second epoch trains with
-    no skipped step, and the new checkpoint holds and records the new precision."""
-    first, then = ((), COMPACT) if direction == "fp32 to compact" else (COMPACT, ())
+    moments, or the reverse (given explicitly: left out, the checkpoint's precision is kept):
+    the optimizer state is converted, the second epoch trains with no skipped step, and the
+    new checkpoint holds and records the new precision."""
+    first, then = ((), COMPACT) if direction == "fp32 to compact" else (COMPACT, FP32)
     path = str(tmp_path / "ck.pt")
     common = ("--api", api, "--lr-schedule", "constant", *SMALL)
     assert train_cli(capsys, *common, *first, "--epochs", "1", "--save", path)[0] == 0
@@ -179,14 +181,50 @@ def test_a_checkpoint_resumes_in_another_precision(capsys, tmp_path, api, direct
     assert "0 / 10" in out  # both epochs summarized, no step skipped
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["epoch"] == 2
-    master, moments = ("compensated", "int8") if then else ("fp32", "fp32")
+    compact = then == COMPACT
+    master, moments = ("compensated", "int8") if compact else ("fp32", "fp32")
     assert (ckpt["run"]["master"], ckpt["run"]["moments"]) == (master, moments)
     keys = leaves(ckpt["stepper"]["optimizer"])
     if api == "functional":
         assert ckpt["stepper"]["optimizer"]["precision"]["master"] == master
-        assert any(key.endswith("/correction") for key in keys) == bool(then)
+        assert any(key.endswith("/correction") for key in keys) == compact
     else:  # apex's format, in FP32 terms; a compact state adds the count its rounding reads
-        assert ("/applied_steps" in keys) == bool(then)
+        assert ("/applied_steps" in keys) == compact
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_resumed_run_keeps_the_checkpoints_precision_unless_told_otherwise(
+    capsys, tmp_path, api
+) -> None:
+    """Resuming a compact checkpoint without --masters or --moments once converted it to FP32
+    masters and moments without a word (the flags defaulted to fp32), and the next save stored
+    FP32 state. Left out, a flag keeps the checkpoint's; given, it alone converts."""
+    path = str(tmp_path / "ck.pt")
+    common = ("--api", api, "--limit", "64")  # not --quiet: the log lines say what happened
+    assert train_cli(capsys, *common, *COMPACT, "--epochs", "1", "--save", path)[0] == 0
+    code, out, err = train_cli(capsys, *common, "--epochs", "2", "--resume", path, "--save", path)
+    assert code == 0, err
+    assert "compensated master, int8 moments" in out  # the label of the state it trained
+    assert "converted" not in err
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["epoch"] == 2
+    assert (ckpt["run"]["master"], ckpt["run"]["moments"]) == ("compensated", "int8")
+    keys = leaves(ckpt["stepper"]["optimizer"])
+    if api == "functional":
+        stored = ckpt["stepper"]["optimizer"]["precision"]
+        assert (stored["master"], stored["moments"]) == ("compensated", "int8")
+        assert any(key.endswith("/correction") for key in keys)
+    else:
+        assert "/applied_steps" in keys
+    # One flag given: it converts its part; the other part stays the checkpoint's.
+    code, out, err = train_cli(
+        capsys, *common, "--moments", "fp32", "--epochs", "3", "--resume", path, "--save", path
+    )
+    assert code == 0, err
+    assert "compensated master; " in out and "int8" not in out
+    assert "--moments int8 to --masters compensated --moments fp32" in err
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["run"]["master"], ckpt["run"]["moments"]) == ("compensated", "fp32")
 
 
 def test_functional_checkpoint_weights_load_into_a_plain_module(capsys, tmp_path) -> None:

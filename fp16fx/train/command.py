@@ -141,19 +141,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master",  # the API's name; torchrun's parser refuses it as ambiguous
         dest="master",
         choices=MASTERS,
-        default=MASTERS[0],
-        help="fp32: an FP32 master copy of every FP16 param (default); compensated: no FP32 "
-        "copy, the FP16 param plus an int8 correction carry the master (with --api "
-        "functional the params then move into flat buckets). Under torchrun spell it "
+        help="fp32: an FP32 master copy of every FP16 param; compensated: no FP32 copy, the "
+        "FP16 param plus an int8 correction carry the master (with --api functional the "
+        "params then move into flat buckets). Default: fp32, or with --resume the "
+        "checkpoint's (given, it converts the checkpoint's state). Under torchrun spell it "
         "--masters: torchrun refuses --master as an ambiguous abbreviation of its "
         "--master-addr and --master-port",
     )
     how.add_argument(
         "--moments",
         choices=MOMENTS,
-        default=MOMENTS[0],
-        help="how Adam's moments are stored between steps: fp32 (default), bf16 or int8 "
-        "(block-scaled); the math is FP32 either way",
+        help="how Adam's moments are stored between steps: fp32, bf16 or int8 (block-scaled); "
+        "the math is FP32 either way. Default: fp32, or with --resume the checkpoint's "
+        "(given, it converts the checkpoint's state)",
     )
     how.add_argument(
         "--compile",
@@ -200,8 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="continue from this checkpoint (of the same --model, --dataset, --api, --seed, "
         "--fsdp, --loss-scale, --batch-size, --lr, --lr-schedule and --limit; --epochs may "
-        "grow; one written with other --masters or --moments has its optimizer state "
-        "converted)",
+        "grow). It keeps the checkpoint's --masters and --moments; given others, its "
+        "optimizer state is converted to them",
     )
     out.add_argument(
         "--plot", metavar="FILE.png", help="save loss/accuracy/loss-scale curves (matplotlib)"

@@ -29,7 +29,13 @@ from fp16fx.train.loop import History, fit
 from fp16fx.train.models import MODELS, ModelError, build_model, to_half
 from fp16fx.train.parallel import Processes
 from fp16fx.train.report import PlotError, RunSummary, check_plotting
-from fp16fx.train.steppers import LossScale, Stepper, TorchStepper, make_stepper
+from fp16fx.train.steppers import (
+    DEFAULT_PRECISION,
+    LossScale,
+    Stepper,
+    TorchStepper,
+    make_stepper,
+)
 
 __all__ = [
     "SetupError",
@@ -56,7 +62,8 @@ class TrainConfig:
     ``api`` (``"facade"`` or ``"functional"``), ``device`` (None: CUDA when available),
     ``epochs``, ``batch_size``, ``lr``, ``lr_schedule``, ``seed``, ``loss_scale``
     (``"dynamic"`` or a number), ``master`` and ``moments`` (the optimizer state's precision,
-    docs/precision.md), ``compile`` (the facade's compiled path or ``compile_step``; None: on
+    docs/precision.md; None: ``"fp32"`` in a new run, the checkpoint's in a resumed one, which
+    a value given converts), ``compile`` (the facade's compiled path or ``compile_step``; None: on
     CUDA only), ``limit`` (use only the first N train and test images), ``compare_fp32``,
     ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars), ``plot`` and ``fsdp``
     (shard the FP32 model with FSDP2; several processes, facade only).
@@ -73,8 +80,8 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     seed: int = 0
     loss_scale: LossScale = "dynamic"
-    master: str = "fp32"
-    moments: str = "fp32"
+    master: str | None = None
+    moments: str | None = None
     compile: bool | None = None
     limit: int | None = None
     compare_fp32: bool = False
@@ -90,8 +97,9 @@ class TrainConfig:
         The seed is one: a resumed run continues the checkpoint's random streams (batch
         order, augmentation), so a different ``--seed`` would be printed but not used;
         ``fsdp`` is one, since the optimizer's state dict has another form under FSDP2. The
-        precision (``master``, ``moments``) is not: a checkpoint resumes in another one,
-        its optimizer state converted (docs/precision.md, "Checkpoints"), under FSDP2 too,
+        precision (``master``, ``moments``) is not: a checkpoint resumes in its own (those left
+        None) or in another one given, its optimizer state converted (docs/precision.md,
+        "Checkpoints"), under FSDP2 too,
         where the masters decide the model's dtype (FP32 shards are their own masters,
         compensated ones FP16). Nor is the number of processes. The loss scale is one: the
         checkpoint's loss-scale state continues, so another ``--loss-scale`` would be printed
@@ -114,8 +122,9 @@ class TrainConfig:
             "limit": self.limit,
         }
 
-    def precision(self) -> dict[str, str]:
-        """Returns the precision flags, recorded in a checkpoint beside :meth:`identity`."""
+    def precision(self) -> dict[str, str | None]:
+        """Returns the precision flags, recorded in a checkpoint beside :meth:`identity` (once
+        :func:`train` has decided those left None)."""
         return {"master": self.master, "moments": self.moments}
 
 
@@ -204,6 +213,17 @@ def _resumed(config: TrainConfig) -> dict[str, Any] | None:
     return ckpt
 
 
+def _with_precision(config: TrainConfig, ckpt: dict[str, Any] | None) -> TrainConfig:
+    """Returns ``config`` with its ``master`` and ``moments`` decided: each one given stays (a
+    resumed checkpoint's state is converted to it); one left None is the resumed checkpoint's,
+    or FP32 in a new run. (A resumed run once became FP32 unless the flags were repeated.)"""
+    saved = checkpoint.saved_precision(ckpt) if ckpt is not None else DEFAULT_PRECISION
+    given = config.precision()
+    return dataclasses.replace(
+        config, **{key: saved[key] if given[key] is None else given[key] for key in saved}
+    )
+
+
 def _limited(data: TrainTestData, limit: int | None) -> TrainTestData:
     if limit is None:
         return data
@@ -280,9 +300,9 @@ def _check(config: TrainConfig) -> None:
             f"--batch-size {batch_size} is too small for --model {config.model}: its "
             f"BatchNorm layers need at least {fewest} images per process"
         )
-    if config.master not in MASTERS:
+    if config.master is not None and config.master not in MASTERS:
         raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
-    if config.moments not in MOMENTS:
+    if config.moments is not None and config.moments not in MOMENTS:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
         raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
@@ -411,6 +431,7 @@ def train(config: TrainConfig) -> TrainResult:
     device = resolve_device(config.device)
     processes = Processes.current()
     ckpt = _resumed(config)
+    config = _with_precision(config, ckpt)
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
     epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
     _check_batch(config, len(data.train), processes.size)
