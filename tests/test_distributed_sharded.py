@@ -19,6 +19,7 @@ from fp16fx import saved_format
 from fp16fx.compile import StepFunction
 from fp16fx.segments import named_segments
 from fp16fx.state import decode_moments
+from fp16fx.transforms import GradientTransformation
 from tests.test_distributed import assert_nearly_bitwise, results, spawn
 from tests.test_step import same_bits
 
@@ -422,7 +423,7 @@ APART = {
     "hyperparameter": ({"optimizer": fp16fx.adam(1e-2)}, "opt[2]['lr'] 0.01, its first rank 0.001"),
     "moments": ({"moments": "int8"}, "has moments 'int8', its first rank 'fp32'"),
     "master": ({"master": "compensated"}, "has master 'compensated', its first rank 'fp32'"),
-    "optimizer": ({"optimizer": fp16fx.sgd(1e-3)}, "has the optimizer's state"),
+    "optimizer": ({"optimizer": fp16fx.sgd(1e-3)}, "has the optimizer's state entries opt"),
     "policy": ({"loss_scale": fp16fx.DynamicLossScale(init_scale=2.0**10)}, "loss-scale policy"),
 }
 
@@ -444,6 +445,33 @@ def settings_apart(rank: int) -> dict[tuple[str, bool], tuple[str, bool]]:
                 error = str(err)
             kept = torch.equal(params["w"], before) and params["w"].data_ptr() == storage
             found[case, shard] = (error, kept)
+    return found
+
+
+class PlainPolicy:
+    """A loss-scale policy that is no dataclass (the protocol asks for init and adjust)."""
+
+    def init(self, *args: Any, **kwargs: Any) -> Any:
+        return fp16fx.DynamicLossScale().init(*args, **kwargs)
+
+    def adjust(self, *args: Any, **kwargs: Any) -> Any:
+        return fp16fx.DynamicLossScale().adjust(*args, **kwargs)
+
+
+def alike_but_unusual() -> list[str]:
+    """fdist.init, sharded and not, with arguments alike on every rank that the comparison
+    once refused: a policy that is no dataclass, and labels that are a plain function."""
+    grouped = fp16fx.multi_transform([fp16fx.adam(1e-3), fp16fx.sgd(0.1)], {"w": 0, "v": 1})
+    plain = GradientTransformation(grouped.init, grouped.update, grouped.param_labels.__call__)
+    found = []
+    for shard in (True, False):
+        for optimizer, options in ((fp16fx.adam(), {"loss_scale": PlainPolicy()}), (plain, {})):
+            params = {"w": torch.ones(300, dtype=torch.float16), "v": torch.ones(5).half()}
+            try:
+                fdist.init(params, optimizer, shard=shard, **options)
+                found.append("accepted")
+            except (TypeError, ValueError) as err:
+                found.append(str(err))
     return found
 
 
@@ -478,6 +506,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["refused_init"] = refused_init(rank, world)
     found["refused_names_and_dtensors"] = refused_names_and_dtensors(rank, world)
     found["settings_apart"] = settings_apart(rank)
+    found["alike_but_unusual"] = alike_but_unusual()
     found["dtype_changed"] = dtype_changed()
     torch.save(found, out / f"rank{rank}.pt")
 
@@ -691,6 +720,8 @@ def test_fdist_init_refuses_ranks_that_build_their_states_otherwise(runs):
     for (case, shard), (error, kept) in rank_0.items():
         assert error.startswith("rank 1 of the group has") and APART[case][1] in error, error
         assert rank_1[case, shard] == (error, True) and kept
+    for found in runs[2]:
+        assert found["alike_but_unusual"] == ["accepted"] * 4
 
 
 def test_fdist_init_refuses_a_name_on_one_rank_and_dtensors_on_every_rank(runs):

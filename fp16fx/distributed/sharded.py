@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,8 +57,9 @@ StepFn = Callable[[MixedPrecisionState, Any], tuple[MixedPrecisionState, StepInf
 def all_reduce_mean(buffer: torch.Tensor, group: Any) -> None:
     """Replaces ``buffer`` by its mean over ``group``'s ranks, in place.
 
-    Divided by d first, as DDP does: exact for a power-of-two d, and the FP16 sum cannot
-    overflow where the mean would not.
+    Divided by d first, as DDP does: exact for a power-of-two d down to the dtype's
+    subnormals (which round alike sharded and not), and the FP16 sum cannot overflow where
+    the mean would not.
     """
     buffer.div_(dist.get_world_size(group))
     dist.all_reduce(buffer, group=group)
@@ -104,7 +106,8 @@ class Sharding:
         """Returns, per bucket, this rank's slice of the mean of every rank's ``grads``.
 
         The grads are divided by d in place first (they are spent): as DDP pre-divides, exact
-        for a power-of-two d, and the FP16 sum cannot overflow where the mean would not. With
+        for a power-of-two d down to the dtype's subnormals, and the FP16 sum cannot overflow
+        where the mean would not. With
         :attr:`scatter_by_all_reduce` the buffers are all-reduced in place (then they hold
         the mean, as after DDP) and the slices returned are views of them.
         """
@@ -244,9 +247,7 @@ def init_sharded(
     # The shard's params are a list of slices, one per bucket: its leaf labels are the buckets'.
     bucket_labels = tuple(b.label for b in buckets)
     shard_optimizer = optimizer._replace(
-        param_labels=None
-        if labels is None
-        else dataclasses.replace(optimizer.param_labels, given=bucket_labels)
+        param_labels=None if labels is None else lambda _: bucket_labels
     )
     shard = init(
         slices,
@@ -294,30 +295,36 @@ def check_on_every_rank(
 
 def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[str, Any]]:
     """Returns what a state built from checked ``args`` keeps besides the params, as named
-    Python values every rank can compare: the precision, the loss-scale policy, and the
-    optimizer's structure and hyperparameters -- read from the state it builds over one
-    value per trained param, so a transform's settings need no description of their own."""
-    trained = [i for i, leaf in enumerate(args.leaves) if leaf is not None]
-    if args.labels is not None:  # the labels the real params get, not the stand-ins'
-        given = tuple(args.labels[i] for i in trained)
-        optimizer = optimizer._replace(
-            param_labels=dataclasses.replace(optimizer.param_labels, given=given)
-        )
-    stand_ins = [args.leaves[i].new_zeros(1) for i in trained]
+    Python values every rank can compare: the precision, the loss-scale policy (its fields,
+    where it is a dataclass as fp16fx's are; else its class), and the optimizer's structure
+    and hyperparameters -- read from the state it builds over one stand-in value per flat
+    bucket (each bucket one segment of the state, labelled as the params are), so a
+    transform's settings need no description of their own."""
+    buckets = args.layout.buckets
+    device = next(leaf.device for leaf in args.leaves if leaf is not None)
+    stand_ins = [torch.zeros(1, dtype=b.dtype, device=device) for b in buckets]
+    labels = tuple(b.label for b in buckets)
     probe = init(
         stand_ins,
-        optimizer,
+        optimizer._replace(param_labels=None if args.labels is None else lambda _: labels),
         args.policy,
         buckets=True,
         master=args.precision.master,
         moments=args.precision.moments,
     )
+    policy = args.policy
+    accessors, _, _ = optree.tree_flatten_with_accessor(probe.opt_state, none_is_leaf=True)
     hyperparams = checkpoint.hyperparam_tensors(probe.opt_state)
     return [
         ("master", args.precision.master),
         ("moments", args.precision.moments),
-        ("the loss-scale policy", checkpoint.policy_dict(args.policy)),
-        ("the optimizer's state", str(optree.tree_structure(probe.opt_state, none_is_leaf=True))),
+        (
+            "the loss-scale policy",
+            checkpoint.policy_dict(policy)
+            if dataclasses.is_dataclass(policy)
+            else type(policy).__qualname__,
+        ),
+        ("the optimizer's state entries", [a.codify("opt") for a in accessors]),
         *((f"the hyperparameter {key}", t.tolist()) for key, t in hyperparams.items()),
     ]
 
@@ -386,12 +393,26 @@ def _check_alike(
             name = (tree.leaf_names(params) if names is None else names)[i]
             what = f"{name} as {theirs[1][i]}, its first rank as {first[1][i]}"
         else:
-            (name, value), (_, its) = next(p for p in zip(theirs[2], first[2]) if p[0] != p[1])
-            what = f"{name} {value!r}, its first rank {its!r}"
+            what = _first_difference(theirs[2], first[2])
         raise ValueError(
             f"rank {rank} of the group has {what}: every rank must build its state from the "
             "same model, optimizer and arguments"
         )
+
+
+def _first_difference(theirs: Sequence[tuple[str, Any]], first: Sequence[tuple[str, Any]]) -> str:
+    """Names the first of a rank's named ``theirs`` that differs from the first rank's; in a
+    list, its first differing item (a state's entries: one name, not two whole lists)."""
+    missing = ("nothing", None)
+    pairs = itertools.zip_longest(theirs, first, fillvalue=missing)
+    (name, value), (its_name, its) = next(p for p in pairs if p[0] != p[1])
+    if name != its_name:
+        return f"{name} where its first rank has {its_name}"
+    if isinstance(value, list) and isinstance(its, list):
+        k = next(k for k, p in enumerate(itertools.zip_longest(value, its)) if p[0] != p[1])
+        item, its_item = (v[k] if k < len(v) else "nothing" for v in (value, its))
+        return f"{name} {item} where its first rank has {its_item}"
+    return f"{name} {value!r}, its first rank {its!r}"
 
 
 def _kind(leaf: Any) -> str:

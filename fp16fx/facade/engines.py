@@ -184,8 +184,8 @@ def handover(
     """
     if fast.sharded is not None or fast.fsdp:
         raise ValueError(
-            f"{reason}: this needs the generic path, which {fast.whose} cannot take (it keeps "
-            "whole FP32 masters and torch.optim's state on every rank)"
+            f"{reason}: this needs the generic path, which {fast.whose} cannot take: the "
+            "generic path keeps whole FP32 masters and torch.optim's state on every rank"
         )
     if fast.compact:
         precision = fast.state.precision

@@ -115,9 +115,20 @@ class FastEngine:
                         "(FP16_Optimizer.state_dict(), through DCP: docs/distributed.md)"
                     )
                 torch_state.check(specs[label], p, held or {})
+            # Sharded: the state held, which every rank must hold alike (read in this block:
+            # a rank that cannot read it tells the others).
+            agreed: list[tuple[str, Any]] = []
             if shard is not NOT_SHARDED:
-                held = optimizer.state
-                torch_state.check_one_count_per_bucket(specs, self.labels, params, held, names)
+                torch_state.check_one_count_per_bucket(
+                    specs, self.labels, params, optimizer.state, names
+                )
+                agreed = [
+                    (
+                        f"the state its optimizer holds for {names[id(p)]}",
+                        torch_state.summary(optimizer.state.get(p)),
+                    )
+                    for p in params
+                ]
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
@@ -143,13 +154,7 @@ class FastEngine:
                 master=precision.master,
                 moments=precision.moments,
                 names=[names[id(p)] for p in params],
-                agreed=[
-                    (
-                        f"the state its optimizer holds for {names[id(p)]}",
-                        torch_state.summary(optimizer.state.get(p)),
-                    )
-                    for p in params
-                ],
+                agreed=agreed,
             )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
