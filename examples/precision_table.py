@@ -186,10 +186,6 @@ def measure(
     return results
 
 
-def _s_per_run(runs: Runs) -> str:
-    return f"{statistics.fmean(runs.seconds):.0f}"
-
-
 # -- (a) digits: fp16fx train ----------------------------------------------------------------
 
 
@@ -650,6 +646,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         parser.error(f"--device {args.device!r} is no device torch knows (cpu or cuda)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: this script runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device!r}: CUDA is not available here (use cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(
+                f"--device {args.device!r}: there is no such GPU here "
+                f"({torch.cuda.device_count()} visible)"
+            )
     seeds = list(range(args.seeds))
     logging.getLogger("fp16fx").setLevel(logging.WARNING)  # the runs' own log lines: not shown
 
@@ -664,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     sections = []
     if args.only in (None, "digits"):
-        setup = DigitsSetup(api=args.digits_api, device=device.type)
+        setup = DigitsSetup(api=args.digits_api, device=str(device))  # cuda:1 too
         if args.quick:
             setup = dataclasses.replace(setup, epochs=1, limit=256)
         runner = DigitsRunner(setup)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fp16fx.compile
 from tests.fallbacks import FALLBACK
@@ -33,11 +34,19 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("compact_arithmetic.py", ["--sizes", "abc"], "--sizes must be comma-separated"),
         ("precision_table.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
         ("fsdp2_fp16.py", [], "run it under torchrun"),
+        ("precision_table.py", ["--device", "mps"], "this script runs on cpu or cuda"),
+        pytest.param(
+            "precision_table.py",
+            ["--device", "cuda"],
+            "CUDA is not available here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
     ],
 )
 def test_an_example_refuses_a_bad_argument_before_any_work(name, args, message):
     """Each once ran on (loss nan, "after -1 steps") or failed in a traceback, some only after
-    minutes of work (precision_table.py's --steps, after its digits study)."""
+    minutes of work (precision_table.py's --steps, after its digits study; its --device cuda
+    without CUDA, after the header)."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120
     )
