@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("steps", "batch_size"):  # counts: at least 1
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):  # fp16fx's rule for lr: 0 stands still
+        parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
     torch.manual_seed(0)
 
     x, y = make_task(5120, 32, 4, seed=1)

@@ -17,6 +17,7 @@ Run: ``python examples/resnet18_cifar10.py [--data-dir DIR] [--epochs 1] [--fake
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("batch_size", "fake_size"):  # BatchNorm trains on 2 or more images a batch
         if getattr(args, name) < 2:
             parser.error(f"--{name.replace('_', '-')} must be >= 2, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):  # fp16fx's rule for lr: 0 stands still
+        parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -34,6 +34,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("compact_arithmetic.py", ["--sizes", "abc"], "--sizes must be comma-separated"),
         ("precision_table.py", ["--steps", "0"], "--steps must be >= 1, got 0"),
         ("fsdp2_fp16.py", [], "run it under torchrun"),
+        ("functional_step.py", ["--lr=-1"], "--lr must be a finite number >= 0, got -1.0"),
+        ("resnet18_cifar10.py", ["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
         ("precision_table.py", ["--device", "mps"], "this script runs on cpu or cuda"),
         pytest.param(
             "precision_table.py",
