@@ -134,8 +134,9 @@ def main() -> None:
         help="fsdp2: also time the step's check pass through DTensor ops vs on local shards",
     )
     args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for name in ("width", "depth", "batch", "steps"):  # counts: at least 1
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if "RANK" not in os.environ:
         parser.error(
             "run it under torchrun: torchrun --nproc-per-node 2 examples/compare_sharding.py ..."

@@ -36,6 +36,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("fsdp2_fp16.py", [], "run it under torchrun"),
         ("functional_step.py", ["--lr=-1"], "--lr must be a finite number >= 0, got -1.0"),
         ("resnet18_cifar10.py", ["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+        ("compare_sharding.py", ["--mode=ddp", "--width=0"], "--width must be >= 1, got 0"),
+        ("compare_sharding.py", ["--mode=ddp", "--depth=0"], "--depth must be >= 1, got 0"),
+        ("compare_sharding.py", ["--mode=ddp", "--batch=0"], "--batch must be >= 1, got 0"),
         ("precision_table.py", ["--device", "mps"], "this script runs on cpu or cuda"),
         pytest.param(
             "precision_table.py",
