@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -103,20 +104,26 @@ def main() -> None:
     model, opt = build(args.masters, args.moments)
     train(model, opt, range(half))
     where = tempfile.mkdtemp() if dist.get_rank() == 0 else None
-    shared = [where]
-    dist.broadcast_object_list(shared)  # one checkpoint directory for every rank
-    dcp.save(checkpoint(model, opt), checkpoint_id=shared[0])
-    final = train(model, opt, range(half, args.steps))
+    try:
+        shared = [where]
+        dist.broadcast_object_list(shared)  # one checkpoint directory for every rank
+        dcp.save(checkpoint(model, opt), checkpoint_id=shared[0])
+        final = train(model, opt, range(half, args.steps))
 
-    model, opt = build(args.masters, args.moments)  # a fresh run, resumed from the checkpoint
-    sd = checkpoint(model, opt)
-    dcp.load(sd, checkpoint_id=shared[0])
-    set_model_state_dict(model, sd["model"])
-    opt.load_state_dict(sd["optim"])
-    resumed = train(model, opt, range(half, args.steps))
-    if dist.get_rank() == 0:
-        print(f"resumed from step {half}: final loss {resumed:.6f} (uninterrupted {final:.6f}), "
-              f"same: {resumed == final}; skipped steps {opt.skipped_steps}")  # fmt: skip
+        model, opt = build(args.masters, args.moments)  # a fresh run, resumed from it
+        sd = checkpoint(model, opt)
+        dcp.load(sd, checkpoint_id=shared[0])
+        dist.barrier()  # every rank has read the checkpoint: rank 0 may remove it
+        set_model_state_dict(model, sd["model"])
+        opt.load_state_dict(sd["optim"])
+        resumed = train(model, opt, range(half, args.steps))
+        if dist.get_rank() == 0:
+            print(f"resumed from step {half}: final loss {resumed:.6f} "
+                  f"(uninterrupted {final:.6f}), same: {resumed == final}; "
+                  f"skipped steps {opt.skipped_steps}")  # fmt: skip
+    finally:
+        if where is not None:  # rank 0's, also when the run failed
+            shutil.rmtree(where, ignore_errors=True)
     dist.destroy_process_group()
 
 

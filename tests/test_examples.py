@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import fp16fx.compile
 from tests.fallbacks import FALLBACK
@@ -136,18 +137,25 @@ def test_functional_docs_example_runs_and_learns() -> None:
 @pytest.mark.parametrize(
     "precision", [(), ("--masters", "compensated", "--moments", "int8")], ids=["fp32", "compact"]
 )
-def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise(precision) -> None:
+def test_fsdp2_example_runs_under_torchrun_and_resumes_bitwise(precision, tmp_path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     example = [str(EXAMPLES / "fsdp2_fp16.py"), "--steps", "20", *precision]
     result = run_to_a_clean_exit(
         [*torchrun, "--nproc-per-node", "2", *example],
         "same: True",
         timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env={
+            **os.environ,
+            "PYTHONWARNINGS": "ignore",
+            "TMPDIR": str(tmp_path),  # where its checkpoint goes, and must go from
+            "TORCHINDUCTOR_CACHE_DIR": cache_dir(),  # the usual one, not one in tmp_path
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step   20  loss" in result.stdout
     assert "resumed from step 10" in result.stdout and "same: True" in result.stdout
+    left = [p for p in tmp_path.rglob("*") if p.name == ".metadata" or p.suffix == ".distcp"]
+    assert not left, left  # the DCP checkpoint, removed
 
 
 @pytest.mark.compile
