@@ -170,13 +170,27 @@ def test_the_int8_step_is_one_update_pass_in_the_triton_a_gpu_gets() -> None:
     assert re.search(r"^  per 16 x 256: 5 loads, 4 stores, \d+ operations", out, re.M), out
 
 
-@pytest.mark.compile
-def test_compact_arithmetic_example_times_each_format_under_fp16fxs_settings() -> None:
-    path = EXAMPLES / "compact_arithmetic.py"
-    spec = importlib.util.spec_from_file_location("compact_arithmetic", path)
+def load_example(name: str):
+    """Returns the module ``examples/NAME``, imported (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_compact_arithmetics_target_is_the_fp32_update_at_the_largest_size() -> None:
+    """The target is "from memory": at the largest size, wherever --sizes puts it (the
+    script once took the last one)."""
+    script = load_example("compact_arithmetic.py")
+    line = script.target_line([262144, 4096], [1.6e-9, 1.6e-8])
+    assert "at 262,144 values (the largest size)" in line
+    assert f"takes {script.RESNET18 * 1e-6:.1f} ms" in line  # 1.6e-9 s x values / 1.6
+
+
+@pytest.mark.compile
+def test_compact_arithmetic_example_times_each_format_under_fp16fxs_settings() -> None:
+    script = load_example("compact_arithmetic.py")
     assert script.SETTINGS == fp16fx.compile._INDUCTOR_SETTINGS  # the floor of fp16fx's kernels
 
     out = run_example("compact_arithmetic.py", "--sizes", "4096", "--rounds", "1")
