@@ -9,11 +9,12 @@ GPU, and Triton's CPU backend is not installed), so this stops once Inductor has
 them, and prints every kernel the step launches over all the values (the smaller ones, over
 a few scalars or per-block maxima, are left out): its kind (``poi``: pointwise; ``red`` and
 ``per``: a reduction, looped or persistent), its iteration (values x reduced values) and how
-many per-value loads and stores it makes. A kernel over all the values is a pass over them:
-every step checks the grads in one (a reduction) and updates in another. With compensated
-masters and int8 moments the update reads 7 B/param and writes 5, so with the check's 2 the
-step moves 14 B/param, its roofline, if it takes each block's maximum in the update's pass
-(``fp16fx.precision._in_rows`` says how), and 21 if the maxima take a pass of their own.
+many arrays it loads and stores per value (each counted once: the bytes it moves). A kernel
+over all the values is a pass over them: every step checks the grads in one (a reduction)
+and updates in another. With compensated masters and int8 moments the update reads 7
+B/param and writes 5, so with the check's 2 the step moves 14 B/param, its roofline, if it
+takes each block's maximum in the update's pass (``fp16fx.precision._in_rows`` says how),
+and 21 if the maxima take a pass of their own.
 
 It leans on two private hooks of torch 2.14's Inductor (``GraphLowering.save_output_code``
 and ``AsyncCompile.triton``) and one of ``torch.utils._triton``: a diagnostic, not an API.
@@ -84,12 +85,38 @@ def step_code(values: int, leaves: int, precision: dict[str, str]) -> str:
     return max(written, key=len)  # the update's region (the other one checks the grads)
 
 
+def accesses(source: str, call: str, pointers: str) -> list[tuple[str, str]]:
+    """Returns ``(pointer, index)`` of each ``call(pointer + (index), ...)`` in a kernel's
+    ``source`` (``pointers``: a pattern of pointer names), the index whole, parentheses and
+    all: ``tl.store(out_ptr11 + (tl.broadcast_to(r0_0, [XBLOCK, R0_BLOCK])), ...)``."""
+    found = []
+    for match in re.finditer(rf"{re.escape(call)}\(({pointers}) \+ \(", source):
+        depth, end = 1, match.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        found.append((match.group(1), source[match.end() : end - 1]))
+    return found
+
+
+def per_value(index: str, kind: str) -> bool:
+    """Whether a kernel of ``kind`` indexes an access per value (not per block or scalar) with
+    ``index``: a reduction's has its reduced variable, a pointwise one's is ``x0``; either
+    maybe broadcast (``tl.broadcast_to(r0_0, [XBLOCK, R0_BLOCK])``)."""
+    broadcast = re.fullmatch(r"tl\.broadcast_to\((.*), \[[^]]*\]\)", index)
+    if broadcast is not None:
+        index = broadcast.group(1)
+    return index == "x0" if kind == "poi" else re.search(r"\br0_\w", index) is not None
+
+
 def kernels(code: str) -> list[tuple[str, int, int, int, int, int]]:
     """Returns each kernel launch in ``code`` as ``(kind, values, reduced, loads, stores,
-    operations)``: ``values`` x ``reduced`` its iteration, ``loads``/``stores`` how many of its
-    memory accesses are indexed per value (not per block or scalar), ``operations`` how many
-    values it computes per iteration (Triton ``tmp`` assignments other than loads, constants
-    and broadcasts: a rough count of its arithmetic, casts and selections included)."""
+    operations)``: ``values`` x ``reduced`` its iteration, ``loads``/``stores`` how many
+    distinct arrays it reads/writes per value (indexed per value, not per block or scalar; an
+    array read twice, as a fused check-and-update kernel reads the grads, counts once: the
+    figure stands for the bytes it moves per value), ``operations`` how many values it
+    computes per iteration (Triton ``tmp`` assignments other than loads, constants and
+    broadcasts: a rough count of its arithmetic, casts and selections included)."""
     found = []
     for line in code.splitlines():
         launch = LAUNCH.search(line)
@@ -100,10 +127,10 @@ def kernels(code: str) -> list[tuple[str, int, int, int, int, int]]:
         numel, reduced = (sizes[-2], sizes[-1]) if kind != "poi" else (sizes[-1], 1)
         source = code[code.index(f"def {name}(") :]
         source = source[: source.index("''', device_str=")]
-        # per value: a reduction's index has its reduced variable, a pointwise one is x0
-        per_value = r"\([^()]*r0_[^()]*\)" if kind != "poi" else r"\(x0\)"
-        loads = len(re.findall(rf"tl\.load\(in_ptr\d+ \+ {per_value}", source))
-        stores = len(re.findall(rf"tl\.store\((?:in_)?out_ptr\d+ \+ {per_value}", source))
+        read = accesses(source, "tl.load", r"(?:in_out|in)_ptr\d+")
+        written = accesses(source, "tl.store", r"(?:in_out|out)_ptr\d+")
+        loads = len({pointer for pointer, index in read if per_value(index, kind)})
+        stores = len({pointer for pointer, index in written if per_value(index, kind)})
         assigned = re.findall(r"^\s+tmp\d+ = (.*)$", source, re.M)
         free = ("tl.load(", "tl.full(", "tl.broadcast_to(", "in_ptr")
         operations = sum(not value.startswith(free) for value in assigned)
@@ -117,9 +144,16 @@ def main() -> None:
     parser.add_argument("--leaves", type=int, default=4)
     parser.add_argument("--mode", choices=MODES, action="append", help="(default: all)")
     args = parser.parse_args()
+    if args.leaves < 1:
+        parser.error(f"--leaves must be >= 1, got {args.leaves}")
+    if args.values < args.leaves:
+        parser.error(f"--values must be >= --leaves ({args.leaves}), got {args.values}")
+    values = args.leaves * (args.values // args.leaves)  # what the params hold
+    if values != args.values:
+        print(f"{args.leaves} leaves of {args.values // args.leaves:,} values: {values:,} in all")
     for mode in args.mode or MODES:
         found = kernels(step_code(args.values, args.leaves, MODES[mode]))
-        over_values = [k for k in found if k[1] * k[2] >= args.values]
+        over_values = [k for k in found if k[1] * k[2] >= values]
         print(f"{mode}: {len(over_values)} passes over the values")
         for kind, numel, reduced, loads, stores, operations in over_values:
             print(

@@ -47,6 +47,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
             "CUDA is not available here",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
         ),
+        ("triton_passes.py", ["--values", "0"], "--values must be >= --leaves (4), got 0"),
+        ("triton_passes.py", ["--leaves", "0"], "--leaves must be >= 1, got 0"),
     ],
 )
 def test_an_example_refuses_a_bad_argument_before_any_work(name, args, message):
@@ -168,6 +170,18 @@ def test_the_int8_step_is_one_update_pass_in_the_triton_a_gpu_gets() -> None:
     assert "compensated+int8: 2 passes over the values" in out, out
     assert re.search(r"^  (red|per) \d+ x \d+: 1 loads, 0 stores, \d+ operations", out, re.M), out
     assert re.search(r"^  per 16 x 256: 5 loads, 4 stores, \d+ operations", out, re.M), out
+
+
+@pytest.mark.compile
+def test_triton_passes_counts_each_array_once_over_the_values_the_leaves_hold() -> None:
+    """At 4096 values Inductor fuses the FP32-master step into one looped reduction that reads
+    the grads twice (check, then update) and stores through ``tl.broadcast_to(r0_0, ...)``:
+    once counted as 6 loads and 0 stores. And 4099 values over 4 leaves are 4 x 1024: the
+    passes were once filtered against 4099 ("0 passes")."""
+    out = run_example("triton_passes.py", "--values", "4099", "--leaves", "4", "--mode", "fp32")
+    assert "4 leaves of 1,024 values: 4,096 in all" in out, out
+    assert "fp32: 1 passes over the values" in out, out
+    assert re.search(r"^  red 1 x 4096: 5 loads, 4 stores, \d+ operations", out, re.M), out
 
 
 def load_example(name: str):
