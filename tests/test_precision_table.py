@@ -88,7 +88,7 @@ def test_runs_report_mean_and_sample_spread() -> None:
     assert runs.mean == pytest.approx(0.6) and runs.std == pytest.approx(0.1)
 
 
-def test_train_precision_flags_reach_the_config_and_default_to_fp32() -> None:
+def test_train_precision_flags_reach_the_config_and_a_new_run_defaults_to_fp32() -> None:
     """Left out, the flags are None ("not given"): FP32 in a new run, the checkpoint's in a
     resumed one (tests/test_train_checkpoint.py)."""
     parser = command.argparse.ArgumentParser()

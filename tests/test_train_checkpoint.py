@@ -247,32 +247,61 @@ def test_save_refuses_a_file_it_would_replace_before_anything_loads(
     """--save once replaced whatever its path held without a word: a 2-epoch checkpoint by a
     1-epoch one (the same command without --resume), a text file by a zip. Such a path is
     refused before the data loads (or any process starts), in one line naming the file, what
-    it holds and what to do; the file stays as it was."""
+    it holds and what to do -- ``--resume`` only where resuming would work; the file stays
+    as it was."""
     monkeypatch.setattr(session, "load_dataset", lambda *args: pytest.fail("the data loaded"))
     monkeypatch.setattr(command, "launch", lambda *args: pytest.fail("processes started"))
-    ck, notes, link = tmp_path / "ck1.pt", tmp_path / "notes.txt", tmp_path / "latest.pt"
-    empty = {"stepper": {}, "rng": {}, "history": {}}
-    save_atomic({"format": checkpoint.FORMAT, "run": {}, "epoch": 2, **empty}, str(ck))
+    ck, notes, other = tmp_path / "ck1.pt", tmp_path / "notes.txt", tmp_path / "other.pt"
+    link, hard, empty = tmp_path / "latest.pt", tmp_path / "hard.pt", tmp_path / "empty.pt"
+    parts = {"format": checkpoint.FORMAT, "epoch": 2, "stepper": {}, "rng": {}, "history": {}}
+    save_atomic({**parts, "run": {}}, str(ck))
+    save_atomic({**parts, "run": {"fsdp": True}}, str(other))
     notes.write_text("my notes\n")
     link.symlink_to(ck.name)
-    before = {path: path.read_bytes() for path in (ck, notes)}
-    held = "holds an fp16fx train checkpoint at epoch 2, which this run would replace"
-    foreign = "exists and is not an fp16fx train checkpoint, which this run would replace"
+    os.link(ck, hard)
+    empty.touch()
+    before = {path: path.read_bytes() for path in (ck, notes, other)}
+    held = "holds this run's checkpoint at epoch 2, which this run would replace"
     for argv, said in [
-        (("--epochs", "1", "--save", str(ck)), f"--save {ck} {held}: pass --resume {ck} to"),
-        (("--save", str(link)), f"--save {link} {held}: pass --resume {link} to continue it"),
-        (("--nproc-per-node", "2", "--save", str(ck)), f"--save {ck} {held}: pass --resume"),
-        (("--resume", str(ck), "--save", str(notes)), f"--save {notes} {foreign}: remove it"),
+        (
+            ("--epochs", "1", "--save", str(ck)),
+            f"--save {ck} {held}: pass --resume {ck} with more than --epochs 2 to train it",
+        ),
+        (("--epochs", "3", "--save", str(link)), f"--save {link} {held}: pass --resume {link} to"),
+        (("--nproc-per-node", "2", "--epochs", "3", "--save", str(ck)), f"{held}: pass --resume"),
+        (("--save", str(other)), f"--save {other} holds a checkpoint of another run (checkpoint"),
+        (
+            ("--resume", str(ck), "--save", str(notes)),
+            f"--save {notes} exists and is no checkpoint",
+        ),
     ]:
         code, out, err = train_cli(capsys, *argv, *SMALL)
         line = one_line(err)
         assert code == 1 and out == "" and said in line, line
-        assert line.endswith(" remove it or choose another --save path"), line
-    assert {path: path.read_bytes() for path in (ck, notes)} == before
-    # The checkpoint the run resumes is the one file it replaces, also through a link.
-    checkpoint.check_new(str(ck), resume=str(ck))
-    checkpoint.check_new(str(link), resume=str(tmp_path / "." / "ck1.pt"))
-    checkpoint.check_new(str(tmp_path / "new.pt"), resume=None)
+        assert line.endswith(" remove it, or choose another --save path"), line
+    assert {path: path.read_bytes() for path in (ck, notes, other)} == before
+    # The checkpoint the run resumes is the one file it replaces, also through a link, and
+    # an empty file (mktemp's) holds nothing to lose.
+    run = session.TrainConfig().identity()
+    checkpoint.check_new(str(ck), str(ck), run, 3)
+    checkpoint.check_new(str(link), str(tmp_path / "." / "ck1.pt"), run, 3)
+    checkpoint.check_new(str(hard), str(ck), run, 3)
+    checkpoint.check_new(str(tmp_path / "new.pt"), None, run, 3)
+    checkpoint.check_new(str(empty), None, run, 3)
+
+
+def test_a_malformed_recorded_precision_is_named(capsys, tmp_path, saved) -> None:
+    """A checkpoint whose run records a precision that does not exist once resumed into a
+    ValueError traceback from the stepper."""
+    for key, value in (("master", "bogus"), ("moments", None)):
+        ckpt = torch.load(saved, weights_only=True)
+        ckpt["run"][key] = value
+        bad = str(tmp_path / "bad.pt")
+        torch.save(ckpt, bad)
+        code, _, err = train_cli(
+            capsys, "--api", "functional", "--epochs", "2", "--resume", bad, *SMALL
+        )
+        assert code == 1 and f"its run's {key} is {value!r}" in one_line(err), err
 
 
 # --- bad checkpoints: one line, nothing trained ---------------------------------------------

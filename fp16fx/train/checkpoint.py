@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.train import outputs
+from fp16fx.train.steppers import DEFAULT_PRECISION
 
 __all__ = [
     "FORMAT",
@@ -49,14 +51,19 @@ _REQUIRED = ("format", "epoch", *_DICTS)
 #: The settings of checkpoints written before their ``run`` recorded them.
 _IDENTITY_DEFAULTS = {"fsdp": False}
 
-#: The precision of checkpoints written before their ``run`` recorded one.
-_PRECISION_DEFAULTS = {"master": "fp32", "moments": "fp32"}
+_PRECISION_NAMES = {"master": MASTERS, "moments": MOMENTS}
 
 
 def saved_precision(ckpt: dict[str, Any]) -> dict[str, str]:
-    """Returns the ``master`` and ``moments`` a checked checkpoint was written with (FP32 for
-    one written before its ``run`` recorded them)."""
-    return {key: ckpt["run"].get(key, value) for key, value in _PRECISION_DEFAULTS.items()}
+    """Returns the ``master`` and ``moments`` a checked checkpoint was written with
+    (:data:`~fp16fx.train.steppers.DEFAULT_PRECISION` for one written before its ``run``
+    recorded them). Raises :class:`CheckpointError` where the
+    checkpoint records one that does not exist."""
+    saved = {key: ckpt["run"].get(key, value) for key, value in DEFAULT_PRECISION.items()}
+    for key, value in saved.items():
+        if value not in _PRECISION_NAMES[key]:
+            raise CheckpointError(f"the checkpoint is malformed: its run's {key} is {value!r}")
+    return saved
 
 
 class CheckpointError(ValueError):
@@ -75,32 +82,41 @@ def check_writable(path: str) -> None:
         raise CheckpointError(f"cannot save to {path}: {reason}")
 
 
-def check_new(path: str, resume: str | None) -> None:
-    """Returns None when a checkpoint saved to ``path`` replaces no file, or only ``resume``,
-    the checkpoint the run continues (also named through a link or another spelling).
+def check_new(path: str, resume: str | None, run: dict[str, Any], epochs: int) -> None:
+    """Returns None when a checkpoint saved to ``path`` replaces nothing: no file, an empty
+    one, or ``resume``, the checkpoint the run continues (also named otherwise).
 
-    Anything else at ``path`` -- a checkpoint of another run, of this one at another epoch, a
-    file that is no checkpoint -- would be lost at the first save, so it is refused before
-    training starts. (What is not a regular file is left to :func:`check_writable`.) Raises
-    :class:`CheckpointError` naming the file, what it holds and what to do.
+    Anything else at ``path`` -- a checkpoint of another run, of this one, a file that is no
+    checkpoint -- would be lost at the first save, so it is refused before training starts
+    (what is not a regular file is left to :func:`check_writable`). Raises
+    :class:`CheckpointError` naming the file, what it holds and what to do: ``--resume`` only
+    where resuming this run (``run``: its settings, ``epochs`` its length) would work.
     """
-    if not os.path.isfile(path) or (resume is not None and outputs.same_file(path, resume)):
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    instead = "remove it or choose another --save path"
+    if resume is not None and outputs.same_file(path, resume):
+        return
+    instead = "remove it, or choose another --save path"
     try:
         epoch = load_checkpoint(path, {})["epoch"]  # compared with no run: any checkpoint
-    except CheckpointError:
-        held = (
-            "exists and is not an fp16fx train checkpoint"
-            if os.access(path, os.R_OK)
-            else "exists (a file this user cannot read)"
-        )
+    except CheckpointError as exc:
         raise CheckpointError(
-            f"--save {path} {held}, which this run would replace: {instead}"
+            f"--save {path} exists and is no checkpoint this run can replace ({exc}): {instead}"
         ) from None
+    try:
+        load_checkpoint(path, run)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"--save {path} holds a checkpoint of another run ({exc}), which this run would "
+            f"replace: {instead}"
+        ) from None
+    if epoch >= epochs:
+        advice = f"pass --resume {path} with more than --epochs {epoch} to train it further"
+    else:
+        advice = f"pass --resume {path} to continue it"
     raise CheckpointError(
-        f"--save {path} holds an fp16fx train checkpoint at epoch {epoch}, which this run "
-        f"would replace: pass --resume {path} to continue it, or {instead}"
+        f"--save {path} holds this run's checkpoint at epoch {epoch}, which this run would "
+        f"replace: {advice}, or {instead}"
     )
 
 

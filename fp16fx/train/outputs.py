@@ -85,8 +85,12 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
 
 
 def same_file(a: str, b: str) -> bool:
-    """Whether paths ``a`` and ``b`` name one file (after links, ``..`` and the like)."""
-    return os.path.realpath(a) == os.path.realpath(b)
+    """Whether paths ``a`` and ``b`` name one file (after links, hard ones too, ``..`` and
+    the like; one that does not exist yet by its resolved path)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _target(path: str) -> str:

@@ -94,21 +94,19 @@ class TrainConfig:
     def identity(self) -> dict[str, Any]:
         """Returns the settings a checkpoint must share with this session to be resumed.
 
-        The seed is one: a resumed run continues the checkpoint's random streams (batch
-        order, augmentation), so a different ``--seed`` would be printed but not used;
-        ``fsdp`` is one, since the optimizer's state dict has another form under FSDP2. The
-        precision (``master``, ``moments``) is not: a checkpoint resumes in its own (those left
-        None) or in another one given, its optimizer state converted (docs/precision.md,
-        "Checkpoints"), under FSDP2 too,
-        where the masters decide the model's dtype (FP32 shards are their own masters,
-        compensated ones FP16). Nor is the number of processes. The loss scale is one: the
-        checkpoint's loss-scale state continues, so another ``--loss-scale`` would be printed
-        but not used. So are the batch size (per process), the learning rate and its
-        schedule, and ``--limit``: with others the resumed run would quietly differ from the
-        one it continues (its batches, or the learning rate of every step). ``--epochs`` may
-        change (the cosine schedule is recomputed over the new total), and so may the number
-        of processes, as said (each process then takes ``batch_size`` examples a step).
-        """
+        The seed is one: a resumed run continues the checkpoint's random streams (batch order,
+        augmentation), so a different ``--seed`` would be printed but not used; ``fsdp`` is one,
+        since the optimizer's state dict has another form under FSDP2. The precision (``master``,
+        ``moments``) is not: a checkpoint resumes in its own (those left None) or in another one
+        given, its optimizer state converted (docs/precision.md, "Checkpoints"), under FSDP2 too,
+        where the masters decide the model's dtype (FP32 shards are their own masters, compensated
+        ones FP16). Nor is the number of processes. The loss scale is one: the checkpoint's
+        loss-scale state continues, so another ``--loss-scale`` would be printed but not used. So
+        are the batch size (per process), the learning rate and its schedule, and ``--limit``: with
+        others the resumed run would quietly differ from the one it continues (its batches, or the
+        learning rate of every step). ``--epochs`` may change (the cosine schedule is recomputed
+        over the new total), and so may the number of processes, as said (each process then takes
+        ``batch_size`` examples a step)."""
         return {
             "model": self.model,
             "dataset": self.dataset,
@@ -314,7 +312,7 @@ def _check(config: TrainConfig) -> None:
                 raise SetupError(f"--plot and {flag} name the same file, {config.plot}")
         check_plotting(config.plot)
     if config.save is not None:  # a file it would replace: before anything loads
-        checkpoint.check_new(config.save, config.resume)
+        checkpoint.check_new(config.save, config.resume, config.identity(), _epochs(config))
 
 
 def _check_outputs(config: TrainConfig) -> None:
