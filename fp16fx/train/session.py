@@ -376,7 +376,8 @@ def _run(
         if saved != config.precision():
             logger.info(
                 "converted its optimizer state from --masters %s --moments %s to --masters %s "
-                "--moments %s (masters and moments rounded to nearest: docs/precision.md)",
+                "--moments %s (decoded exactly into FP32, rounded to nearest into a shorter "
+                "format: docs/precision.md)",
                 saved["master"], saved["moments"], config.master, config.moments,
             )  # fmt: skip
 
