@@ -292,6 +292,62 @@ def test_overflow_and_state_dict_read_a_sparse_gradient_before_the_step_hands_it
     assert opt.overflow is True
 
 
+def test_clip_and_inspect_hand_a_sparse_gradient_over_as_step_does():
+    """clip_master_grads and inspect_master_grad_data raised the fast path's internal
+    Unsupported for a sparse grad, where step() switched to the generic path."""
+    for call in ("clip", "inspect"):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, sparse=True).half()
+        opt = FP16_Optimizer(
+            torch.optim.SGD(emb.parameters(), lr=0.1), static_loss_scale=4.0, verbose=False
+        )
+        opt.backward(emb(torch.tensor([1, 2, 2])).float().sum() * 0.5)
+        if call == "clip":
+            assert opt.clip_master_grads(0.5) == pytest.approx(5**0.5)  # rows 1 and 2 (twice)
+        else:
+            (grad,) = opt.inspect_master_grad_data()[0]
+            assert grad.to_dense()[2].tolist() == [1.0] * 4
+        assert opt.path == "generic"
+        opt.step()
+
+
+def test_adam_refuses_a_sparse_gradient_before_switching_paths():
+    """torch's Adam takes no sparse grad: the switch to the generic path once happened for
+    good, and torch then refused the step."""
+    emb = nn.Embedding(10, 3, sparse=True).half()
+    opt = FP16_Optimizer(torch.optim.Adam(emb.parameters()), static_loss_scale=4.0, verbose=False)
+    opt.backward(emb(torch.tensor([1, 4])).float().sum())
+    with pytest.raises(
+        ValueError, match=r"has a sparse gradient, which torch\.optim\.Adam does not"
+    ):
+        opt.step()
+    assert opt.path == "fast" and "param_segments" in opt.state_dict()
+
+
+def test_the_generic_path_refuses_params_whose_data_was_replaced():
+    """model.half() after wrapping turned an FP32 param, its own master, into an FP16 one the
+    generic path stepped without a master (the fast path finds it out of its flat buffer)."""
+    model = nn.Sequential(nn.Linear(4, 2)).half()
+    gain = nn.Parameter(torch.ones(2))
+    opt = FP16_Optimizer(
+        torch.optim.SGD([*model.parameters(), gain], lr=0.1), path="generic", verbose=False
+    )
+    model.half()
+    gain.data = gain.data.half()
+    opt.backward((model(torch.ones(1, 4).half()).float() * gain.float()).sum())
+    with pytest.raises(RuntimeError, match=r"was torch.float32 \(2,\) on cpu when FP16_Optimizer"):
+        opt.step()
+
+
+def test_loss_scale_takes_a_one_element_tensor():
+    """apex's setter took any value; a tensor was refused as no number."""
+    opt = FP16_Optimizer(
+        torch.optim.SGD(nn.Linear(2, 2).half().parameters(), lr=0.1), verbose=False
+    )
+    opt.loss_scale = torch.tensor(8.0)
+    assert opt.loss_scale == 8.0
+
+
 # -- 5. finite but huge gradients --------------------------------------------------------------
 
 

@@ -187,6 +187,14 @@ def handover(
             f"{reason}: this needs the generic path, which {fast.whose} cannot take: the "
             "generic path keeps whole FP32 masters and torch.optim's state on every rank"
         )
+    sparse = [p for p in fast.flat.params if p.grad is not None and p.grad.layout != torch.strided]
+    if sparse and fast.kind != "sgd":  # torch's Adam and AdamW would refuse it after the switch
+        name = fast.names.get(id(sparse[0]), "a param")
+        raise ValueError(
+            f"{name} has a sparse gradient, which torch.optim.{type(fast.optimizer).__name__} "
+            "does not take (torch.optim.SparseAdam does; or make the layer's gradient dense, "
+            "e.g. nn.Embedding(..., sparse=False))"
+        )
     if fast.compact:
         precision = fast.state.precision
         raise ValueError(

@@ -257,6 +257,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # as clip_master_grads takes
+            value = value.item()
         check_scale("loss_scale", value)
         self._engine.keep_scale_of_the_grads()  # in any phase: grads outlive a step or a load
         self._scaler.state.scale.fill_(float(value))
@@ -397,8 +399,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     def _check_unchanged(self) -> None:
         """Raises, before a step, where the param groups changed behind this optimizer's back
-        (:meth:`ParamSet.check_unchanged`)."""
+        (:meth:`ParamSet.check_unchanged`), or on the generic path a param's data
+        (:meth:`ParamSet.check_data`; the fast path checks its flat buffers instead)."""
         self._params.check_unchanged(self.param_groups)
+        if isinstance(self._engine, GenericEngine):
+            self._params.check_data()
 
     def _fast_step(self) -> StepInfo:
         """Runs the fast engine's step on the current grads, after the checks that refuse to
@@ -464,14 +469,19 @@ class FP16_Optimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be a number (2, 1, inf...), got {norm_type!r}")
         if isinstance(self._engine, FastEngine):
             if order == 2.0:
-                finite, norm = self._engine.check()
-                self._phase.new_grads()  # overflow reads these grads
-                if not bool(finite):
-                    return -1.0
-                return float(self._engine.clip_current_grads(float(max_norm), norm))
-            if self.sharded or self._engine.fsdp:
+                try:
+                    finite, norm = self._engine.check()
+                except Unsupported as err:  # a sparse grad, which the generic path takes
+                    self._handover(err)
+                else:
+                    self._phase.new_grads()  # overflow reads these grads
+                    if not bool(finite):
+                        return -1.0
+                    return float(self._engine.clip_current_grads(float(max_norm), norm))
+            elif self.sharded or self._engine.fsdp:
                 raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
-            self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
+            else:
+                self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
         if self._phase.grads != "unscaled":
@@ -509,11 +519,14 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 "returning None"
             )
             return None
+        if isinstance(self._engine, FastEngine):
+            try:
+                grads = self._engine.unscaled_grads()
+            except Unsupported as err:  # a sparse grad, which the generic path takes
+                self._handover(err)
         engine = self._engine
         if isinstance(engine, GenericEngine):  # the masters' grads, or what they will be
             grads = engine.unscaled_grads(fresh=self._phase.grads == "fresh")
-        else:
-            grads = engine.unscaled_grads()
         return [[grads.get(p) for p in group["params"]] for group in self.param_groups]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

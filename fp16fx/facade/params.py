@@ -80,6 +80,8 @@ class ParamSet:
       frozen: the params that had ``requires_grad=False`` when it was built (never trained).
       names: ``{id(param): readable name}``, for errors.
       sizes: per param group, how many params it holds, trained or frozen.
+      kinds: per trained param (groups in order), its dtype, shape and device when it was
+        added: what :meth:`check_data` compares.
     """
 
     trainable: list[list[torch.Tensor]]
@@ -87,6 +89,10 @@ class ParamSet:
     frozen: list[torch.Tensor]
     names: dict[int, str]
     sizes: list[int]
+    kinds: list[tuple[torch.dtype, torch.Size, torch.device]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kinds = [_kind(p) for params in self.trainable for p in params]
 
     def known(self) -> set[int]:
         """Returns the ids of every param it holds, trained or frozen."""
@@ -101,6 +107,7 @@ class ParamSet:
     ) -> None:
         """Records a new param group: ``params`` (requiring grad) with their ``masters``."""
         self.trainable.append(params)
+        self.kinds.extend(map(_kind, params))
         self.masters.append(masters)
         self.frozen.extend(p for p in group["params"] if not p.requires_grad)
         self.names.update(names)
@@ -132,6 +139,23 @@ class ParamSet:
                     "not train it. Build the FP16_Optimizer after unfreezing (and load_state_dict)."
                 )
 
+    def check_data(self) -> None:
+        """Raises RuntimeError, naming the first, where a trained param's data has another
+        dtype, shape or device than when it was added: on the generic path an FP32 param is
+        its own master, which ``model.half()`` would turn into an FP16 param stepped without
+        one (the fast path finds a param moved out of its flat buffer instead)."""
+        params = (p for group in self.trainable for p in group)
+        for p, kind in zip(params, self.kinds):
+            if _kind(p) != kind:
+                dtype, shape, device = kind
+                raise RuntimeError(
+                    f"{self.names.get(id(p), 'a param')} was {dtype} {tuple(shape)} on {device} "
+                    f"when FP16_Optimizer was built, and is {p.dtype} {tuple(p.shape)} on "
+                    f"{p.device} now: its .data was replaced (e.g. by model.half(), "
+                    "model.to(...), or load_state_dict(..., assign=True)). Convert and move the "
+                    "model first, then build the FP16_Optimizer."
+                )
+
     def reached_nothing(self) -> RuntimeError:
         """Returns the error for a loss whose backward reached none of the trained params."""
         trained = [p for ps in self.trainable for p in ps]
@@ -150,3 +174,7 @@ class ParamSet:
             "a new module? "
             "Build the FP16_Optimizer after that, or load weights with assign=False." + fsdp
         )
+
+
+def _kind(param: torch.Tensor) -> tuple[torch.dtype, torch.Size, torch.device]:
+    return param.dtype, param.shape, param.device
