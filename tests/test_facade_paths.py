@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import math
 import os
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -226,3 +228,30 @@ def test_the_fast_and_the_generic_path_agree_on_any_sequence(inner, scaling, ops
             clip_pending and name not in ("backward", "zero_grad", "closure")
         )
         added = added or name == "add_param_group"
+
+
+def test_the_generic_path_reads_a_check_from_the_device_once():
+    """clip_master_grads then step() read the same finite flag twice: one host sync more per
+    step than migration.md's one bool (beside the clip's own float, inherent to its API)."""
+    model = nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(
+        torch.optim.RMSprop(model.parameters(), lr=0.1), static_loss_scale=8.0, verbose=False
+    )
+    opt.backward(model(torch.ones(3, 4).half()).float().sum())
+    reads = []
+
+    def counted(name: str, read: Any) -> Any:
+        def read_counted(self: torch.Tensor, *args: Any) -> Any:
+            reads.append(name)
+            return read(self, *args)
+
+        return read_counted
+
+    with (
+        mock.patch.object(torch.Tensor, "__bool__", counted("bool", torch.Tensor.__bool__)),
+        mock.patch.object(torch.Tensor, "__float__", counted("float", torch.Tensor.__float__)),
+        mock.patch.object(torch.Tensor, "item", counted("item", torch.Tensor.item)),
+    ):
+        opt.clip_master_grads(1.0)
+        opt.step()
+    assert opt.path == "generic" and sorted(reads) == ["bool", "float"]

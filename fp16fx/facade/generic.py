@@ -44,6 +44,7 @@ class GenericEngine:
         self.optimizer, self.scaler = optimizer, scaler
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._finite: torch.Tensor | None = None
+        self._finite_read: tuple[torch.Tensor, bool] | None = None  # _finite, and on the host
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
         self._stepped_finite = (  # the last step's check
             torch.ones((), dtype=torch.bool) if stepped_finite is None else stepped_finite
@@ -159,8 +160,13 @@ class GenericEngine:
         return all_finite(dtensors.local_shards(grads, root="grads")[0])
 
     def finite(self) -> bool:
-        """Returns whether the last ``update_master_grads`` found finite grads (one sync)."""
-        return True if self._finite is None else bool(self._finite)
+        """Returns whether the last ``update_master_grads`` found finite grads (one sync per
+        check: a clip and the step that follows read the same check once)."""
+        if self._finite is None:
+            return True
+        if self._finite_read is None or self._finite_read[0] is not self._finite:
+            self._finite_read = (self._finite, bool(self._finite))
+        return self._finite_read[1]
 
     def adjust_scale(self) -> torch.Tensor:
         """Moves the loss scale for the last checked grads (once per step); returns whether
