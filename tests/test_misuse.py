@@ -302,6 +302,7 @@ def test_clip_and_inspect_hand_a_sparse_gradient_over_as_step_does():
             torch.optim.SGD(emb.parameters(), lr=0.1), static_loss_scale=4.0, verbose=False
         )
         opt.backward(emb(torch.tensor([1, 2, 2])).float().sum() * 0.5)
+        opt.loss_scale = 8.0  # the grads keep the scale they were made with (it once lapsed)
         if call == "clip":
             assert opt.clip_master_grads(0.5) == pytest.approx(5**0.5)  # rows 1 and 2 (twice)
         else:
@@ -311,17 +312,27 @@ def test_clip_and_inspect_hand_a_sparse_gradient_over_as_step_does():
         opt.step()
 
 
-def test_adam_refuses_a_sparse_gradient_before_switching_paths():
-    """torch's Adam takes no sparse grad: the switch to the generic path once happened for
-    good, and torch then refused the step."""
+@pytest.mark.parametrize(
+    ("inner", "refused"),
+    [
+        (lambda ps: torch.optim.Adam(ps), r"torch\.optim\.Adam does not"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01), "SGD with weight_decay does"),
+    ],
+)
+def test_a_sparse_gradient_the_optimizer_refuses_is_refused_before_switching_paths(inner, refused):
+    """torch's Adam takes no sparse grad, nor its SGD with weight decay: the switch to the
+    generic path once happened for good, and torch then refused the step. A load, which
+    replaces the state, still switches (its step refuses the grad, as torch's would)."""
     emb = nn.Embedding(10, 3, sparse=True).half()
-    opt = FP16_Optimizer(torch.optim.Adam(emb.parameters()), static_loss_scale=4.0, verbose=False)
+    opt = FP16_Optimizer(inner(emb.parameters()), static_loss_scale=4.0, verbose=False)
+    saved = opt.state_dict()
     opt.backward(emb(torch.tensor([1, 4])).float().sum())
-    with pytest.raises(
-        ValueError, match=r"has a sparse gradient, which torch\.optim\.Adam does not"
-    ):
+    with pytest.raises(ValueError, match=refused):
         opt.step()
     assert opt.path == "fast" and "param_segments" in opt.state_dict()
+    saved["optimizer_state_dict"]["param_groups"][0]["maximize"] = True  # the generic path's
+    opt.load_state_dict(saved)
+    assert opt.path == "generic"
 
 
 def test_the_generic_path_refuses_params_whose_data_was_replaced():
@@ -335,7 +346,9 @@ def test_the_generic_path_refuses_params_whose_data_was_replaced():
     model.half()
     gain.data = gain.data.half()
     opt.backward((model(torch.ones(1, 4).half()).float() * gain.float()).sum())
-    with pytest.raises(RuntimeError, match=r"was torch.float32 \(2,\) on cpu when FP16_Optimizer"):
+    with pytest.raises(
+        RuntimeError, match=r"was torch.float32 \(2,\) on cpu when FP16_Optimizer took"
+    ):
         opt.step()
 
 

@@ -171,6 +171,24 @@ def build_engine(
     return GenericEngine(optimizer, trainable, masters, scaler), masters
 
 
+def _check_sparse_grads_taken(fast: FastEngine, reason: Exception | str) -> None:
+    """Raises ValueError, naming the param, where a grad is sparse and the wrapped optimizer
+    refuses one (torch's Adam and AdamW always, its SGD with weight decay): it would refuse
+    only after the switch to the generic path, which is for good."""
+    groups = fast.optimizer.param_groups
+    for label, p in zip(fast.labels, fast.flat.params, strict=True):
+        if p.grad is None or p.grad.layout == torch.strided:
+            continue
+        if fast.kind == "sgd" and not groups[label]["weight_decay"]:
+            continue
+        name = type(fast.optimizer).__name__ + (" with weight_decay" if fast.kind == "sgd" else "")
+        raise ValueError(
+            f"{reason}: {fast.names.get(id(p), 'a param')} has a sparse gradient, which "
+            f"torch.optim.{name} does not take (torch.optim.SparseAdam does; or make the "
+            "layer's gradient dense, e.g. nn.Embedding(..., sparse=False))"
+        )
+
+
 def handover(
     fast: FastEngine, params: ParamSet, reason: Exception | str, *, keep_state: bool
 ) -> GenericEngine:
@@ -179,22 +197,17 @@ def handover(
     about to load one). The masters' grads are not made yet.
 
     Raises ValueError, before anything changed, if ``fast`` is sharded (or an FSDP2
-    model's: the generic path keeps no sharded state) or keeps compact precision (the
-    generic path steps FP32 masters).
+    model's: the generic path keeps no sharded state), if, with ``keep_state``, a grad is
+    sparse where the wrapped optimizer refuses one, or if ``fast`` keeps compact precision
+    (the generic path steps FP32 masters).
     """
     if fast.sharded is not None or fast.fsdp:
         raise ValueError(
             f"{reason}: this needs the generic path, which {fast.whose} cannot take: the "
             "generic path keeps whole FP32 masters and torch.optim's state on every rank"
         )
-    sparse = [p for p in fast.flat.params if p.grad is not None and p.grad.layout != torch.strided]
-    if sparse and fast.kind != "sgd":  # torch's Adam and AdamW would refuse it after the switch
-        name = fast.names.get(id(sparse[0]), "a param")
-        raise ValueError(
-            f"{name} has a sparse gradient, which torch.optim.{type(fast.optimizer).__name__} "
-            "does not take (torch.optim.SparseAdam does; or make the layer's gradient dense, "
-            "e.g. nn.Embedding(..., sparse=False))"
-        )
+    if keep_state:  # a step's switch (a load's replaces the state, and its step refuses)
+        _check_sparse_grads_taken(fast, reason)
     if fast.compact:
         precision = fast.state.precision
         raise ValueError(

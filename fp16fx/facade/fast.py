@@ -675,10 +675,10 @@ class FastEngine:
         the new one, as a sharded engine unscales each grad once, by the current scale.)"""
         if self.sharded is not None or self._made_at.get() is not None:
             return
-        try:  # the grads a step reads: their flat buffer's views (a stamp before would lapse)
+        # The grads a step reads: their flat buffer's views (a stamp before would lapse). A
+        # sparse grad moves nothing (TypeError): the generic path takes them, by this scale.
+        with contextlib.suppress(TypeError):
             self.flat.collect_grads()
-        except TypeError:  # a sparse grad: the generic path takes them, with the new scale
-            return
         self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
 
     def carried_scale(self) -> torch.Tensor | None:

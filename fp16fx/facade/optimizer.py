@@ -246,7 +246,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
     @property
     def loss_scale(self) -> float:
-        """The current loss scale (reading it syncs with the device; setting it does not).
+        """The current loss scale (reading it syncs with the device; setting it does not, but
+        for a one-element tensor on the device, which it reads).
 
         Set between ``backward`` and ``step``, it leaves the current grads as they were made:
         they are unscaled by the scale they were made with, as apex unscaled them at backward
@@ -256,7 +257,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         return float(self._scaler.state.scale)
 
     @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
+    def loss_scale(self, value: float | torch.Tensor) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # as clip_master_grads takes
             value = value.item()
         check_scale("loss_scale", value)

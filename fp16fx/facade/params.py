@@ -144,16 +144,16 @@ class ParamSet:
         dtype, shape or device than when it was added: on the generic path an FP32 param is
         its own master, which ``model.half()`` would turn into an FP16 param stepped without
         one (the fast path finds a param moved out of its flat buffer instead)."""
-        params = (p for group in self.trainable for p in group)
-        for p, kind in zip(params, self.kinds):
+        params = [p for group in self.trainable for p in group]
+        for p, kind in zip(params, self.kinds, strict=True):
             if _kind(p) != kind:
                 dtype, shape, device = kind
                 raise RuntimeError(
                     f"{self.names.get(id(p), 'a param')} was {dtype} {tuple(shape)} on {device} "
-                    f"when FP16_Optimizer was built, and is {p.dtype} {tuple(p.shape)} on "
-                    f"{p.device} now: its .data was replaced (e.g. by model.half(), "
-                    "model.to(...), or load_state_dict(..., assign=True)). Convert and move the "
-                    "model first, then build the FP16_Optimizer."
+                    f"when FP16_Optimizer took it, and is {p.dtype} {tuple(p.shape)} on "
+                    f"{p.device} now: its .data was replaced (e.g. by model.half() or "
+                    "model.to(...)). Convert and move the model first, then build the "
+                    "FP16_Optimizer."
                 )
 
     def reached_nothing(self) -> RuntimeError:
