@@ -51,6 +51,7 @@ _REQUIRED = ("format", "epoch", *_DICTS)
 #: The settings of checkpoints written before their ``run`` recorded them.
 _IDENTITY_DEFAULTS = {"fsdp": False}
 
+#: The values a checkpoint's recorded precision may take, per flag.
 _PRECISION_NAMES = {"master": MASTERS, "moments": MOMENTS}
 
 
