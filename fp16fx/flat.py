@@ -380,6 +380,9 @@ class FlatParams:
         multiple: int = 1,
     ) -> None:
         self.params = list(params)
+        for i, p in enumerate(self.params):  # before anything moves: a buffer holds dense ones
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise TypeError(f"param {i} has a {p.grad.layout} gradient, not a dense one")
         leaves, treedef = optree.tree_flatten(self.params, none_is_leaf=True)
         self.layout = plan(leaves, treedef, labels, multiple)
         with torch.no_grad():

@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 import fp16fx
 from fp16fx.compile import StepFunction
+from fp16fx.flat import FlatParams
 from fp16fx.fp16_utils import FP16_Optimizer
 
 PATHS = ["fast", "generic"]
@@ -310,6 +311,22 @@ def test_clip_and_inspect_hand_a_sparse_gradient_over_as_step_does():
             assert grad.to_dense()[2].tolist() == [1.0] * 4
         assert opt.path == "generic"
         opt.step()
+
+
+def test_a_sparse_gradient_held_when_the_optimizer_is_built_takes_the_generic_path():
+    """It once failed inside the flat buffers' copy of the grads, after the params had moved
+    into them; FlatParams (the facade's and fdist.init(shard=True)'s buffers) refuses it
+    before moving anything."""
+    emb = nn.Embedding(10, 3, sparse=True).half()
+    emb(torch.tensor([1, 4])).float().sum().backward()
+    opt = FP16_Optimizer(torch.optim.SGD(emb.parameters(), lr=0.5), verbose=False)
+    assert opt.path == "generic"
+    opt.step()
+    weight = emb.weight
+    before = (weight.data_ptr(), weight.detach().clone())
+    with pytest.raises(TypeError, match=r"param 0 has a torch\.sparse_coo gradient"):
+        FlatParams([weight])
+    assert weight.data_ptr() == before[0] and torch.equal(weight, before[1])
 
 
 @pytest.mark.parametrize(

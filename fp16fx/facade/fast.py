@@ -104,6 +104,9 @@ class FastEngine:
             transform = build_transform(specs, groups, self.labels)  # validates the numbers
             # The state the optimizer holds, before the params move (or, sharded, broadcast).
             params = [p for group_params in trainable for p in group_params]
+            for p in params:  # (a flat buffer holds dense grads; the generic path takes these)
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
             fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
             for label, p in zip(self.labels, params):
                 held = optimizer.state.get(p)
