@@ -354,6 +354,21 @@ def adopt(layout: Layout, leaves: Sequence[torch.Tensor | None]) -> list[torch.T
     return flats
 
 
+def first_sparse_grad(params: Sequence[torch.Tensor]) -> int | None:
+    """Returns the index of the first param whose gradient is not dense (a flat buffer holds
+    dense ones only), else None."""
+    return next(
+        (i for i, p in enumerate(params) if p.grad is not None and p.grad.layout != torch.strided),
+        None,
+    )
+
+
+def _refuse_sparse_grads(params: Sequence[torch.Tensor]) -> None:
+    i = first_sparse_grad(params)
+    if i is not None:
+        raise TypeError(f"param {i} has a {params[i].grad.layout} gradient, not a dense one")
+
+
 class FlatParams:
     """A model's params moved into flat buffers, with flat gradient buffers as their ``.grad``.
 
@@ -380,9 +395,7 @@ class FlatParams:
         multiple: int = 1,
     ) -> None:
         self.params = list(params)
-        for i, p in enumerate(self.params):  # before anything moves: a buffer holds dense ones
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise TypeError(f"param {i} has a {p.grad.layout} gradient, not a dense one")
+        _refuse_sparse_grads(self.params)  # before anything moves
         leaves, treedef = optree.tree_flatten(self.params, none_is_leaf=True)
         self.layout = plan(leaves, treedef, labels, multiple)
         with torch.no_grad():
@@ -423,9 +436,7 @@ class FlatParams:
         grads = list(map(_GRAD, self.params))
         if all(map(operator.is_, grads, self.grad_views)):  # the usual case: all are views
             return [True] * len(grads)
-        for i, grad in enumerate(grads):
-            if grad is not None and grad.layout != torch.strided:
-                raise TypeError(f"param {i} has a {grad.layout} gradient, not a dense one")
+        _refuse_sparse_grads(self.params)
         has_grad = []
         for p, view in zip(self.params, self.grad_views):
             grad = p.grad

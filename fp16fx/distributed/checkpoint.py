@@ -246,12 +246,13 @@ def load_state_dict(
     non_negative = checkpoint.non_negative_keys(signs)
     if not isinstance(sd.get("params"), Mapping):
         raise saved_format.StateDictError("the state dict has no ['params'] dict")
-    in_fp32_terms = template(state, canonical=True)
-    as_stored = saved == precision and not _dtypes_changed(in_fp32_terms["params"], sd["params"])
+    stored = template(state)
+    as_stored = saved == precision and not _dtypes_changed(stored["params"], sd["params"])
     if as_stored:
-        saved_format.check_fits(template(state), sd, non_negative)
+        saved_format.check_fits(stored, sd, non_negative)
         entries = sd["params"]
     else:
+        in_fp32_terms = template(state, canonical=True)
         entries = {
             path: checkpoint.in_dtype_of(path, entry, in_fp32_terms["params"].get(path))
             for path, entry in saved_format.canonical_params(sd["params"], saved.block).items()

@@ -42,7 +42,7 @@ from fp16fx.facade.groups import (
 )
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
-from fp16fx.flat import FlatParams
+from fp16fx.flat import FlatParams, first_sparse_grad
 from fp16fx.precision import Precision
 from fp16fx.scaling import GradCheck, LossScaleState, all_finite
 from fp16fx.segments import Segments
@@ -104,9 +104,10 @@ class FastEngine:
             transform = build_transform(specs, groups, self.labels)  # validates the numbers
             # The state the optimizer holds, before the params move (or, sharded, broadcast).
             params = [p for group_params in trainable for p in group_params]
-            for p in params:  # (a flat buffer holds dense grads; the generic path takes these)
-                if p.grad is not None and p.grad.layout != torch.strided:
-                    raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
+            sparse = first_sparse_grad(params)  # the generic path takes these
+            if sparse is not None:
+                p = params[sparse]
+                raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
             fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
             for label, p in zip(self.labels, params):
                 held = optimizer.state.get(p)
@@ -122,15 +123,11 @@ class FastEngine:
             # a rank that cannot read it tells the others).
             agreed: list[tuple[str, Any]] = []
             if shard is not NOT_SHARDED:
-                torch_state.check_one_count_per_bucket(
-                    specs, self.labels, params, optimizer.state, names
-                )
+                summaries = [torch_state.summary(optimizer.state.get(p)) for p in params]
+                torch_state.check_one_count_per_bucket(specs, self.labels, params, summaries, names)
                 agreed = [
-                    (
-                        f"the state its optimizer holds for {names[id(p)]}",
-                        torch_state.summary(optimizer.state.get(p)),
-                    )
-                    for p in params
+                    (f"the state its optimizer holds for {names[id(p)]}", summary)
+                    for p, summary in zip(params, summaries, strict=True)
                 ]
         self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
         self.names = names  # {id(param): readable name}, for errors

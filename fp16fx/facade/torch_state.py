@@ -157,19 +157,18 @@ def check_one_count_per_bucket(
     specs: Sequence[GroupSpec],
     labels: Sequence[int],
     params: Sequence[torch.Tensor],
-    held: Mapping[torch.Tensor, Mapping[str, Any]],
+    held: Sequence[Any],
     names: Mapping[int, str],
 ) -> None:
     """Raises ValueError where two params of one sharded flat bucket (one param group and
     dtype: ``labels[i]`` is param ``i``'s group) hold different step counts in ``held``
-    (torch.optim's state; none held: no step taken): each rank's slice of a bucket keeps
-    one."""
+    (per param, :func:`summary` of its torch.optim state; None: no step taken): each rank's
+    slice of a bucket keeps one."""
     first: dict[tuple[int, torch.dtype], tuple[float, torch.Tensor]] = {}
-    for label, p in zip(labels, params):
+    for label, p, state in zip(labels, params, held, strict=True):
         if specs[label].optimizer == "sgd":  # torch's SGD counts no steps
             continue
-        state = held.get(p) or {}
-        steps = float(state["step"]) if "step" in state else 0.0
+        steps = (state or {}).get("step", 0.0)
         other_steps, other = first.setdefault((label, p.dtype), (steps, p))
         if steps != other_steps:
             raise ValueError(
