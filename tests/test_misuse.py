@@ -6,6 +6,7 @@ something it should not have; it fails on the code before the fix.
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 import pickle
@@ -669,6 +670,34 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load_not_at_the_n
     adam.backward(loss_of(adam_model, 0))
     adam.step()  # unchanged, and usable
     assert not any(torch.equal(a, p) for a, p in zip(before, adam_model.parameters()))
+
+
+def test_a_checkpoint_of_another_class_is_refused_on_the_generic_path_for_any_class():
+    """Classes only the generic path steps: an Adagrad dict loaded into RMSprop once loaded
+    whole, and every step after it failed with a bare KeyError: 'square_avg' (or 'alpha')."""
+    trained, fresh = make_model(0), make_model(1)
+    adagrad = wrap(trained, "generic", torch.optim.Adagrad(trained.parameters(), lr=0.1))
+    for i in range(2):
+        adagrad.zero_grad()
+        adagrad.backward(loss_of(trained, i))
+        adagrad.step()
+    rmsprop = wrap(fresh, "generic", torch.optim.RMSprop(fresh.parameters(), lr=1e-2))
+    rmsprop.backward(loss_of(fresh, 0))
+    rmsprop.step()
+    before = copy.deepcopy((rmsprop.state_dict(), [p.detach().clone() for p in fresh.parameters()]))
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\] lacks \['alpha'\]: it was "
+                       r"saved from another optimizer than torch.optim.RMSprop"):  # fmt: skip
+        rmsprop.load_state_dict(adagrad.state_dict())
+    after = (rmsprop.state_dict(), [p.detach().clone() for p in fresh.parameters()])
+    assert optree.tree_all(optree.tree_map(_same, before, after))
+    rmsprop.zero_grad()
+    rmsprop.backward(loss_of(fresh, 1))
+    rmsprop.step()  # unchanged, and usable
+    assert "square_avg" in rmsprop.optimizer.state[rmsprop.optimizer.param_groups[0]["params"][0]]
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 @pytest.mark.parametrize("path", PATHS)

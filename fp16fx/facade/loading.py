@@ -268,10 +268,28 @@ def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, 
     kind = fast_kind(inner)
     missing = sorted(SAVED_NUMBERS[kind] - set(saved)) if kind else []
     if missing:
-        raise _fail(
-            f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
-            f"another optimizer than torch.optim.{type(inner).__name__}"
-        )
+        raise _saved_from_another(inner, k, missing)
+
+
+def _saved_from_another(inner: torch.optim.Optimizer, k: int, missing: list[str]) -> ValueError:
+    cls = type(inner)
+    name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
+            else f"{cls.__module__}.{cls.__qualname__}")  # fmt: skip
+    return _fail(
+        f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from another "
+        f"optimizer than {name}"
+    )
+
+
+def _check_loaded_group_keys(inner: torch.optim.Optimizer) -> None:
+    """Raises unless each param group torch loaded has every hyperparameter of ``inner``'s
+    defaults. The check for any optimizer class: torch keeps a saved group whole and fills in
+    only the keys its class gained since (``__setstate__``), so a group saved from another
+    class loaded, and the next step failed on the key it lacks (``KeyError: 'alpha'``)."""
+    for k, group in enumerate(inner.param_groups):
+        missing = sorted(set(inner.defaults) - set(group))
+        if missing:
+            raise _saved_from_another(inner, k, missing)
 
 
 def _is_count(value: Any) -> bool:
@@ -383,7 +401,8 @@ def load(
 
     Raises:
       Unsupported: the engine is the fast one and the loaded groups need the generic path.
-      ValueError: a saved state does not fit its param (found while converting it).
+      ValueError: a saved state does not fit its param (found while converting it), or a
+        param group torch loaded lacks a hyperparameter of the wrapped optimizer's class.
     """
     if isinstance(engine, FastEngine) and plan.specs is None:
         raise Unsupported("the loaded param groups need it")
@@ -404,6 +423,7 @@ def load(
                 group.update(loaded)
         else:
             inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
+            _check_loaded_group_keys(inner)
             trained = [m for masters in params.masters for m in masters]
             per_param = {m: inner.state.pop(m) for m in trained if m in inner.state}
         scaler.policy = plan.policy
