@@ -78,23 +78,23 @@ def test_sgd_matches_torch(lr, momentum, dampening, weight_decay, nesterov, seed
 
 @given(
     momenta=st.lists(st.sampled_from([0.0, 0.5, 0.9]), min_size=STEPS, max_size=STEPS),
-    dampening=st.sampled_from([0.0, 0.3]),
+    dampenings=st.lists(st.sampled_from([0.0, 0.3]), min_size=STEPS, max_size=STEPS),
     nesterov=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_sgd_momentum_set_between_steps_matches_torch(momenta, dampening, nesterov, seed):
-    """Momentum set to 0 and back between steps, as torch.optim.SGD's param groups allow: 0
-    steps the plain grad and keeps the buffer (a dampened buffer once shrank every update
-    by 1 - dampening), and a buffer never made starts from the grad."""
-    dampening = 0.0 if nesterov else dampening
-    hp = dict(lr=0.1, momentum=0.9, dampening=dampening, nesterov=nesterov)
+def test_sgd_momentum_set_between_steps_matches_torch(momenta, dampenings, nesterov, seed):
+    """Momentum and dampening set between steps, as torch.optim.SGD's param groups allow: a
+    momentum of 0 steps the plain grad and keeps the buffer (a dampened buffer once shrank
+    every update by 1 - dampening), a buffer never made starts from the grad, and Nesterov
+    with a dampening (which both refuse when built) steps as torch steps it."""
+    hp = dict(lr=0.1, momentum=0.9, nesterov=nesterov)
     state = fp16fx.init(dict(PARAMS), fp16fx.sgd(**hp), fp16fx.NoLossScale())
     reference = {k: v.clone().requires_grad_(True) for k, v in PARAMS.items()}
     optimizer = torch.optim.SGD(list(reference.values()), **hp)
     gen = torch.Generator().manual_seed(seed)
-    for momentum in momenta:
-        state = fp16fx.set_hyperparams(state, momentum=momentum)
-        optimizer.param_groups[0]["momentum"] = momentum
+    for momentum, dampening in zip(momenta, dampenings):
+        state = fp16fx.set_hyperparams(state, momentum=momentum, dampening=dampening)
+        optimizer.param_groups[0].update(momentum=momentum, dampening=dampening)
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in PARAMS.items()}
         state, _ = fp16fx.step(state, grads)
         for k, p in reference.items():

@@ -87,7 +87,8 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
         dampening = group["dampening"]
         if nesterov and isinstance(dampening, (int, float)) and dampening != 0:
             # torch.optim.SGD refuses this only when built; set later, or in a group added
-            # later, it steps it. The core's momentum refuses it always: torch's path takes it.
+            # later, it steps it. The fast path builds its transforms from the group, and
+            # fp16fx.sgd refuses it as torch's constructor does: torch's path takes it.
             raise Unsupported(f"param group {index} has nesterov=True with dampening={dampening}")
         return GroupSpec("sgd", has_momentum=momentum, nesterov=nesterov)
     # torch >= 2.7 marks the decay in every Adam/AdamW group; older AdamW groups lack the key.

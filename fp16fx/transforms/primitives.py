@@ -112,6 +112,8 @@ def trace(
     then ``u <- u + momentum * b`` with Nesterov, else ``u <- b``. A momentum set to 0 later
     (``set_hyperparams``) leaves ``u`` and the buffer as they are, and its steps are no
     param's first: torch.optim.SGD's ``momentum == 0`` branch, which keeps no buffer.
+    Nesterov with a dampening is refused here, as torch.optim.SGD refuses it when built; a
+    dampening set later is stepped by the formulas above, as torch steps it.
     """
     check_hyperparam("momentum", momentum)
     check_hyperparam("dampening", dampening)
