@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -263,6 +263,16 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
         is changed.
     """
+    return prepare_load(state, sd)()
+
+
+def prepare_load(
+    state: MixedPrecisionState, sd: Mapping[str, Any]
+) -> Callable[[], MixedPrecisionState]:
+    """Checks ``sd`` against ``state`` as :func:`load_state_dict` does, changing nothing, and
+    returns the function that then writes it (and returns the state to use): for a caller
+    that must agree on a load before anything is written (FSDP2's ranks each check their own
+    shards). Raises as :func:`load_state_dict` does."""
     check_state(state, "load_state_dict")
     if not isinstance(sd, Mapping):
         raise TypeError(f"load_state_dict expects a dict, got {type(sd).__name__}")
@@ -297,25 +307,30 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         layout = layout.recut(_block_restarts(layout, saved_entries, saved.block))
     state = recut(state, layout)
     exact = saved == state.precision and _same_layout(state_dict(state), sd)
-    with torch.no_grad():
-        if exact:  # as stored: bitwise
-            for path, targets in zip(paths, per_leaf(state)):
-                if targets is not None:
-                    for key, dst in targets.items():
-                        if not key.endswith(".offset"):
-                            dst.copy_(sd["params"][path][key])
-        else:
-            store(state, canon)
-        if not state.precision.compensated:
-            for master, param in zip(tree.flatten(state.master)[0], tree.flatten(state.params)[0]):
-                if param is None:
-                    continue
-                if param.dtype == torch.float32:  # a leaf of its own has a master copy of it
-                    master.copy_(param)
-                elif saved.compensated:  # a pair's param may tie with its master's rounding
-                    param.copy_(full_param(param, master))
-    load_shared(state, sd)
-    return state
+
+    def write() -> MixedPrecisionState:
+        with torch.no_grad():
+            if exact:  # as stored: bitwise
+                for path, targets in zip(paths, per_leaf(state)):
+                    if targets is not None:
+                        for key, dst in targets.items():
+                            if not key.endswith(".offset"):
+                                dst.copy_(sd["params"][path][key])
+            else:
+                store(state, canon)
+            if not state.precision.compensated:
+                masters, params = tree.flatten(state.master)[0], tree.flatten(state.params)[0]
+                for master, param in zip(masters, params):
+                    if param is None:
+                        continue
+                    if param.dtype == torch.float32:  # a leaf of its own has a master copy
+                        master.copy_(param)
+                    elif saved.compensated:  # a pair's param may tie with its master's rounding
+                        param.copy_(full_param(param, master))
+        load_shared(state, sd)
+        return state
+
+    return write
 
 
 def _saved_cuts(layout: flat.Layout, paths: list[str], segments: Mapping[str, int]) -> list[Any]:

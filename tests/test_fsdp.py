@@ -300,6 +300,13 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     first, _, second, _ = entries
     swapped = {**entries, first: entries[second]}
     swapped = {**good, "state": {**good["state"], "params": swapped}}
+    # A value only rank 0's shard holds: rank 0 alone saw it, and the other ranks loaded.
+    master = entries[first]["master"]
+    diverged = dtensors.local(master).clone()
+    if rank == 0:
+        diverged.view(-1)[0] = math.nan
+    one_rank = {**entries, first: {**entries[first], "master": dtensors.like(diverged, master)}}
+    one_rank = {**good, "state": {**good["state"], "params": one_rank}}
     for name, bad in (
         ("nan_lr", nan_lr),
         ("no_flag", no_flag),
@@ -307,6 +314,7 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         ("as_list", as_list),
         ("extra_param", extra_param),
         ("swapped", swapped),
+        ("one_rank", one_rank),
     ):
         try:
             opt.load_state_dict(bad)
@@ -798,8 +806,12 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "['params'] has ['nope'], which this state does not keep" in r["extra_param"]
         assert "is (3, 13) placed" in r["swapped"]
         assert "its param is (13, 8) placed (Shard(dim=0),)" in r["swapped"]
+        assert "['params']['0']['master'] holds inf or NaN" in r["one_rank"]
         assert r["refusals_unchanged"]
         assert r["load_keeps_the_grads_scale"]
+    refusals = [r["one_rank"] for r in ranks(jobs, 2, "checkpoint_care")]
+    assert not refusals[0].startswith("rank 0 refused")  # its own refusal, and rank 1 names it
+    assert refusals[1].startswith("rank 0 refused the dict: the state dict does not fit")
 
 
 def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):

@@ -37,6 +37,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp16fx import checkpoint, dtensors, saved_format, tree
@@ -180,9 +181,43 @@ def load_state_dict(
     shard its param holds. Then the values are loaded as by ``fp16fx.load_state_dict`` (which
     checks every key, shape and dtype first).
 
+    The checks of values (finite, >= 0, in the param's range) read each rank's own shards, so
+    one rank may refuse what another would load: the ranks of the params' mesh agree on the
+    outcome (a collective, one ``all_gather_object``), and where any refuses, every one raises
+    and none has loaded the dict.
+
     Raises:
-      fp16fx.StateDictError, ValueError: an entry does not fit (named); nothing is changed.
+      fp16fx.StateDictError, ValueError: an entry does not fit (named; on the other ranks,
+        with the refusing rank); nothing is changed, on any rank.
     """
+    try:
+        write, refusal = checkpoint.prepare_load(state, _own_shards(state, sd, params)), None
+    except Exception as err:  # every rank must reach the agreement, or the others would hang
+        write, refusal = None, err
+    group = _mesh_group(params)
+    if group is not None:
+        refusals: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(refusals, None if refusal is None else str(refusal), group=group)
+        other = next(((r, why) for r, why in enumerate(refusals) if why is not None), None)
+        if refusal is None and other is not None:
+            rank = dist.get_global_rank(group, other[0])
+            refusal = saved_format.StateDictError(f"rank {rank} refused the dict: {other[1]}")
+    if refusal is not None:
+        raise refusal
+    return write()
+
+
+def _mesh_group(params: Any) -> dist.ProcessGroup | None:
+    """The process group of the DTensors among ``params`` (None: no DTensor)."""
+    leaves = tree.flatten(params)[0]
+    mesh = next((leaf.device_mesh for leaf in leaves if isinstance(leaf, DTensor)), None)
+    return None if mesh is None else mesh.get_group()
+
+
+def _own_shards(state: MixedPrecisionState, sd: Mapping[str, Any], params: Any) -> dict[str, Any]:
+    """Returns ``sd`` with each per-param tensor replaced by this rank's shard of it (a
+    DTensor checked to be laid out like its param: its local shard; a whole tensor: the part
+    its param holds)."""
     by_path = _by_path(state, params)
     saved = sd.get("params", {})
     if not isinstance(saved, Mapping):
@@ -203,7 +238,7 @@ def load_state_dict(
                 value = _own_shard(where, value, param)
             out[key] = value
         local[path] = out
-    return checkpoint.load_state_dict(state, {**sd, "params": local})
+    return {**sd, "params": local}
 
 
 def _own_shard(where: str, whole: torch.Tensor, param: DTensor) -> torch.Tensor:
