@@ -344,6 +344,10 @@ def test_p90_is_a_measured_time_by_nearest_rank() -> None:
     assert measure.median_min_p90(range(1, 11)) == (5.5, 1, 9)  # not the slowest of 10
     assert measure.median_min_p90(range(1, 71))[2] == 63  # the 63rd of 70
     assert measure.median_min_p90([3.0]) == (3.0, 3.0, 3.0)
+    # Over rounds, the median round's: of two, the higher (their mean, 3.0, was no step's).
+    rounds = [harness.ContenderResult("c", "c", "fp16fx", ms_per_step=1, min_ms=1, p90_ms=p)
+              for p in (2.0, 4.0)]  # fmt: skip
+    assert harness._merge_rounds(rounds).p90_ms == 4.0
 
 
 # --- CLI -----------------------------------------------------------------------------------

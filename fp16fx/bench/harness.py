@@ -184,7 +184,8 @@ def _measure(
 
 def _merge_rounds(rounds: list[ContenderResult]) -> ContenderResult:
     """Returns one contender's rounds as one result: the median of the rounds' medians, the
-    fastest step of all, steps and recompiles summed, the highest peak memory."""
+    fastest step of all, the median round's p90 (of an even count, the higher middle one: a
+    measured time, as each round's is), steps and recompiles summed, the highest peak memory."""
     if len(rounds) == 1:
         return rounds[0]
 
@@ -196,7 +197,7 @@ def _merge_rounds(rounds: list[ContenderResult]) -> ContenderResult:
         rounds[0],
         ms_per_step=statistics.median(r.ms_per_step for r in rounds),
         min_ms=min(r.min_ms for r in rounds),
-        p90_ms=statistics.median(r.p90_ms for r in rounds),
+        p90_ms=statistics.median_high(r.p90_ms for r in rounds),
         steps=sum(r.steps for r in rounds),
         recompiles=sum(r.recompiles or 0 for r in rounds),
         peak_mem_bytes=highest([r.peak_mem_bytes for r in rounds]),
