@@ -179,7 +179,8 @@ def test_state_dict_keeps_apexs_keys_with_a_plain_scaler(path):
     opt = wrap(model, path)
     run(model, opt, range(3), poison={1})
     sd = opt.state_dict()
-    assert set(sd) == APEX_KEYS | ({"param_segments"} if path == "fast" else set())
+    assert set(sd) == APEX_KEYS | {"trainable"} | ({"param_segments"} if path == "fast" else set())
+    assert sd["trainable"] == [[0, 1, 2, 3]]  # fp16fx's: which params train (none frozen)
     assert sd["loss_scaler"] == {
         "format": "fp16fx", "dynamic": True, "loss_scale": 2.0**9, "good_steps": 1,
         "overflows": 0, "init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5,
@@ -195,6 +196,37 @@ def test_state_dict_keeps_apexs_keys_with_a_plain_scaler(path):
     assert [sorted(s) for s in osd["state"].values()] == [["exp_avg", "exp_avg_sq", "step"]] * 4
     assert all(s["step"].item() == 2 for s in osd["state"].values())
     assert opt.state_dict()["loss_scaler"] == save_and_load(sd)["loss_scaler"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_checkpoint_of_other_trained_params_is_refused_and_an_apex_dict_loads_by_position(path):
+    """The state and masters are keyed by position among the trained params: saved with one
+    param frozen, loaded with another frozen, each param once took its neighbour's values."""
+
+    def build(frozen: int) -> tuple[nn.Module, FP16_Optimizer]:
+        torch.manual_seed(0)
+        model = nn.ParameterList([nn.Parameter(torch.randn(6).half()) for _ in range(3)])
+        model[frozen].requires_grad_(False)
+        opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=0.1), path=path,
+                             compiled=False, verbose=False, static_loss_scale=4.0)  # fmt: skip
+        for i in range(2):
+            opt.zero_grad()
+            opt.backward(sum((p.float() * (k + i + 1)).sum() for k, p in enumerate(model)))
+            opt.step()
+        return model, opt
+
+    _, saved = build(frozen=0)
+    sd = save_and_load(saved.state_dict())
+    assert sd["trainable"] == [[1, 2]]
+    model, opt = build(frozen=2)
+    before = fingerprint(model, opt)
+    with pytest.raises(ValueError, match=r"it trained the params at \[1, 2\] of param group 0, "
+                       r"this optimizer those at \[0, 1\]"):  # fmt: skip
+        opt.load_state_dict(sd)
+    assert_same_fingerprint(fingerprint(model, opt), before)
+    del sd["trainable"]  # as apex saved it: by position, as apex loaded it
+    opt.load_state_dict(sd)
+    assert torch.equal(model[0], sd["fp32_from_fp16"][0][0].half())
 
 
 def test_a_checkpoint_moves_between_the_fast_and_the_generic_path():

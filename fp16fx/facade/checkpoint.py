@@ -14,7 +14,11 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
   stochastic rounding, and per param (one int64 tensor in param-group order) the core's
   segment that holds it: where int8 moments' blocks start, and the units the global
   gradient norm is summed over. torch's format keeps neither (absent: as they are, and as
-  the step counts imply).
+  the step counts imply);
+* ``trainable`` (fp16fx's) -- per param group, the positions of the params it trains (not
+  frozen when it was built): the state and masters are keyed by position among them, so a
+  load checks that the same params train (an apex dict lacks it: loaded by position, as
+  apex did).
 
 On an FSDP2 model the dict is DCP's (``FSDP_FORMAT``): the core's state with every per-param
 tensor a DTensor laid out like its param (:func:`fp16fx.distributed.fsdp.state_dict`), the
@@ -57,6 +61,7 @@ KEYS = (
     "fp32_from_fp16",
     "applied_steps",
     "param_segments",
+    "trainable",
 )
 #: apex's two flags, saved beside the scaler.
 FLAGS = ("overflow", "first_closure_call_this_step")
@@ -86,12 +91,14 @@ def scaler_entries(scaler: Scaler, flags: Mapping[str, bool]) -> dict[str, Any]:
     }
 
 
-def trained_positions(inner: torch.optim.Optimizer, engine: FastEngine) -> list[list[int]]:
-    """Returns, per param group, the positions of the params ``engine`` trains: those it was
-    built over (``requires_grad`` then, whatever it is now), among which a sharded or FSDP2
-    checkpoint keys their state by position."""
-    trained = {id(engine.entry(p)) for p in engine.flat.params}
-    return [[i for i, e in enumerate(g["params"]) if id(e) in trained] for g in inner.param_groups]
+def trained_positions(inner: torch.optim.Optimizer, params: ParamSet) -> list[list[int]]:
+    """Returns, per param group, the positions of the params it trains: all but those frozen
+    when their group was added (``requires_grad`` then, whatever it is now), among which a
+    checkpoint keys their state and masters by position."""
+    frozen = {id(p) for p in params.frozen}  # a frozen param stays in its group itself
+    return [
+        [i for i, e in enumerate(g["params"]) if id(e) not in frozen] for g in inner.param_groups
+    ]
 
 
 def state_dict(
@@ -127,12 +134,12 @@ def state_dict(
                 "format": FSDP_FORMAT,
                 "state": fsdp.state_dict(saved, engine.flat.params),
                 "param_groups": [group_numbers(g) for g in inner.param_groups],
-                "trainable": trained_positions(inner, engine),
+                "trainable": trained_positions(inner, params),
                 **{key: flags[key] for key in FLAGS},
             }
         if (sharded := engine.sharded) is not None:
             groups = inner.state_dict()["param_groups"]  # the state is the engine's
-            positions = trained_positions(inner, engine)
+            positions = trained_positions(inner, params)
             trainable = [[g["params"][i] for i in at] for g, at in zip(groups, positions)]
             shard = fdist.ShardedState(
                 sharded.flat, sharded.sharding, saved, sharded.treedef, sharded.trained
@@ -157,6 +164,7 @@ def state_dict(
         **scaler_entries(scaler, flags),
         "optimizer_state_dict": osd,
         "fp32_from_fp16": masters,
+        "trainable": trained_positions(inner, params),
         **steps,
     }
 
@@ -219,5 +227,8 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
         "overflow": any(d["overflow"] for d in ranked),
         "optimizer_state_dict": {"state": state, "param_groups": groups},
         "fp32_from_fp16": masters,
+        "trainable": [
+            [g["params"].index(pid) for pid in pids] for g, pids in zip(groups, trainable)
+        ],
         **steps,
     }

@@ -53,7 +53,9 @@ _STATE_KEYS: dict[type, tuple[str, ...]] = {
 _MAY_BE_NONE = ("momentum_buffer", "max_exp_avg_sq")
 
 
-def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any]) -> None:
+def load_fsdp(
+    inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Mapping[str, Any]
+) -> None:
     """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
     fast engine, or raises naming what does not fit, having changed nothing."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
@@ -71,16 +73,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
                         f"{sorted(group_numbers(group))}")  # fmt: skip
     if "trainable" not in sd:
         raise _fail("it does not say which params it trained (saved by an older fp16fx)")
-    positions = trained_positions(inner, engine)
-    if not isinstance(sd["trainable"], Sequence) or len(sd["trainable"]) != len(positions):
-        raise _fail(f"its 'trainable' is {sd['trainable']!r}: one list per param group expected")
-    for k, (theirs, mine) in enumerate(zip(sd["trainable"], positions)):
-        if theirs != mine:
-            raise _fail(
-                f"it trained the params at {theirs} of param group {k}, this optimizer those "
-                f"at {mine}: the state is saved by position among them, and would load into "
-                "other params (freeze and unfreeze as when it was saved)"
-            )
+    _check_trained(inner, params, sd["trainable"])
     merged = [{**group, **saved} for saved, group in zip(groups, inner.param_groups)]
     try:
         specs = [group_spec(engine.kind, group, k) for k, group in enumerate(merged)]
@@ -92,6 +85,21 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, sd: Mapping[str, Any
     engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
+
+
+def _check_trained(inner: torch.optim.Optimizer, params: ParamSet, saved: Any) -> None:
+    """Raises unless ``saved`` (a dict's ``trainable``) names the positions this optimizer
+    trains in each param group."""
+    positions = trained_positions(inner, params)
+    if not isinstance(saved, Sequence) or len(saved) != len(positions):
+        raise _fail(f"its 'trainable' is {saved!r}: one list per param group expected")
+    for k, (theirs, mine) in enumerate(zip(saved, positions)):
+        if theirs != mine:
+            raise _fail(
+                f"it trained the params at {theirs} of param group {k}, this optimizer those "
+                f"at {mine}: the state is saved by position among them, and would load into "
+                "other params (freeze and unfreeze as when it was saved)"
+            )
 
 
 def _saved_policy(policy: Any, sd: Any) -> Any:
@@ -368,6 +376,8 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
         raise _fail(f"it has unknown entries {unknown}")
     policy, values = _parse_scaler(sd)
     groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
+    if "trainable" in sd:  # fp16fx's; an apex dict loads by position, as apex loaded it
+        _check_trained(inner, params, sd["trainable"])
     masters = _parse_masters(params, sd["fp32_from_fp16"])
     specs = None
     if isinstance(engine, FastEngine):
