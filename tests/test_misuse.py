@@ -685,8 +685,9 @@ def test_a_checkpoint_of_another_class_is_refused_on_the_generic_path_for_any_cl
     rmsprop.backward(loss_of(fresh, 0))
     rmsprop.step()
     before = copy.deepcopy((rmsprop.state_dict(), [p.detach().clone() for p in fresh.parameters()]))
-    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\] lacks \['alpha'\]: it was "
-                       r"saved from another optimizer than torch.optim.RMSprop"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\] lacks \['alpha'\] and has "
+                       r"\[.*'lr_decay'\]: it was saved from another optimizer than "
+                       r"torch.optim.RMSprop"):  # fmt: skip
         rmsprop.load_state_dict(adagrad.state_dict())
     after = (rmsprop.state_dict(), [p.detach().clone() for p in fresh.parameters()])
     assert optree.tree_all(optree.tree_map(_same, before, after))
@@ -694,6 +695,18 @@ def test_a_checkpoint_of_another_class_is_refused_on_the_generic_path_for_any_cl
     rmsprop.backward(loss_of(fresh, 1))
     rmsprop.step()  # unchanged, and usable
     assert "square_avg" in rmsprop.optimizer.state[rmsprop.optimizer.param_groups[0]["params"][0]]
+    # Its own dicts load, twice (torch's load adds 'differentiable' to LBFGS's defaults, not
+    # its groups), and so does one of an older LBFGS without 'maximize' (read as False).
+    model = make_model(2)
+    lbfgs = wrap(model, "generic", torch.optim.LBFGS(model.parameters(), lr=0.1))
+    closure = lambda: (lbfgs.zero_grad(), lbfgs.backward(loss := loss_of(model, 0)), loss)[-1]  # noqa: E731
+    lbfgs.step(closure)
+    own = lbfgs.state_dict()
+    lbfgs.load_state_dict(own)
+    lbfgs.load_state_dict(own)
+    del own["optimizer_state_dict"]["param_groups"][0]["maximize"]
+    lbfgs.load_state_dict(own)
+    lbfgs.step(closure)
 
 
 def _same(a, b) -> bool:

@@ -276,28 +276,35 @@ def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, 
     kind = fast_kind(inner)
     missing = sorted(SAVED_NUMBERS[kind] - set(saved)) if kind else []
     if missing:
-        raise _saved_from_another(inner, k, missing)
+        raise _fail(
+            f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
+            f"another optimizer than torch.optim.{type(inner).__name__}"
+        )
 
 
-def _saved_from_another(inner: torch.optim.Optimizer, k: int, missing: list[str]) -> ValueError:
-    cls = type(inner)
-    name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
-            else f"{cls.__module__}.{cls.__qualname__}")  # fmt: skip
-    return _fail(
-        f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from another "
-        f"optimizer than {name}"
-    )
-
-
-def _check_loaded_group_keys(inner: torch.optim.Optimizer) -> None:
-    """Raises unless each param group torch loaded has every hyperparameter of ``inner``'s
-    defaults. The check for any optimizer class: torch keeps a saved group whole and fills in
-    only the keys its class gained since (``__setstate__``), so a group saved from another
-    class loaded, and the next step failed on the key it lacks (``KeyError: 'alpha'``)."""
-    for k, group in enumerate(inner.param_groups):
-        missing = sorted(set(inner.defaults) - set(group))
-        if missing:
-            raise _saved_from_another(inner, k, missing)
+def _check_loaded_group_keys(
+    inner: torch.optim.Optimizer,
+    before: Sequence[Mapping[str, Any]],
+    saved: Sequence[Mapping[str, Any]],
+) -> None:
+    """Raises where a param group torch loaded was saved from another optimizer class: it
+    lacks hyperparameters the group had ``before`` the load, even once torch filled in the
+    keys its class gained since (``__setstate__``), and has some the group did not. The check
+    for any class (the fast path's are checked by name, before loading): torch keeps a saved
+    group whole, so a dict of another class loaded and the next step failed on the key it
+    lacks (``KeyError: 'alpha'``). Either alone is allowed: a dict of an older or newer version
+    of the class (LBFGS reads a ``maximize`` it lacks as False)."""
+    for k, (mine, loaded, theirs) in enumerate(zip(before, inner.param_groups, saved)):
+        missing = sorted(set(mine) - set(loaded))
+        foreign = sorted(set(theirs) - set(mine) - {"params", "param_names"})
+        if missing and foreign:
+            cls = type(inner)
+            name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
+                    else f"{cls.__module__}.{cls.__qualname__}")  # fmt: skip
+            raise _fail(
+                f"optimizer_state_dict['param_groups'][{k}] lacks {missing} and has {foreign}: "
+                f"it was saved from another optimizer than {name}"
+            )
 
 
 def _is_count(value: Any) -> bool:
@@ -412,7 +419,7 @@ def load(
     Raises:
       Unsupported: the engine is the fast one and the loaded groups need the generic path.
       ValueError: a saved state does not fit its param (found while converting it), or a
-        param group torch loaded lacks a hyperparameter of the wrapped optimizer's class.
+        param group torch loaded was saved from another optimizer class.
     """
     if isinstance(engine, FastEngine) and plan.specs is None:
         raise Unsupported("the loaded param groups need it")
@@ -433,7 +440,7 @@ def load(
                 group.update(loaded)
         else:
             inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
-            _check_loaded_group_keys(inner)
+            _check_loaded_group_keys(inner, group_contents, plan.osd["param_groups"])
             trained = [m for masters in params.masters for m in masters]
             per_param = {m: inner.state.pop(m) for m in trained if m in inner.state}
         scaler.policy = plan.policy
