@@ -425,6 +425,12 @@ APART = {
     "master": ({"master": "compensated"}, "has master 'compensated', its first rank 'fp32'"),
     "optimizer": ({"optimizer": fp16fx.sgd(1e-3)}, "has the optimizer's state entries opt"),
     "policy": ({"loss_scale": fp16fx.DynamicLossScale(init_scale=2.0**10)}, "loss-scale policy"),
+    # A flag of the update alone, in no state entry: once unseen, and each rank (or each
+    # rank's shard) stepped by its own rule.
+    "nesterov": (
+        {"base": fp16fx.sgd(1e-3, momentum=0.9), "optimizer": fp16fx.sgd(1e-3, 0.9, nesterov=True)},
+        "an update (a flag such as SGD's nesterov) that steps a stand-in param to",
+    ),
 }
 
 
@@ -435,7 +441,9 @@ def settings_apart(rank: int) -> dict[tuple[str, bool], tuple[str, bool]]:
     found = {}
     for shard in (True, False):
         for case, (options, _) in APART.items():
-            mine = {"optimizer": fp16fx.adam(1e-3), **(options if rank == 1 else {})}
+            options = dict(options)
+            mine = {"optimizer": options.pop("base", fp16fx.adam(1e-3))}
+            mine.update(options if rank == 1 else {})
             params = {"w": torch.full((4,), float(rank + 1), dtype=torch.float16)}
             before, storage = params["w"].clone(), params["w"].data_ptr()
             try:

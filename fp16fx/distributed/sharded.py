@@ -43,7 +43,7 @@ from fp16fx.consensus import Consensus, collective_error
 from fp16fx.flat import FlatParams
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import Arguments, MixedPrecisionState, checked_arguments, init
-from fp16fx.step import StepInfo
+from fp16fx.step import StepInfo, step
 from fp16fx.transforms import GradientTransformation
 
 # torch >= 2.14 renamed the flat collectives (the old names warn); torch 2.6 has only the old.
@@ -299,7 +299,10 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
     where it is a dataclass as fp16fx's are; else its class), and the optimizer's structure
     and hyperparameters -- read from the state it builds over one stand-in value per flat
     bucket (each bucket one segment of the state, labelled as the params are), so a
-    transform's settings need no description of their own."""
+    transform's settings need no description of their own. What a transform keeps in no
+    state entry (SGD's ``nesterov``, a flag of its update) shows in the values two steps of
+    the stand-ins reach, compared to 6 significant digits (a last bit may differ between
+    devices)."""
     buckets = args.layout.buckets
     device = next(leaf.device for leaf in args.leaves if leaf is not None)
     stand_ins = [torch.zeros(1, dtype=b.dtype, device=device) for b in buckets]
@@ -315,6 +318,18 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
     policy = args.policy
     accessors, _, _ = optree.tree_flatten_with_accessor(probe.opt_state, none_is_leaf=True)
     hyperparams = checkpoint.hyperparam_tensors(probe.opt_state)
+    try:
+        stepped = probe
+        for grad in (1.0, 0.5):  # two steps: a transform may treat a param's first apart
+            stepped, _ = step(stepped, [torch.full_like(t, grad) for t in stand_ins])
+        reached = [
+            f"{value:.6g}"
+            for leaf in optree.tree_leaves(stepped)
+            if isinstance(leaf, torch.Tensor)
+            for value in leaf.double().flatten().tolist()
+        ]
+    except Exception as err:  # a transform for real shapes only: the ranks compare its error
+        reached = [f"{type(err).__name__} on a 1-value stand-in"]
     return [
         ("master", args.precision.master),
         ("moments", args.precision.moments),
@@ -326,6 +341,7 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
         ),
         ("the optimizer's state entries", [a.codify("opt") for a in accessors]),
         *((f"the hyperparameter {key}", t.tolist()) for key, t in hyperparams.items()),
+        ("an update (a flag such as SGD's nesterov) that steps a stand-in param to", reached),
     ]
 
 
