@@ -607,6 +607,12 @@ def test_a_checkpoint_missing_a_rank_is_refused(runs):
     with pytest.raises(ValueError, match="needs all their dicts"):
         fp16fx.load_state_dict(state, fdist.consolidate([saved]))
     assert all(torch.equal(a, b) for a, b in zip(before, state.master_segments))
+    # A damaged rank dict (a key missing) once raised a bare KeyError.
+    both = [torch.load(runs["dir"] / f"ckpt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for key in ("rank", "world_size", "buckets"):
+        damaged = [{k: v for k, v in d.items() if k != key} for d in both]
+        with pytest.raises(ValueError, match=f"a damaged sharded checkpoint: KeyError\\('{key}'"):
+            fdist.consolidate(damaged)
 
 
 def test_rank_dicts_of_different_steps_are_refused(runs):

@@ -68,6 +68,13 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     """
     if not isinstance(shards, Sequence) or not all(isinstance(d, Mapping) for d in shards):
         raise ValueError(f"expected the list of every rank's {FORMAT!r} dict")
+    try:  # a key missing or of another type: a damaged dict, named as such
+        return _in_rank_order(shards)
+    except (KeyError, AttributeError, TypeError, RuntimeError) as err:
+        raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
+
+
+def _in_rank_order(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     shards = sorted(shards, key=lambda d: d.get("rank", -1))
     if not shards or any(d.get("format") != FORMAT for d in shards):
         raise ValueError(f"expected the per-rank dicts of a {FORMAT!r} checkpoint")
@@ -81,19 +88,16 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     for d in shards:
         if d["buckets"] != first["buckets"] or d["leaves"] != first["leaves"]:
             raise ValueError(f"rank {d['rank']}'s dict has another layout than rank 0's")
-    try:
-        ours = _shared_values(first["shard"])
-        for d in shards[1:]:
-            theirs = _shared_values(d["shard"])
-            for where, value in ours.items():
-                if not torch.equal(theirs[where], value):
-                    raise ValueError(
-                        f"rank {d['rank']}'s dict has {where} = {theirs[where].tolist()}, rank "
-                        f"0's {value.tolist()}: the dicts were saved at different steps, or "
-                        "by different runs"
-                    )
-    except (KeyError, AttributeError, TypeError, RuntimeError) as err:
-        raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
+    ours = _shared_values(first["shard"])
+    for d in shards[1:]:
+        theirs = _shared_values(d["shard"])
+        for where, value in ours.items():
+            if not torch.equal(theirs[where], value):
+                raise ValueError(
+                    f"rank {d['rank']}'s dict has {where} = {theirs[where].tolist()}, rank "
+                    f"0's {value.tolist()}: the dicts were saved at different steps, or "
+                    "by different runs"
+                )
     return shards
 
 
