@@ -429,7 +429,8 @@ APART = {
     # rank's shard) stepped by its own rule.
     "nesterov": (
         {"base": fp16fx.sgd(1e-3, momentum=0.9), "optimizer": fp16fx.sgd(1e-3, 0.9, nesterov=True)},
-        "an update (a flag such as SGD's nesterov) that steps a stand-in param to",
+        "the update's result on a stand-in (it shows flags no state entry keeps, such as SGD's "
+        "nesterov): a value",
     ),
 }
 
@@ -466,20 +467,40 @@ class PlainPolicy:
         return fp16fx.DynamicLossScale().adjust(*args, **kwargs)
 
 
-def alike_but_unusual() -> list[str]:
+def noisy_sgd() -> GradientTransformation:
+    """SGD plus noise drawn from torch's global generator."""
+    sgd = fp16fx.sgd(0.1)
+
+    def update(updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        updates, state = sgd.update(updates, state, params)
+        return optree.tree_map(lambda u: u + 1e-3 * torch.randn_like(u), updates), state
+
+    return GradientTransformation(sgd.init, update)
+
+
+def alike_but_unusual(rank: int) -> list[str]:
     """fdist.init, sharded and not, with arguments alike on every rank that the comparison
-    once refused: a policy that is no dataclass, and labels that are a plain function."""
+    once refused: a policy that is no dataclass, labels that are a plain function, and a
+    transform drawing noise on ranks seeded apart (the comparison's stand-in steps once drew
+    it, and left the generator moved). Each: the outcome, and whether the generator moved."""
     grouped = fp16fx.multi_transform([fp16fx.adam(1e-3), fp16fx.sgd(0.1)], {"w": 0, "v": 1})
     plain = GradientTransformation(grouped.init, grouped.update, grouped.param_labels.__call__)
     found = []
     for shard in (True, False):
-        for optimizer, options in ((fp16fx.adam(), {"loss_scale": PlainPolicy()}), (plain, {})):
+        for optimizer, options in (
+            (fp16fx.adam(), {"loss_scale": PlainPolicy()}),
+            (plain, {}),
+            (noisy_sgd(), {}),
+        ):
             params = {"w": torch.ones(300, dtype=torch.float16), "v": torch.ones(5).half()}
+            torch.manual_seed(rank)
+            generator = torch.get_rng_state()
             try:
                 fdist.init(params, optimizer, shard=shard, **options)
                 found.append("accepted")
             except (TypeError, ValueError) as err:
                 found.append(str(err))
+            found[-1] += "" if torch.equal(torch.get_rng_state(), generator) else ", moved"
     return found
 
 
@@ -514,7 +535,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["refused_init"] = refused_init(rank, world)
     found["refused_names_and_dtensors"] = refused_names_and_dtensors(rank, world)
     found["settings_apart"] = settings_apart(rank)
-    found["alike_but_unusual"] = alike_but_unusual()
+    found["alike_but_unusual"] = alike_but_unusual(rank)
     found["dtype_changed"] = dtype_changed()
     torch.save(found, out / f"rank{rank}.pt")
 
@@ -611,6 +632,9 @@ def test_a_checkpoint_missing_a_rank_is_refused(runs):
     both = [torch.load(runs["dir"] / f"ckpt_rank{r}.pt", weights_only=True) for r in (0, 1)]
     for key in ("rank", "world_size", "buckets"):
         damaged = [{k: v for k, v in d.items() if k != key} for d in both]
+        with pytest.raises(ValueError, match=f"a damaged sharded checkpoint: KeyError\\('{key}'"):
+            fdist.consolidate(damaged)
+        damaged = [both[0], {k: v for k, v in both[1].items() if k != key}]  # rank 1's alone
         with pytest.raises(ValueError, match=f"a damaged sharded checkpoint: KeyError\\('{key}'"):
             fdist.consolidate(damaged)
 
@@ -735,7 +759,7 @@ def test_fdist_init_refuses_ranks_that_build_their_states_otherwise(runs):
         assert error.startswith("rank 1 of the group has") and APART[case][1] in error, error
         assert rank_1[case, shard] == (error, True) and kept
     for found in runs[2]:
-        assert found["alike_but_unusual"] == ["accepted"] * 4
+        assert found["alike_but_unusual"] == ["accepted"] * 6
 
 
 def test_fdist_init_refuses_a_name_on_one_rank_and_dtensors_on_every_rank(runs):

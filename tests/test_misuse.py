@@ -707,6 +707,13 @@ def test_a_checkpoint_of_another_class_is_refused_on_the_generic_path_for_any_cl
     del own["optimizer_state_dict"]["param_groups"][0]["maximize"]
     lbfgs.load_state_dict(own)
     lbfgs.step(closure)
+    # Keys of schedulers on either side alone (saved under OneCycleLR, resumed under SWALR).
+    lbfgs.param_groups[0]["swa_lr"] = 0.05
+    own = lbfgs.state_dict()
+    del own["optimizer_state_dict"]["param_groups"][0]["swa_lr"]
+    own["optimizer_state_dict"]["param_groups"][0].update(max_lr=0.1, min_lr=1e-4)
+    lbfgs.load_state_dict(own)
+    lbfgs.step(closure)
 
 
 def _same(a, b) -> bool:

@@ -79,6 +79,12 @@ def _in_rank_order(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     if not shards or any(d.get("format") != FORMAT for d in shards):
         raise ValueError(f"expected the per-rank dicts of a {FORMAT!r} checkpoint")
     world = shards[0]["world_size"]
+    other = next((d for d in shards if d["world_size"] != world), None)
+    if other is not None:
+        raise ValueError(
+            f"rank {other['rank']}'s dict was saved by {other['world_size']} ranks, rank "
+            f"{shards[0]['rank']}'s by {world}: the dicts of different runs"
+        )
     if [d["rank"] for d in shards] != list(range(world)):
         raise ValueError(
             f"a checkpoint saved by {world} ranks needs all their dicts; got ranks "

@@ -300,9 +300,8 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
     and hyperparameters -- read from the state it builds over one stand-in value per flat
     bucket (each bucket one segment of the state, labelled as the params are), so a
     transform's settings need no description of their own. What a transform keeps in no
-    state entry (SGD's ``nesterov``, a flag of its update) shows in the values two steps of
-    the stand-ins reach, compared to 6 significant digits (a last bit may differ between
-    devices)."""
+    state entry (SGD's ``nesterov``, a flag of its update) shows in the state two steps of
+    its update give the stand-ins (:func:`_stepped_stand_ins`)."""
     buckets = args.layout.buckets
     device = next(leaf.device for leaf in args.leaves if leaf is not None)
     stand_ins = [torch.zeros(1, dtype=b.dtype, device=device) for b in buckets]
@@ -318,18 +317,6 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
     policy = args.policy
     accessors, _, _ = optree.tree_flatten_with_accessor(probe.opt_state, none_is_leaf=True)
     hyperparams = checkpoint.hyperparam_tensors(probe.opt_state)
-    try:
-        stepped = probe
-        for grad in (1.0, 0.5):  # two steps: a transform may treat a param's first apart
-            stepped, _ = step(stepped, [torch.full_like(t, grad) for t in stand_ins])
-        reached = [
-            f"{value:.6g}"
-            for leaf in optree.tree_leaves(stepped)
-            if isinstance(leaf, torch.Tensor)
-            for value in leaf.double().flatten().tolist()
-        ]
-    except Exception as err:  # a transform for real shapes only: the ranks compare its error
-        reached = [f"{type(err).__name__} on a 1-value stand-in"]
     return [
         ("master", args.precision.master),
         ("moments", args.precision.moments),
@@ -341,7 +328,34 @@ def _settings(args: Arguments, optimizer: GradientTransformation) -> list[tuple[
         ),
         ("the optimizer's state entries", [a.codify("opt") for a in accessors]),
         *((f"the hyperparameter {key}", t.tolist()) for key, t in hyperparams.items()),
-        ("an update (a flag such as SGD's nesterov) that steps a stand-in param to", reached),
+        (
+            "the update's result on a stand-in (it shows flags no state entry keeps, such as "
+            "SGD's nesterov): a value",
+            _stepped_stand_ins(probe, stand_ins),
+        ),
+    ]
+
+
+def _stepped_stand_ins(probe: MixedPrecisionState, stand_ins: list[torch.Tensor]) -> list[str]:
+    """Returns every value of ``probe``'s state after two steps (grads 1 and 1/2: a transform
+    may treat a param's first step apart), to 6 significant digits: the ranks of one job run
+    the same kernels on the same values. The steps draw from a generator seeded alike on
+    every rank (a transform may draw noise, from ranks seeded apart) and restored after. A
+    transform made for real shapes only gives the name of its error on a 1-value stand-in."""
+    devices = [t.device for t in stand_ins if t.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        try:
+            stepped = probe
+            for grad in (1.0, 0.5):
+                stepped, _ = step(stepped, [torch.full_like(t, grad) for t in stand_ins])
+        except Exception as err:  # alike on every rank, as the transform is
+            return [f"{type(err).__name__} on a 1-value stand-in"]
+    return [
+        f"{value:.6g}"
+        for leaf in optree.tree_leaves(stepped)
+        if isinstance(leaf, torch.Tensor)
+        for value in leaf.double().flatten().tolist()
     ]
 
 

@@ -288,15 +288,18 @@ def _check_loaded_group_keys(
     saved: Sequence[Mapping[str, Any]],
 ) -> None:
     """Raises where a param group torch loaded was saved from another optimizer class: it
-    lacks hyperparameters the group had ``before`` the load, even once torch filled in the
-    keys its class gained since (``__setstate__``), and has some the group did not. The check
-    for any class (the fast path's are checked by name, before loading): torch keeps a saved
-    group whole, so a dict of another class loaded and the next step failed on the key it
-    lacks (``KeyError: 'alpha'``). Either alone is allowed: a dict of an older or newer version
-    of the class (LBFGS reads a ``maximize`` it lacks as False)."""
+    lacks hyperparameters (keys of the class's defaults) the group had ``before`` the load,
+    even once torch filled in the keys the class gained since (``__setstate__``), and has
+    keys neither the group nor the class's defaults have. The check for any class (the fast
+    path's are checked by name, before loading): torch keeps a saved group whole, so a dict
+    of another class loaded and the next step failed on the key it lacks (``KeyError:
+    'alpha'``). Either alone is allowed: a dict of an older or newer version of the class
+    (LBFGS reads a ``maximize`` it lacks as False), or keys of a scheduler (``initial_lr``,
+    ``max_lr``) or the user's on one side only."""
+    hyperparams = set(inner.defaults)
     for k, (mine, loaded, theirs) in enumerate(zip(before, inner.param_groups, saved)):
-        missing = sorted(set(mine) - set(loaded))
-        foreign = sorted(set(theirs) - set(mine) - {"params", "param_names"})
+        missing = sorted((hyperparams & set(mine)) - set(loaded))
+        foreign = sorted(set(theirs) - set(mine) - hyperparams - {"params", "param_names"})
         if missing and foreign:
             cls = type(inner)
             name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
