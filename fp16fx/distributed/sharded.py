@@ -342,9 +342,13 @@ def _stepped_stand_ins(probe: MixedPrecisionState, stand_ins: list[torch.Tensor]
     the same kernels on the same values. The steps draw from a generator seeded alike on
     every rank (a transform may draw noise, from ranks seeded apart) and restored after. A
     transform made for real shapes only gives the name of its error on a 1-value stand-in."""
-    devices = [t.device for t in stand_ins if t.device.type == "cuda"][:1]
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
+    device = stand_ins[0].device  # one device holds every param
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.random.default_generator.manual_seed(0)
+        if cuda:
+            index = torch.cuda.current_device() if device.index is None else device.index
+            torch.cuda.default_generators[index].manual_seed(0)
         try:
             stepped = probe
             for grad in (1.0, 0.5):
