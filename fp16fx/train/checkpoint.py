@@ -99,13 +99,14 @@ def check_new(path: str, resume: str | None, run: dict[str, Any], epochs: int) -
         return
     instead = "remove it, or choose another --save path"
     try:
-        epoch = load_checkpoint(path, {})["epoch"]  # compared with no run: any checkpoint
+        ckpt = _read(path)
     except CheckpointError as exc:
         raise CheckpointError(
             f"--save {path} exists and is no checkpoint this run can replace ({exc}): {instead}"
         ) from None
+    epoch = ckpt["epoch"]
     try:
-        load_checkpoint(path, run)
+        _check_run(path, ckpt, run)
     except CheckpointError as exc:
         raise CheckpointError(
             f"--save {path} holds a checkpoint of another run ({exc}), which this run would "
@@ -156,6 +157,14 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
       CheckpointError: the file is missing, unreadable, corrupted, not an ``fp16fx train``
         checkpoint, or written for other settings -- the message says which.
     """
+    ckpt = _read(path)
+    _check_run(path, ckpt, run)
+    return ckpt
+
+
+def _read(path: str) -> dict[str, Any]:
+    """Returns the ``fp16fx train`` checkpoint at ``path``, its entries' kinds checked (not
+    the run it was written for: :func:`_check_run`)."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read forever
             raise CheckpointError(f"checkpoint {path} is not a regular file")
@@ -197,6 +206,12 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {path} is malformed: its {key!r} is not a dict ({got})"
             )
+    return ckpt
+
+
+def _check_run(path: str, ckpt: dict[str, Any], run: dict[str, Any]) -> None:
+    """Raises :class:`CheckpointError` unless checkpoint ``ckpt`` (read from ``path``) was
+    written with ``run``'s settings (see :func:`load_checkpoint`)."""
     saved_run = ckpt["run"]
     for key, value in run.items():
         if key not in saved_run and key not in _IDENTITY_DEFAULTS:
@@ -215,4 +230,3 @@ def load_checkpoint(path: str, run: dict[str, Any]) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {path} was written with {flag} {saved}, this run has {value}"
             )
-    return ckpt
