@@ -14,17 +14,19 @@ This module is the only place in fp16fx that re-points a tensor at a view of a f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
 import operator
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 _SHAPE = operator.attrgetter("shape")
 _GRAD = operator.attrgetter("grad")
@@ -352,6 +354,22 @@ def adopt(layout: Layout, leaves: Sequence[torch.Tensor | None]) -> list[torch.T
                 leaves[i].data = view
             flats.append(flat)
     return flats
+
+
+@contextlib.contextmanager
+def put_back_on_failure(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Runs the block; where it raises, re-points each param's ``.data`` and ``.grad`` at the
+    tensors they were before it: a build that moved them into flat buffers
+    (:class:`FlatParams`) and then refused leaves the model on its own storage, unchanged (the
+    move copies out of it). DTensor params (FSDP2's, which stay where FSDP keeps them) are
+    left alone."""
+    held = [(p, p.data, p.grad) for p in params if not isinstance(p, DTensor)]
+    try:
+        yield
+    except BaseException:
+        for p, data, grad in held:
+            p.data, p.grad = data, grad
+        raise
 
 
 def first_sparse_grad(params: Sequence[torch.Tensor]) -> int | None:

@@ -347,13 +347,15 @@ def test_an_apex_checkpoint_loads_into_a_compact_optimizer(tmp_path):
         ({"inner": lambda ps: torch.optim.RMSprop(ps)}, "needs the fast path"),
         ({"moments": "int4"}, "moments must be one of"),
         ({"master": "fp64"}, "master must be one of"),
+        # found by the core's init, once after the params had moved into flat buffers
+        ({"model": torch.float32}, "these params are all FP32"),
     ],
 )
 def test_compact_precision_refuses_what_it_cannot_run(kwargs, message):
-    model = make_model()
+    settings = {"master": "compensated", "moments": "int8", **kwargs}
+    model = make_model().to(settings.pop("model", torch.float16))
     params = list(model.parameters())
     values, storages = [p.detach().clone() for p in params], [p.data_ptr() for p in params]
-    settings = {"master": "compensated", "moments": "int8", **kwargs}
     master, moments = settings.pop("master"), settings.pop("moments")
     make_inner = settings.pop("inner", lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     inners = []
@@ -368,6 +370,29 @@ def test_compact_precision_refuses_what_it_cannot_run(kwargs, message):
     assert all(torch.equal(a, b) for a, b in zip(params, values))
     assert [p.data_ptr() for p in model.parameters()] == storages
     assert all(a is b for a, b in zip(inners[0].param_groups[0]["params"], params, strict=True))
+
+
+@pytest.mark.parametrize(("master", "moments"), COMPACT)
+def test_adding_a_group_that_trains_nothing_leaves_a_compact_run_as_it_was(master, moments):
+    """add_param_group rebuilds the state: it once started the count of applied steps, which
+    seeds compact precision's dither, from 0 again, so the steps after it replayed the first
+    steps' dither on the same elements."""
+
+    def run(add: bool) -> tuple[list[torch.Tensor], int]:
+        model = make_model()
+        opt = wrap(model, master, moments)
+        train(model, opt, 2)
+        if add:
+            frozen = nn.Linear(2, 2).half().requires_grad_(False)
+            opt.add_param_group({"params": list(frozen.parameters())})
+        train(model, opt, 3)
+        return [p.detach().clone() for p in model.parameters()], int(
+            opt.state_dict()["applied_steps"]
+        )
+
+    (alone, steps), (added, steps_added) = run(add=False), run(add=True)
+    assert steps == steps_added == 5
+    assert all(torch.equal(a, b) for a, b in zip(alone, added, strict=True))
 
 
 def test_a_compact_optimizer_refuses_to_hand_over_to_the_generic_path():

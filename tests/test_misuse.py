@@ -459,6 +459,64 @@ def test_a_held_state_that_does_not_fit_is_refused_with_the_optimizer_as_given(p
     assert not torch.equal(first, before)
 
 
+@pytest.mark.parametrize("precision", [("fp32", "fp32"), ("compensated", "int8")])
+@pytest.mark.parametrize("case", ["a held moment", "a weight, state held", "add_param_group"])
+def test_inf_or_nan_the_fast_path_would_build_on_is_refused_by_name_changing_nothing(
+    case, precision
+):
+    """A moment the wrapped optimizer holds, or a weight the fast path's state is built from
+    (taking over a held state; add_param_group's rebuild), holding NaN: once refused as "the
+    state dict" by the core's keys, after the params had moved into flat buffers (an alias of
+    a weight no longer saw it), and add_param_group left an optimizer that could not step.
+    Refused by the param's name, every param where and as it was; the run goes on as if
+    never asked."""
+    master, moments = precision
+
+    def fresh() -> tuple[nn.Module, FP16_Optimizer]:
+        model = make_model()
+        return model, wrap(model, "fast", master=master, moments=moments)
+
+    def train(model: nn.Module, opt: FP16_Optimizer, steps: range) -> None:
+        for i in steps:
+            opt.zero_grad()
+            opt.backward(loss_of(model, i))
+            opt.step()
+
+    if case == "add_param_group":
+        model, opt = fresh()
+        train(model, opt, range(2))
+    else:
+        model = make_model()
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = next(model.parameters())
+    weight = first.detach().clone()
+    if case != "a held moment":
+        with torch.no_grad():
+            first[0, 0] = torch.nan
+    if case != "add_param_group":
+        moment = torch.zeros_like(first, dtype=torch.float32)
+        inner.state[first] = {"step": torch.tensor(1.0), "exp_avg": moment.clone()}
+        inner.state[first]["exp_avg_sq"] = moment
+        if case == "a held moment":
+            inner.state[first]["exp_avg"][0, 0] = torch.nan
+    name = re.escape("param_groups[0]['params'][0]")
+    storages = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"{name}.*holds inf or NaN"):
+        if case == "add_param_group":
+            opt.add_param_group({"params": [torch.zeros(3, dtype=torch.half, requires_grad=True)]})
+        else:
+            wrap(model, "fast", inner, master=master, moments=moments)
+    assert [p.data_ptr() for p in model.parameters()] == storages
+    if case == "add_param_group":
+        assert len(opt.param_groups) == 1
+        with torch.no_grad():
+            first.copy_(weight)
+        train(model, opt, range(2, 4))
+        untried, untried_opt = fresh()
+        train(untried, untried_opt, range(4))
+        assert all(map(torch.equal, model.parameters(), untried.parameters()))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_group_changed_behind_the_optimizers_back_is_refused_before_a_step(path):
     """A group appended to param_groups by hand (torch.optim steps it; here the fast path

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from fp16fx.facade.groups import (
 )
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.torch_state import PerParamState
-from fp16fx.flat import FlatParams, first_sparse_grad
+from fp16fx.flat import FlatParams, first_sparse_grad, put_back_on_failure
 from fp16fx.precision import Precision
 from fp16fx.scaling import GradCheck, LossScaleState, all_finite
 from fp16fx.segments import Segments
@@ -118,7 +118,12 @@ class FastEngine:
                         "FSDP2's shards). Wrap a fresh optimizer, then load fp16fx's checkpoint "
                         "(FP16_Optimizer.state_dict(), through DCP: docs/distributed.md)"
                     )
-                torch_state.check(specs[label], p, held or {})
+                try:
+                    torch_state.check(specs[label], p, held or {})
+                except ValueError as err:
+                    raise ValueError(
+                        f"the state the optimizer given holds for {names[id(p)]}: {err}"
+                    ) from None
             # Sharded: the state held, which every rank must hold alike (read in this block:
             # a rank that cannot read it tells the others).
             agreed: list[tuple[str, Any]] = []
@@ -394,9 +399,10 @@ class FastEngine:
             template = checkpoint.state_dict(self.state)
         else:
             template = fdist.checkpoint.template(self.sharded, canonical=True)
+        paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
         params = torch_state.core_entries(
             template["params"],
-            tree.leaf_paths(tree.flatten(self.flat.params)[1]),
+            paths,
             self.flat.params,
             self._entries_in_order(),
             self._param_specs(),
@@ -406,6 +412,7 @@ class FastEngine:
             keep_compensated=self.state.precision.compensated,
             template_holds_masters=self.sharded is None,
         )
+        self._check_finite_masters(params[path] for path in paths)
         sd = {
             **saved_format.without_segments(template),  # the segments are given
             "policy": checkpoint.policy_dict(policy),
@@ -419,6 +426,28 @@ class FastEngine:
             self.state = checkpoint.load_state_dict(self.state, sd)
         else:
             fdist.load_state_dict(self.sharded, sd)
+
+    def _check_finite_masters(self, entries: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Raises ValueError naming the first param whose entry (in ``flat.params`` order) a
+        load would build from a param or master holding inf or NaN: the model's own weights
+        (a dict's masters are checked where it is read), which a rebuild of the state
+        (``add_param_group``, a group's new structure, the state a wrapped optimizer held)
+        takes as they are."""
+        values = [
+            (p, entry[key])
+            for p, entry in zip(self.flat.params, entries)
+            for key in ("param", "master")
+            if key in entry
+        ]
+        finite = torch.stack([torch.isfinite(value).all() for _, value in values]).tolist()
+        if all(finite):
+            return
+        p = values[finite.index(False)][0]
+        raise ValueError(
+            f"{self.names.get(id(p), 'a param')} holds inf or NaN, and FP16_Optimizer builds "
+            "its state here from the weights as they are (each param's master): write finite "
+            "values into it first"
+        )
 
     # -- changing the groups -------------------------------------------------------------
 
@@ -490,24 +519,33 @@ class FastEngine:
         specs = [*self.specs, spec]
         labels = [*self.labels, *[len(groups) - 1] * len(params)]
         transform = build_transform(specs, groups, labels)
-        self.resync_masters()
         saved = self.export()
         segments = self.segment_marks()
         segments = torch.cat([segments, segments.new_full((len(params),), -1)])  # new buckets
-        masters = {pid: m.detach().clone() for pid, m in self.fp32_masters().items()}
+        # Each written param's master in copies (saved_state), so that a refusal leaves the
+        # live masters as they were.
+        masters = self.fp32_masters(self.saved_state())
         clip, made_at = self.clip_norm(), self.carried_scale()
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
-        self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
-        self.labels, self.specs = labels, specs
-        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
-        state = self._init(transform, self.state.consensus, self.state.precision)
-        self.state = state.replace(loss_scale=self.scaler.state)
-        self._entries = self._make_entries()
-        moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}
-        self.load(
-            {moved[id(e)]: s for e, s in saved.items()}, masters, self.scaler.policy, segments
-        )
+        kept = (self.flat, self.labels, self.specs, self._written, self.state, self._entries)
+        with put_back_on_failure([*old, *params]):
+            try:
+                self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
+                self.labels, self.specs = labels, specs
+                self._written = [
+                    group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))
+                ]
+                count = self.state.count.clone()  # the dither's, which goes on
+                state = self._init(transform, self.state.consensus, self.state.precision)
+                self.state = state.replace(loss_scale=self.scaler.state)
+                self._entries = self._make_entries()
+                moved = {id(e): self.entry(p) for p, e in zip(old, old_entries)}
+                per_param = {moved[id(e)]: s for e, s in saved.items()}
+                self.load(per_param, masters, self.scaler.policy, segments, applied_steps=count)
+            except BaseException:
+                self.flat, self.labels, self.specs, self._written, self.state, self._entries = kept
+                raise
         # The core's clip is "none" again, and the grads moved into new buffers: the same
         # grads, but a check must read them there.
         self._clip_written = NO_CLIP

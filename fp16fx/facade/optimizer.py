@@ -40,6 +40,7 @@ from fp16fx.facade.params import (
 from fp16fx.facade.phase import Phase
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
+from fp16fx.flat import put_back_on_failure
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
 from fp16fx.step import StepInfo
@@ -183,10 +184,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self.optimizer = init_optimizer
         self.verbose = verbose
         self._init_hooks()
-        engine, masters = build_engine(
-            init_optimizer, trainable, self._scaler,
-            path=path, compiled=compiled, shard=group, names=names, precision=precision,
-        )  # fmt: skip
+        with put_back_on_failure([p for params in trainable for p in params]):
+            engine, masters = build_engine(
+                init_optimizer, trainable, self._scaler,
+                path=path, compiled=compiled, shard=group, names=names, precision=precision,
+            )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
         sizes = [len(group["params"]) for group in groups]
         self._params = ParamSet(trainable, masters, frozen, names, sizes)

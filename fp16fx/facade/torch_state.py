@@ -40,6 +40,10 @@ def count_key(leaf: Mapping[str, Any]) -> str | None:
     return next((key for key in leaf if field(key) == "count"), None)
 
 
+#: torch.optim's per-param tensors that are never negative (Adam's second moments).
+_NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+
+
 def keys(spec: GroupSpec) -> tuple[str, ...]:
     """Returns the per-param tensors torch.optim keeps for a group of structure ``spec``."""
     if spec.optimizer == "sgd":
@@ -132,7 +136,9 @@ def from_torch(
 
 
 def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> None:
-    """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``."""
+    """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``:
+    a tensor of its keys missing, of another shape, or holding values no run keeps (inf or
+    NaN; negative second moments)."""
     if not saved:
         return
     if spec.optimizer != "sgd" and "step" not in saved:
@@ -151,6 +157,9 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
         if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
             raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
+        why = saved_format.value_fault(value, non_negative=key in _NON_NEGATIVE)
+        if why is not None:
+            raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} {why}")
 
 
 def check_one_count_per_bucket(
