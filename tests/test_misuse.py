@@ -772,6 +772,13 @@ def test_a_checkpoint_of_another_class_is_refused_on_the_generic_path_for_any_cl
     own["optimizer_state_dict"]["param_groups"][0].update(max_lr=0.1, min_lr=1e-4)
     lbfgs.load_state_dict(own)
     lbfgs.step(closure)
+    # Both: an older LBFGS's dict saved under a scheduler (lacking 'maximize', with
+    # 'initial_lr') was once refused as another class's, by an LBFGS whose group has it.
+    group = own["optimizer_state_dict"]["param_groups"][0]
+    group.pop("maximize", None)
+    group["initial_lr"] = 0.1
+    newer = make_model(3)
+    wrap(newer, "generic", torch.optim.LBFGS(newer.parameters(), lr=0.1)).load_state_dict(own)
 
 
 def _same(a, b) -> bool:

@@ -282,6 +282,12 @@ def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, 
         )
 
 
+#: The keys torch.optim's LR schedulers add to a param group (``lr_scheduler``, ``swa_utils``).
+_SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
+
+
 def _check_loaded_group_keys(
     inner: torch.optim.Optimizer,
     before: Sequence[Mapping[str, Any]],
@@ -295,11 +301,13 @@ def _check_loaded_group_keys(
     of another class loaded and the next step failed on the key it lacks (``KeyError:
     'alpha'``). Either alone is allowed: a dict of an older or newer version of the class
     (LBFGS reads a ``maximize`` it lacks as False), or keys of a scheduler (``initial_lr``,
-    ``max_lr``) or the user's on one side only."""
+    ``max_lr``) or the user's on one side only. torch's schedulers' keys are never foreign:
+    an older dict of the class, saved under a scheduler, has both otherwise."""
     hyperparams = set(inner.defaults)
     for k, (mine, loaded, theirs) in enumerate(zip(before, inner.param_groups, saved)):
         missing = sorted((hyperparams & set(mine)) - set(loaded))
-        foreign = sorted(set(theirs) - set(mine) - hyperparams - {"params", "param_names"})
+        known = {"params", "param_names", *hyperparams, *_SCHEDULER_KEYS}
+        foreign = sorted(set(theirs) - set(mine) - known)
         if missing and foreign:
             cls = type(inner)
             name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
