@@ -154,6 +154,33 @@ def written_then_saved(rank: int, world: int, out: Path) -> list[torch.Tensor]:
     return params_of(model)
 
 
+def new_structure_refused(rank: int, world: int) -> tuple[str, bool]:
+    """A sharded state keeps its structure: amsgrad switched on is refused at the step, with
+    a weight written (a NaN) before it -- once adopted into the master first, a NaN for good.
+    Returns the error, and whether, the weight written back and amsgrad off again, the run
+    goes on bitwise as one never asked."""
+    runs, error = [], ""
+    for ask in (False, True):
+        model = Net()
+        opt = make_optimizer(model, "adam", shard=True)
+        train(model, opt, range(2), rank, world)
+        if ask:
+            weight = model.body[0].weight
+            written = weight.detach().clone()
+            with torch.no_grad():
+                weight[0, 0] = torch.nan
+            opt.param_groups[0]["amsgrad"] = True
+            try:
+                train(model, opt, range(2, 3), rank, world)
+            except ValueError as err:
+                error = str(err)
+            opt.param_groups[0]["amsgrad"] = False
+            with torch.no_grad():
+                weight.copy_(written)
+        runs.append(train(model, opt, range(3, 5), rank, world)["params"])
+    return error, all(map(torch.equal, *runs))
+
+
 def kept_bytes(opt: FP16_Optimizer) -> int:
     """Returns the bytes of every tensor the facade keeps between steps."""
     engine = opt._engine
@@ -321,6 +348,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["compact"] = compact_run(rank, world, Path(out))
         found["prestepped"] = prestepped_run(rank, world, shard=True)
         found["written"] = written_then_saved(rank, world, Path(out))
+        found["new_structure"] = new_structure_refused(rank, world)
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -448,6 +476,8 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]
     sparse = "this needs the generic path, which a sharded FP16_Optimizer cannot take"
     assert sparse in found["sparse"] and found["sparse_unchanged"], found["sparse"]
+    for error, as_never_asked in (r["new_structure"] for r in runs[2]):
+        assert "cannot change the structure of param_groups[0]" in error and as_never_asked
 
 
 def test_compact_sharded_facade_resumes_bitwise_and_tracks_the_unsharded_one(runs):

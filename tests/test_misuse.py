@@ -459,22 +459,45 @@ def test_a_held_state_that_does_not_fit_is_refused_with_the_optimizer_as_given(p
     assert not torch.equal(first, before)
 
 
-@pytest.mark.parametrize("precision", [("fp32", "fp32"), ("compensated", "int8")])
-@pytest.mark.parametrize("case", ["a held moment", "a weight, state held", "add_param_group"])
-def test_inf_or_nan_the_fast_path_would_build_on_is_refused_by_name_changing_nothing(
+PRECISIONS = [("fp32", "fp32"), ("compensated", "int8")]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", ["a held moment", "a weight"])
+def test_inf_or_nan_in_a_held_state_or_its_weight_is_refused_by_name_changing_nothing(
     case, precision
 ):
-    """A moment the wrapped optimizer holds, or a weight the fast path's state is built from
-    (taking over a held state; add_param_group's rebuild), holding NaN: once refused as "the
-    state dict" by the core's keys, after the params had moved into flat buffers (an alias of
-    a weight no longer saw it), and add_param_group left an optimizer that could not step.
-    Refused by the param's name, every param where and as it was; the run goes on as if
-    never asked."""
-    master, moments = precision
+    """The fast path takes over the state a wrapped optimizer holds, its masters the weights
+    as they are: a moment or a weight holding NaN was refused as "the state dict" by the
+    core's keys, after the params had moved into flat buffers (an alias of a weight no longer
+    saw it). Refused by the param's name, every param where and as it was."""
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = next(model.parameters())
+    moment = torch.zeros_like(first, dtype=torch.float32)
+    inner.state[first] = {"step": torch.tensor(1.0), "exp_avg": moment.clone()}
+    inner.state[first]["exp_avg_sq"] = moment
+    with torch.no_grad():
+        (inner.state[first]["exp_avg"] if case == "a held moment" else first)[0, 0] = torch.nan
+    storages = [p.data_ptr() for p in model.parameters()]
+    name = re.escape("param_groups[0]['params'][0]")
+    with pytest.raises(ValueError, match=f"{name}.*holds inf or NaN"):
+        wrap(model, "fast", inner, master=precision[0], moments=precision[1])
+    assert [p.data_ptr() for p in model.parameters()] == storages
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", ["add_param_group", "a new group's weight", "amsgrad on"])
+def test_a_rebuild_refused_for_a_weight_holding_nan_changes_nothing(case, precision):
+    """add_param_group and a group's new structure rebuild the fast path's state from the
+    weights as they are. A weight holding NaN was refused as "the state dict" by the core's
+    keys, and add_param_group then left an optimizer that could not step, a new structure a
+    NaN master. Refused by the param's name (a new group's too); with the weight written
+    back, the run goes on bitwise as if never asked."""
 
     def fresh() -> tuple[nn.Module, FP16_Optimizer]:
         model = make_model()
-        return model, wrap(model, "fast", master=master, moments=moments)
+        return model, wrap(model, "fast", master=precision[0], moments=precision[1])
 
     def train(model: nn.Module, opt: FP16_Optimizer, steps: range) -> None:
         for i in steps:
@@ -482,39 +505,27 @@ def test_inf_or_nan_the_fast_path_would_build_on_is_refused_by_name_changing_not
             opt.backward(loss_of(model, i))
             opt.step()
 
-    if case == "add_param_group":
-        model, opt = fresh()
-        train(model, opt, range(2))
-    else:
-        model = make_model()
-        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = fresh()
+    train(model, opt, range(2))
     first = next(model.parameters())
-    weight = first.detach().clone()
-    if case != "a held moment":
-        with torch.no_grad():
-            first[0, 0] = torch.nan
-    if case != "add_param_group":
-        moment = torch.zeros_like(first, dtype=torch.float32)
-        inner.state[first] = {"step": torch.tensor(1.0), "exp_avg": moment.clone()}
-        inner.state[first]["exp_avg_sq"] = moment
-        if case == "a held moment":
-            inner.state[first]["exp_avg"][0, 0] = torch.nan
-    name = re.escape("param_groups[0]['params'][0]")
-    storages = [p.data_ptr() for p in model.parameters()]
-    with pytest.raises(ValueError, match=f"{name}.*holds inf or NaN"):
-        if case == "add_param_group":
-            opt.add_param_group({"params": [torch.zeros(3, dtype=torch.half, requires_grad=True)]})
+    weight, added = first.detach().clone(), torch.zeros(3, dtype=torch.half, requires_grad=True)
+    with torch.no_grad():
+        (added if case == "a new group's weight" else first)[0] = torch.nan
+    name = "param_groups[1]['params'][0]" if case == "a new group's weight" else "[0]['params'][0]"
+    with pytest.raises(ValueError, match=f"{re.escape(name)} holds inf or NaN"):
+        if case == "amsgrad on":
+            opt.param_groups[0]["amsgrad"] = True
+            train(model, opt, range(2, 3))
         else:
-            wrap(model, "fast", inner, master=master, moments=moments)
-    assert [p.data_ptr() for p in model.parameters()] == storages
-    if case == "add_param_group":
-        assert len(opt.param_groups) == 1
-        with torch.no_grad():
-            first.copy_(weight)
-        train(model, opt, range(2, 4))
-        untried, untried_opt = fresh()
-        train(untried, untried_opt, range(4))
-        assert all(map(torch.equal, model.parameters(), untried.parameters()))
+            opt.add_param_group({"params": [added]})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["amsgrad"] = False
+    with torch.no_grad():
+        first.copy_(weight)
+    train(model, opt, range(2, 4))
+    untried, untried_opt = fresh()
+    train(untried, untried_opt, range(4))
+    assert all(map(torch.equal, model.parameters(), untried.parameters()))
 
 
 @pytest.mark.parametrize("path", PATHS)

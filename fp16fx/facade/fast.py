@@ -439,24 +439,32 @@ class FastEngine:
             for key in ("param", "master")
             if key in entry
         ]
-        finite = torch.stack([torch.isfinite(value).all() for _, value in values]).tolist()
+        # One sync: a dict's masters may sit on another device than the model (map_location)
+        device = self.scaler.state.scale.device
+        flags = [torch.isfinite(value).all().to(device) for _, value in values]
+        finite = torch.stack(flags).tolist()
         if all(finite):
             return
         p = values[finite.index(False)][0]
+        whose = "" if self.sharded is None else " (as the group's first rank broadcast it)"
         raise ValueError(
-            f"{self.names.get(id(p), 'a param')} holds inf or NaN, and FP16_Optimizer builds "
-            "its state here from the weights as they are (each param's master): write finite "
-            "values into it first"
+            f"{self.names.get(id(p), 'a param')}{whose} holds inf or NaN, and FP16_Optimizer "
+            "builds its state here from the weights as they are (each param's master): write "
+            "finite values into it first"
         )
 
     # -- changing the groups -------------------------------------------------------------
 
     def restructure(self, specs: list[GroupSpec], per_param: PerParamState) -> None:
         """Rebuilds the transform for new group ``specs`` and loads ``per_param``; masters and
-        the loss scale stay. Raises ValueError, before changing anything, if it does not fit."""
+        the loss scale stay. Raises ValueError, before changing anything, if it does not fit
+        (a sharded engine: any new structure; it keeps the one it was built with)."""
+        if self.sharded is not None:
+            self.check_structure(specs)
+            return
         self.check_state(per_param, specs)
-        self.resync_masters()
-        self.load(per_param, {}, self.state.policy, self.segment_marks(), specs)
+        masters = self.fp32_masters(self.saved_state())  # written weights' in copies
+        self.load(per_param, masters, self.state.policy, self.segment_marks(), specs)
 
     def _set_specs(self, specs: list[GroupSpec]) -> None:
         """Rebuilds the transform for new group ``specs`` (if they changed), its state fresh
@@ -502,9 +510,12 @@ class FastEngine:
             f"built (now {describe(new)}, built as {describe(old)}); build a new one"
         )
 
-    def add_group(self, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    def add_group(
+        self, params: Sequence[torch.Tensor], names: Mapping[int, str]
+    ) -> dict[int, torch.Tensor]:
         """Adds the last param group (already appended to the wrapped optimizer) over
         ``params``; returns ``{id(old entry): new entry}`` for every param already trained.
+        ``names``: the new group's params' readable names (``{id(param): name}``).
 
         Every param moves into new flat buffers; the core state is rebuilt and keeps every
         master, moment and count (one recompile).
@@ -529,8 +540,10 @@ class FastEngine:
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
         kept = (self.flat, self.labels, self.specs, self._written, self.state, self._entries)
+        kept_names = self.names
         with put_back_on_failure([*old, *params]):
             try:
+                self.names = {**self.names, **names}
                 self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
                 self.labels, self.specs = labels, specs
                 self._written = [
@@ -545,6 +558,7 @@ class FastEngine:
                 self.load(per_param, masters, self.scaler.policy, segments, applied_steps=count)
             except BaseException:
                 self.flat, self.labels, self.specs, self._written, self.state, self._entries = kept
+                self.names = kept_names
                 raise
         # The core's clip is "none" again, and the grads moved into new buffers: the same
         # grads, but a check must read them there.

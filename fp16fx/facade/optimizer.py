@@ -557,7 +557,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             moved: dict[int, torch.Tensor] = {}
             if isinstance(self._engine, FastEngine):
                 try:
-                    moved = self._engine.add_group(params)
+                    moved = self._engine.add_group(params, names)
                 except Unsupported as err:
                     self._handover(err)
             if isinstance(self._engine, FastEngine):
