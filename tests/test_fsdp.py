@@ -307,6 +307,8 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         diverged.view(-1)[0] = math.nan
     one_rank = {**entries, first: {**entries[first], "master": dtensors.like(diverged, master)}}
     one_rank = {**good, "state": {**good["state"], "params": one_rank}}
+    # Rank 1 alone given a NaN lr: refused before the state's agreement, rank 0 waited in it.
+    one_rank_lr = nan_lr if rank == 1 else good
     for name, bad in (
         ("nan_lr", nan_lr),
         ("no_flag", no_flag),
@@ -315,6 +317,7 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         ("extra_param", extra_param),
         ("swapped", swapped),
         ("one_rank", one_rank),
+        ("one_rank_lr", one_rank_lr),
     ):
         try:
             opt.load_state_dict(bad)
@@ -812,6 +815,9 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
     refusals = [r["one_rank"] for r in ranks(jobs, 2, "checkpoint_care")]
     assert not refusals[0].startswith("rank 0 refused")  # its own refusal, and rank 1 names it
     assert refusals[1].startswith("rank 0 refused the dict: the state dict does not fit")
+    own, told = (r["one_rank_lr"] for r in reversed(ranks(jobs, 2, "checkpoint_care")))
+    assert own.startswith("the state dict does not fit") and "'lr' must be >= 0" in own
+    assert told == f"rank 1 refused the dict: {own}"
 
 
 def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):

@@ -191,20 +191,30 @@ def load_state_dict(
         with the refusing rank); nothing is changed, on any rank.
     """
     try:
-        write, refusal = checkpoint.prepare_load(state, _own_shards(state, sd, params)), None
+        write = checkpoint.prepare_load(state, _own_shards(state, sd, params))
     except Exception as err:  # every rank must reach the agreement, or the others would hang
-        write, refusal = None, err
-    group = _mesh_group(params)
-    if group is not None:
-        refusals: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(refusals, None if refusal is None else str(refusal), group=group)
-        other = next(((r, why) for r, why in enumerate(refusals) if why is not None), None)
-        if refusal is None and other is not None:
-            rank = dist.get_global_rank(group, other[0])
-            refusal = saved_format.StateDictError(f"rank {rank} refused the dict: {other[1]}")
-    if refusal is not None:
-        raise refusal
+        agree_on_load(params, err)
+        raise
+    agree_on_load(params, None)
     return write()
+
+
+def agree_on_load(params: Any, refusal: Exception | None) -> None:
+    """The ranks of the DTensor ``params``' mesh agree on a load: each tells the others its
+    ``refusal`` (None: it would load), and where this rank has none but another has one,
+    raises StateDictError naming that rank. A collective (one ``all_gather_object``) that
+    every rank calls once per load, refusing or not: :func:`load_state_dict` does, and so
+    must a caller that refuses before calling it (a rank refusing alone would leave the
+    others waiting). The caller raises its own refusal."""
+    group = _mesh_group(params)
+    if group is None:
+        return
+    refusals: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(refusals, None if refusal is None else str(refusal), group=group)
+    other = next(((r, why) for r, why in enumerate(refusals) if why is not None), None)
+    if refusal is None and other is not None:
+        rank = dist.get_global_rank(group, other[0])
+        raise saved_format.StateDictError(f"rank {rank} refused the dict: {other[1]}")
 
 
 def _mesh_group(params: Any) -> dist.ProcessGroup | None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
@@ -60,6 +61,22 @@ def load_fsdp(
     fast engine, or raises naming what does not fit, having changed nothing."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
+    try:
+        groups, policy = _check_fsdp(inner, engine, params, sd)
+    except Exception as err:  # the other ranks wait in the load's agreement
+        fsdp.agree_on_load(engine.flat.params, err)
+        raise
+    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
+    engine.load_fsdp(sd["state"], policy)
+    for group, saved in zip(inner.param_groups, groups):
+        group.update(saved)
+
+
+def _check_fsdp(
+    inner: torch.optim.Optimizer, engine: FastEngine, params: ParamSet, sd: Mapping[str, Any]
+) -> tuple[Sequence[Mapping[str, Any]], Any]:
+    """Returns an FSDP2 dict's param groups and loss-scale policy, or raises naming what does
+    not fit in it besides the state (which :func:`fsdp.load_state_dict` checks)."""
     if not isinstance(sd.get("state"), Mapping):
         raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
     _check_flags(sd, required=True)
@@ -81,10 +98,7 @@ def load_fsdp(
         raise _fail(f"{engine.whose} cannot run its groups: {err}") from None
     engine.check_structure(specs, loading=True)
     _check_numbers(specs, merged, engine)  # a NaN lr would fail every step after the load
-    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
-    engine.load_fsdp(sd["state"], _saved_policy(engine.scaler.policy, sd["state"]))
-    for group, saved in zip(inner.param_groups, groups):
-        group.update(saved)
+    return groups, _saved_policy(engine.scaler.policy, sd["state"])
 
 
 def _check_trained(inner: torch.optim.Optimizer, params: ParamSet, saved: Any) -> None:
