@@ -309,6 +309,8 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     one_rank = {**good, "state": {**good["state"], "params": one_rank}}
     # Rank 1 alone given a NaN lr: refused before the state's agreement, rank 0 waited in it.
     one_rank_lr = nan_lr if rank == 1 else good
+    # Rank 1 alone given no FSDP2 dict: it took the unsharded load's path, and rank 0 waited.
+    one_rank_format = {k: v for k, v in good.items() if k != "format"} if rank == 1 else good
     for name, bad in (
         ("nan_lr", nan_lr),
         ("no_flag", no_flag),
@@ -318,6 +320,7 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         ("swapped", swapped),
         ("one_rank", one_rank),
         ("one_rank_lr", one_rank_lr),
+        ("one_rank_format", one_rank_format),
     ):
         try:
             opt.load_state_dict(bad)
@@ -817,6 +820,9 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
     assert refusals[1].startswith("rank 0 refused the dict: the state dict does not fit")
     own, told = (r["one_rank_lr"] for r in reversed(ranks(jobs, 2, "checkpoint_care")))
     assert own.startswith("the state dict does not fit") and "'lr' must be >= 0" in own
+    assert told == f"rank 1 refused the dict: {own}"
+    own, told = (r["one_rank_format"] for r in reversed(ranks(jobs, 2, "checkpoint_care")))
+    assert "it is no FSDP2 model's FP16_Optimizer dict (format None)" in own
     assert told == f"rank 1 refused the dict: {own}"
 
 

@@ -21,6 +21,7 @@ from fp16fx.distributed import fsdp
 from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
+    FSDP_FORMAT,
     KEYS,
     SHARDED_FORMAT,
     group_numbers,
@@ -54,11 +55,10 @@ _STATE_KEYS: dict[type, tuple[str, ...]] = {
 _MAY_BE_NONE = ("momentum_buffer", "max_exp_avg_sq")
 
 
-def load_fsdp(
-    inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Mapping[str, Any]
-) -> None:
+def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> None:
     """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
-    fast engine, or raises naming what does not fit, having changed nothing."""
+    fast engine, or raises naming what does not fit, having changed nothing. An FSDP2 engine
+    takes every dict here (a rank given another format refuses it in the ranks' agreement)."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
     try:
@@ -73,10 +73,16 @@ def load_fsdp(
 
 
 def _check_fsdp(
-    inner: torch.optim.Optimizer, engine: FastEngine, params: ParamSet, sd: Mapping[str, Any]
+    inner: torch.optim.Optimizer, engine: FastEngine, params: ParamSet, sd: Any
 ) -> tuple[Sequence[Mapping[str, Any]], Any]:
     """Returns an FSDP2 dict's param groups and loss-scale policy, or raises naming what does
     not fit in it besides the state (which :func:`fsdp.load_state_dict` checks)."""
+    if not isinstance(sd, Mapping) or sd.get("format") != FSDP_FORMAT:
+        what = f"format {sd.get('format')!r}" if isinstance(sd, Mapping) else type(sd).__name__
+        raise _fail(
+            f"it is no FSDP2 model's FP16_Optimizer dict ({what}): this one loads the dict its "
+            "own state_dict() gives, through torch.distributed.checkpoint (docs/distributed.md)"
+        )
     if not isinstance(sd.get("state"), Mapping):
         raise _fail("it has no 'state' dict (the fp16fx state of an FSDP2 FP16_Optimizer)")
     _check_flags(sd, required=True)

@@ -626,7 +626,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        if isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT:
+        fsdp = isinstance(self._engine, FastEngine) and self._engine.fsdp
+        if fsdp or (
+            isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT
+        ):
             loading.load_fsdp(self.optimizer, self._engine, self._params, state_dict)
             self._phase = Phase(  # the grads are as they were
                 grads=self._phase.grads,
