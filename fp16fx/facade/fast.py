@@ -120,6 +120,7 @@ class FastEngine:
                     )
                 try:
                     torch_state.check(specs[label], p, held or {})
+                    torch_state.check_values(specs[label], held or {})
                 except ValueError as err:
                     raise ValueError(
                         f"the state the optimizer given holds for {names[id(p)]}: {err}"
@@ -242,13 +243,6 @@ class FastEngine:
         saved = state.replace(master_segments=Segments(copies, state.master_segments.labels))
         adopt_written_(_written_pairs(saved))
         return saved
-
-    def resync_masters(self) -> None:
-        """Makes each FP32 master take its param's value where the param was written since
-        the last step (``step.adopt_written``), in place, before the state is rebuilt from
-        them (a new param group, a group's new structure), which would otherwise carry the
-        old master and undo the write."""
-        adopt_written_(_written_pairs(self.state))
 
     def forget_written(self) -> None:
         """Makes the next step write every param group number and the clipping threshold into

@@ -324,9 +324,9 @@ def _check_loaded_group_keys(
     ``max_lr``) or the user's on one side only. torch's schedulers' keys are never foreign:
     an older dict of the class, saved under a scheduler, has both otherwise."""
     hyperparams = set(inner.defaults)
+    known = {"params", "param_names", *hyperparams, *_SCHEDULER_KEYS}
     for k, (mine, loaded, theirs) in enumerate(zip(before, inner.param_groups, saved)):
         missing = sorted((hyperparams & set(mine)) - set(loaded))
-        known = {"params", "param_names", *hyperparams, *_SCHEDULER_KEYS}
         foreign = sorted(set(theirs) - set(mine) - known)
         if missing and foreign:
             cls = type(inner)

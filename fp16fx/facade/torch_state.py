@@ -136,9 +136,7 @@ def from_torch(
 
 
 def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> None:
-    """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``:
-    a tensor of its keys missing, of another shape, or holding values no run keeps (inf or
-    NaN; negative second moments)."""
+    """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``."""
     if not saved:
         return
     if spec.optimizer != "sgd" and "step" not in saved:
@@ -157,9 +155,18 @@ def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> Non
         if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
             raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
-        why = saved_format.value_fault(value, non_negative=key in _NON_NEGATIVE)
+
+
+def check_values(spec: GroupSpec, saved: Mapping[str, Any]) -> None:
+    """Raises ValueError where a tensor of ``saved``, a torch state :func:`check` passed, holds
+    values no run keeps (inf or NaN; negative second moments): for a state that comes with no
+    checks of its own, the one a wrapped optimizer holds (a loaded dict's values are checked
+    where it is read, one sync per tensor)."""
+    for key in keys(spec):
+        value = saved.get(key)
+        why = None if value is None else saved_format.value_fault(value, key in _NON_NEGATIVE)
         if why is not None:
-            raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} {why}")
+            raise ValueError(f"the saved {key!r} of a param of shape {tuple(value.shape)} {why}")
 
 
 def check_one_count_per_bucket(
