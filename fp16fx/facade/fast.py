@@ -29,7 +29,7 @@ from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.distributed.sharded import refusing_together
 from fp16fx.facade import torch_state
-from fp16fx.facade.grads import GradMemo, GradStamp
+from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.groups import (
     NO_CLIP,
     GroupSpec,
@@ -49,7 +49,6 @@ from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
 from fp16fx.step import StepInfo, adopt_written_, was_written
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
-from fp16fx.transforms.primitives import CLIP_EPS
 
 logger = logging.getLogger("fp16fx")
 
@@ -165,11 +164,9 @@ class FastEngine:
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
         self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
-        self._clip = GradMemo[float]()  # clip_master_grads' max_norm, for the grads it saw
+        self.grad_facts = GradFacts(self.grad_stamp)
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
-        self._made_at = GradMemo[torch.Tensor]()  # the scale the last step's grads had
-        self._checked = GradMemo[GradCheck]()  # check()'s result
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         # Across processes, the last check every rank made of these grads (a clip's, or the
         # step's): what a read one rank makes alone returns, with no collective.
@@ -530,7 +527,7 @@ class FastEngine:
         # Each written param's master in copies (saved_state), so that a refusal leaves the
         # live masters as they were.
         masters = self.fp32_masters(self.saved_state())
-        clip, made_at = self.clip_norm(), self.carried_scale()
+        clip, made_at = self.grad_facts.clip_norm(), self.grad_facts.made_at()
         old = list(self.flat.params)
         old_entries = [self.entry(p) for p in old]
         kept = (self.flat, self.labels, self.specs, self._written, self.state, self._entries)
@@ -557,8 +554,8 @@ class FastEngine:
         # The core's clip is "none" again, and the grads moved into new buffers: the same
         # grads, but a check must read them there.
         self._clip_written = NO_CLIP
-        self._checked.forget()
-        self._still_these_grads(clip, made_at)
+        self.grad_facts.forget_check()
+        self.grad_facts.still_these(clip, made_at)
         self._agreed = None  # its norm left the new group out: agree anew (every rank adds it)
         if clip != NO_CLIP and self.distributed:
             self.check()
@@ -568,8 +565,8 @@ class FastEngine:
 
     def sync_groups(self, max_norm: float) -> None:
         """Writes the param groups' current numbers, and the clipping threshold ``max_norm``
-        (:meth:`clip_norm`), into the core's tensors (no sync, unless a group holds a number as
-        a tensor: reading it syncs).
+        (:meth:`GradFacts.clip_norm`), into the core's tensors (no sync, unless a group holds
+        a number as a tensor: reading it syncs).
 
         A changed structural option (momentum on/off, nesterov, amsgrad) rebuilds the
         transform (one recompile); one the core lacks (maximize) raises Unsupported (on a
@@ -641,7 +638,7 @@ class FastEngine:
         (:meth:`scale_of_the_grads`), the scale then moving on from where it is.
         """
         with self.scale_of_the_grads() as swapped:
-            clip = self.clip_norm()
+            clip = self.grad_facts.clip_norm()
             self.sync_groups(clip)
             if self.sharded is None:
                 grads = self.grads()
@@ -655,8 +652,8 @@ class FastEngine:
             self.scaler.count(info.finite, info.loss_scale_floored)
         self.last_info, self._scattered = info, None
         self._agreed = GradCheck(info.finite, info.grad_norm)
-        self._checked.forget()
-        self._still_these_grads(clip, info.loss_scale)  # the scale the grads were made with
+        self.grad_facts.forget_check()
+        self.grad_facts.still_these(clip, info.loss_scale)  # the scale the grads were made with
         return info
 
     def grad_stamp(self) -> GradStamp:
@@ -664,30 +661,6 @@ class FastEngine:
         if isinstance(self.flat, FlatParams):
             return GradStamp(self.flat.params, self.flat.grad_views, self.flat.grad_buffers)
         return GradStamp(self.flat.params)
-
-    def clip_current_grads(self, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
-        """Makes the steps clip the current grads (global norm ``norm``, unclipped) to
-        ``max_norm`` (``clip_master_grads``) for as long as they are these grads: apex clipped
-        its masters' grads, which kept the clip until a backward or ``zero_grad`` replaced
-        them. Returns the norm of the grads this clip sees: ``norm``, or where they are
-        clipped already, the clipped one, which this clip scales again as apex's second
-        in-place clip did (the step then applies both factors at once)."""
-        limit, clipped_to = max_norm, self.clip_norm()
-        if clipped_to != NO_CLIP:
-            first = clip_coefficient(clipped_to, norm)
-            clipped = norm * first
-            both = first * clip_coefficient(limit, clipped)
-            # the limit whose clip_coefficient at ``norm`` is ``both``: the rule solved for it
-            limit = float(both * (norm.double() + CLIP_EPS)) if both < 1 else NO_CLIP
-            norm = clipped
-        self._clip.remember(limit, self.grad_stamp())
-        return norm
-
-    def clip_norm(self) -> float:
-        """Returns the max_norm a step now clips to: :meth:`clip_current_grads`' while the
-        grads are the ones it saw, else ``NO_CLIP``."""
-        max_norm = self._clip.get()
-        return NO_CLIP if max_norm is None else max_norm
 
     @contextlib.contextmanager
     def scale_of_the_grads(self) -> Iterator[bool]:
@@ -699,7 +672,7 @@ class FastEngine:
         Sharded, such grads raise RuntimeError, before anything changed: the reduce-scatter
         averaged them in place.
         """
-        made_at = self.carried_scale()
+        made_at = self.grad_facts.made_at()
         if made_at is None:
             yield False
             return
@@ -719,26 +692,13 @@ class FastEngine:
         """Makes the current grads keep the loss scale they were made with (the current one,
         unless they carry one already), which is about to be set by hand. (Sharded: they take
         the new one, as a sharded engine unscales each grad once, by the current scale.)"""
-        if self.sharded is not None or self._made_at.get() is not None:
+        if self.sharded is not None or self.grad_facts.made_at() is not None:
             return
         # The grads a step reads: their flat buffer's views (a stamp before would lapse). A
         # sparse grad moves nothing (TypeError): the generic path takes them, by this scale.
         with contextlib.suppress(TypeError):
             self.flat.collect_grads()
-        self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
-
-    def carried_scale(self) -> torch.Tensor | None:
-        """Returns the loss scale the grads were made with, if they are the ones the last step
-        left (nothing wrote them since), else None."""
-        return self._made_at.get()
-
-    def _still_these_grads(self, clip: float, made_at: torch.Tensor | None) -> None:
-        """Records the current grads, after this engine's own writes (a step; new buffers),
-        as the ones ``clip`` still applies to (``NO_CLIP``: none) and that were made with the
-        loss scale ``made_at`` (None: not stepped yet, made with the current one)."""
-        stamp = self.grad_stamp()
-        self._clip.remember(None if clip == NO_CLIP else clip, stamp)
-        self._made_at.remember(made_at, stamp)
+        self.grad_facts.keep_scale(self.scaler.state.scale)
 
     @property
     def distributed(self) -> bool:
@@ -752,7 +712,7 @@ class FastEngine:
         ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
         on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
         gets :meth:`agreed` instead."""
-        if not self.distributed and (checked := self._checked.get()) is not None:
+        if not self.distributed and (checked := self.grad_facts.checked()) is not None:
             return checked
         with self.scale_of_the_grads():
             grads = self.grads() if self.sharded is None else self._scatter()
@@ -760,7 +720,7 @@ class FastEngine:
         if self.distributed:
             self._agreed = checked
         else:
-            self._checked.remember(checked, self.grad_stamp())
+            self.grad_facts.remember_check(checked)
         return checked
 
     def agreed(self) -> GradCheck:
@@ -794,15 +754,15 @@ class FastEngine:
                 "the gradients were already reduce-scattered (by clip_master_grads) and so "
                 "divided by the world size; call step() or zero_grad() before another backward"
             )
-        self._checked.forget()
+        self.grad_facts.forget_check()
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
         clipped as the next step clips them if ``clip_master_grads`` asked for it."""
         self._require_unsharded("inspect_master_grad_data()")
-        made_at = self.carried_scale()
+        made_at = self.grad_facts.made_at()
         inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
-        coef, max_norm = torch.ones((), device=inv_scale.device), self.clip_norm()
+        coef, max_norm = torch.ones((), device=inv_scale.device), self.grad_facts.clip_norm()
         if max_norm != NO_CLIP:  # as the step will clip them
             coef = clip_coefficient(max_norm, self.agreed().norm).float()
         return {
@@ -824,7 +784,7 @@ class FastEngine:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.flat.zero_grads(set_to_none)
-        self._checked.forget()
+        self.grad_facts.forget_check()
         self._scattered = self._agreed = None
 
 

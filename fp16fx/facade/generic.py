@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
-from fp16fx.facade.grads import GradMemo, GradStamp
+from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, all_finite
 from fp16fx.step import adopt_written_, unscale_and_agree
@@ -51,7 +51,7 @@ class GenericEngine:
         )
         self._unscaled: GradStamp | None = None  # the grads as update_master_grads left them
         self._unscaled_by: torch.Tensor | None = None  # and the loss scale it divided them by
-        self._made_at = GradMemo[torch.Tensor]()  # the grads' scale, where set by hand since
+        self.grad_facts = GradFacts(self.grad_stamp)  # (the grads' scale, where set by hand)
         for params, group_masters in zip(trainable, masters, strict=True):
             self.add_group(params, group_masters)
 
@@ -108,7 +108,7 @@ class GenericEngine:
 
     def _made_with(self) -> torch.Tensor:
         """Returns the loss scale the current grads were made with."""
-        made_at = self._made_at.get()
+        made_at = self.grad_facts.made_at()
         return self.scaler.state.scale if made_at is None else made_at
 
     def _unscaled_copies(
@@ -145,8 +145,7 @@ class GenericEngine:
     def keep_scale_of_the_grads(self) -> None:
         """Makes the current grads, not unscaled yet, keep the loss scale they were made with
         (the current one, unless they carry one already), which is about to be set by hand."""
-        if self._made_at.get() is None:
-            self._made_at.remember(self.scaler.state.scale.clone(), self.grad_stamp())
+        self.grad_facts.keep_scale(self.scaler.state.scale)
 
     def grad_stamp(self) -> GradStamp:
         """Returns the trained params' gradients now, to tell later whether any changed."""

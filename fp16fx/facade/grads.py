@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
+from fp16fx.facade.groups import NO_CLIP
+from fp16fx.scaling import GradCheck
+from fp16fx.transforms import clip_coefficient
+from fp16fx.transforms.primitives import CLIP_EPS
 
 T = TypeVar("T")
 
@@ -84,6 +88,79 @@ class GradMemo(Generic[T]):
         self._value = self._stamp = None
 
 
+class GradFacts:
+    """What the fast path knows of the current gradients, each fact lapsing once they change:
+
+    - the clip ``clip_master_grads`` asked of them (:meth:`clip`), which every step applies
+      while they are these grads, as apex's in-place clip of its masters' grads held;
+    - the loss scale they were made with (:meth:`made_at`), where it may not be the current
+      one: a step left them (a second step steps them again, unscaled by that scale), or a
+      scale set by hand came after them;
+    - their check (:meth:`checked`), cached in one process (across processes a check is a
+      collective, which every rank runs anew).
+
+    ``stamp()`` returns the grads now (a :class:`GradStamp`).
+    """
+
+    def __init__(self, stamp: Callable[[], GradStamp]) -> None:
+        self._stamp = stamp
+        self._clip = GradMemo[float]()
+        self._made_at = GradMemo[torch.Tensor]()
+        self._checked = GradMemo[GradCheck]()
+
+    def clip_norm(self) -> float:
+        """Returns the max_norm a step now clips to: :meth:`clip`'s while the grads are the
+        ones it saw, else ``NO_CLIP``."""
+        max_norm = self._clip.get()
+        return NO_CLIP if max_norm is None else max_norm
+
+    def clip(self, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+        """Makes the steps clip the current grads (global norm ``norm``, unclipped) to
+        ``max_norm`` for as long as they are these grads. Returns the norm of the grads this
+        clip sees: ``norm``, or where they are clipped already, the clipped one, which this
+        clip scales again as apex's second in-place clip did (the step then applies both
+        factors at once)."""
+        limit, clipped_to = max_norm, self.clip_norm()
+        if clipped_to != NO_CLIP:
+            first = clip_coefficient(clipped_to, norm)
+            clipped = norm * first
+            both = first * clip_coefficient(limit, clipped)
+            # the limit whose clip_coefficient at ``norm`` is ``both``: the rule solved for it
+            limit = float(both * (norm.double() + CLIP_EPS)) if both < 1 else NO_CLIP
+            norm = clipped
+        self._clip.remember(limit, self._stamp())
+        return norm
+
+    def made_at(self) -> torch.Tensor | None:
+        """Returns the loss scale the grads were made with, if they are ones a step left or
+        :meth:`keep_scale` saw (nothing wrote them since), else None: the current one."""
+        return self._made_at.get()
+
+    def keep_scale(self, scale: torch.Tensor) -> None:
+        """Makes the current grads keep the loss scale ``scale`` (the current one, about to
+        be set by hand), unless they carry one already."""
+        if self._made_at.get() is None:
+            self._made_at.remember(scale.clone(), self._stamp())
+
+    def still_these(self, clip: float, made_at: torch.Tensor | None) -> None:
+        """Records the current grads, after the engine's own writes (a step; new buffers), as
+        the ones ``clip`` still applies to (``NO_CLIP``: none) and that were made with the
+        loss scale ``made_at`` (None: the current one)."""
+        stamp = self._stamp()
+        self._clip.remember(None if clip == NO_CLIP else clip, stamp)
+        self._made_at.remember(made_at, stamp)
+
+    def checked(self) -> GradCheck | None:
+        """Returns the check :meth:`remember_check` kept, while the grads are the same."""
+        return self._checked.get()
+
+    def remember_check(self, checked: GradCheck) -> None:
+        self._checked.remember(checked, self._stamp())
+
+    def forget_check(self) -> None:
+        self._checked.forget()
+
+
 _GRAD = operator.attrgetter("grad")
 
 
@@ -101,4 +178,4 @@ def _version(grad: torch.Tensor) -> int:
     return (dtensors.local(grad) if isinstance(grad, DTensor) else grad)._version
 
 
-__all__ = ["GradMemo", "GradStamp"]
+__all__ = ["GradFacts", "GradMemo", "GradStamp"]

@@ -480,7 +480,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     self._phase.new_grads()  # overflow reads these grads
                     if not bool(finite):
                         return -1.0
-                    return float(self._engine.clip_current_grads(float(max_norm), norm))
+                    return float(self._engine.grad_facts.clip(float(max_norm), norm))
             elif self.sharded or self._engine.fsdp:
                 raise ValueError(f"{self._engine.whose} clips by the L2 norm (norm_type=2) only")
             else:
@@ -660,7 +660,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         fast = self._engine
         assert isinstance(fast, FastEngine)
         # The grads' scale and a pending clip belong to the grads, which outlive a load too.
-        max_norm, made_at = fast.clip_norm(), fast.carried_scale()
+        max_norm, made_at = fast.grad_facts.clip_norm(), fast.grad_facts.made_at()
         self._engine = generic = handover(fast, self._params, reason, keep_state=keep_state)
         if max_norm != NO_CLIP or made_at is not None:
             # The masters' grads as the fast step would have read them (grads stepped before
