@@ -111,7 +111,8 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
     - all formats: ``"format"`` (str), ``"loss_scale"`` (float), ``"dynamic"`` (bool)
     - ``format == "apex.amp"`` (``apex.amp.scaler.LossScaler``) adds ``"unskipped"`` (int,
       clean steps since the last change), ``"scale_window"`` (int, from ``_scale_seq_len``),
-      ``"min_loss_scale"`` (float or None), ``"max_loss_scale"`` (float), ``"has_overflow"``
+      ``"min_loss_scale"`` (float, or None: no floor; apex before June 2019 kept none),
+      ``"max_loss_scale"`` (float), ``"has_overflow"``
       (bool; False if absent); ``"dynamic"`` is the scaler's own flag.
     - ``format == "apex.fp16_utils.dynamic"`` (legacy ``DynamicLossScaler``) adds
       ``"cur_iter"``, ``"last_overflow_iter"``, ``"scale_window"`` (ints) and
@@ -126,7 +127,9 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
     fmt = getattr(cls, "format", "") if issubclass(cls, _ApexScalerStandIn) else ""
     fmt = fmt or _FORMAT_BY_PATH.get(f"{cls.__module__}.{cls.__qualname__}", "")
     if fmt == "apex.amp":
-        min_scale = _attr(obj, "_min_loss_scale")
+        # amp's scaler had no floor until June 2019 (apex b82c6bd7): a checkpoint from before
+        # lacks the attribute, which then means what None means.
+        min_scale = getattr(obj, "_min_loss_scale", None)
         return {
             "format": fmt,
             "loss_scale": _loss_scale(obj, "_loss_scale"),
@@ -189,6 +192,14 @@ def _refusal(err: pickle.UnpicklingError, source: object) -> ApexCheckpointError
             f"checkpoint (weights-only unpickler: {err})"
         )
     name = _python3_name(match.group(1))
+    if name == "copyreg._reconstructor":  # how pickle protocols 0 and 1 rebuild any object
+        return ApexCheckpointError(
+            f"{source!r} was pickled with protocol 0 or 1 (it names copyreg._reconstructor), "
+            "which rebuilds objects through a global the safe loader does not allow, so its "
+            "apex scaler cannot be read: load it where apex is installed and save it again "
+            "with torch.save's default protocol. Nothing in it was executed",
+            global_name=name,
+        )
     return ApexCheckpointError(
         f"{source!r} names the global {name}, which is not allowed: the file is not an apex "
         "FP16_Optimizer checkpoint, and it was not executed",

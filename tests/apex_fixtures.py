@@ -12,6 +12,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def fake_apex() -> Iterator[None]:
     assert importlib.util.find_spec("apex") is None
 
 
-def save(obj: object, path) -> None:
+def save(obj: object, path, **torch_save_args: Any) -> None:
     """``torch.save`` with the apex stand-ins importable."""
     with fake_apex():
-        torch.save(obj, path)
+        torch.save(obj, path, **torch_save_args)

@@ -82,6 +82,23 @@ def test_amp_era_checkpoint_loads_with_scaler_as_plain_dict(tmp_path):
     assert_rest_of_state_matches(loaded, original)
 
 
+def test_amp_checkpoint_from_before_apex_had_a_scale_floor_loads(tmp_path):
+    """apex's amp scaler had no ``_min_loss_scale`` until June 2019: no floor."""
+    scaler = amp_scaler()
+    del scaler._min_loss_scale
+    save(apex_state_dict(scaler), tmp_path / "early.pt")
+    loaded = load_apex_checkpoint(tmp_path / "early.pt")
+    assert loaded["loss_scaler"]["min_loss_scale"] is None
+    assert loaded["loss_scaler"]["loss_scale"] == 8192.0
+
+
+def test_a_protocol_1_pickle_is_refused_for_its_protocol(tmp_path):
+    save(apex_state_dict(amp_scaler()), tmp_path / "p1.pt", pickle_protocol=1)
+    with pytest.raises(ApexCheckpointError, match="protocol 0 or 1") as info:
+        load_apex_checkpoint(tmp_path / "p1.pt")
+    assert info.value.global_name == "copyreg._reconstructor"
+
+
 def test_legacy_dynamic_checkpoint_loads(tmp_path):
     scaler = instance(
         LEGACY_DYNAMIC, cur_scale=2.0**20, cur_iter=4321, last_overflow_iter=4000,

@@ -122,6 +122,29 @@ def test_adam_family_matches_torch(name, lr, beta1, beta2, eps, weight_decay, am
     _assert_close(state, reference, rtol=ADAMW_RTOL if name == "adamw" else 1e-6)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_at_eps_zero_leaves_values_without_gradient_alone(amsgrad):
+    """At eps = 0, torch's Adam divides 0 by 0 where a value has had only zero gradients (NaN);
+    fp16fx's update is 0 there (eps counts as at least 2**-126), and everywhere else it is
+    torch's at eps = 0, bitwise."""
+    hp = dict(lr=1e-2, eps=0.0, amsgrad=amsgrad)
+    params = {"w": torch.randn(64)}
+    state = fp16fx.init(params, fp16fx.adam(**hp), fp16fx.NoLossScale())
+    reference = params["w"].clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([reference], foreach=False, **hp)
+    gen = torch.Generator().manual_seed(0)
+    silent = torch.arange(64) % 4 == 0  # these values only ever get 0
+    for _ in range(3):
+        grad = torch.randn(64, generator=gen).masked_fill(silent, 0.0)
+        state, _ = fp16fx.step(state, {"w": grad})
+        reference.grad = grad.clone()
+        optimizer.step()
+    ours, theirs = state.master["w"], reference.detach()
+    assert theirs[silent].isnan().all()  # what fp16fx does not do
+    assert torch.equal(ours[silent], params["w"][silent])
+    assert torch.equal(ours[~silent], theirs[~silent])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_params_follow_torch_run_on_their_fp32_masters(dtype):
     state, reference = _run_both(

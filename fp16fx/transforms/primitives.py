@@ -83,6 +83,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+#: FP32's smallest normal: Adam's least ``eps``, so that its denominator is never 0.
+_TINY = torch.finfo(torch.float32).tiny
+
 #: The ``1e-6`` of ``torch.nn.utils.clip_grad_norm_``'s rule, which keeps a zero norm finite.
 CLIP_EPS = 1e-6
 
@@ -174,7 +177,11 @@ def scale_by_adam(
         u <- m / (1 - b1**t) / (sqrt(v_hat) / sqrt(1 - b2**t) + eps)
 
     (Kingma & Ba, 2015; AMSGrad: Reddi et al., 2018.) ``eps`` is added after the bias
-    correction of ``sqrt(v)``, as torch does, not inside the square root.
+    correction of ``sqrt(v)``, as torch does, not inside the square root. An ``eps`` below
+    FP32's smallest normal, 2**-126, counts as it: where ``v`` is 0 (a value given only zero
+    gradients so far, or the padding of int8 moments' blocks), ``m`` is 0 too, and the update
+    is 0, not torch's 0 / 0 = NaN at ``eps = 0``; anywhere else ``sqrt(v)`` is so much larger
+    that adding either rounds away alike.
     """
     check_hyperparam("betas", betas)
     check_hyperparam("eps", eps)
@@ -209,7 +216,7 @@ def scale_by_adam(
                 1 - b2,
                 1 / (1 - b1**count),
                 torch.rsqrt(1 - b2**count),
-                state.hyperparams["eps"],
+                torch.clamp(state.hyperparams["eps"], min=_TINY),
             )
             mu = mu * decay1 + weight1 * u  # no blend of lerp's two formulas
             nu = nu * decay2 + weight2 * u * u
