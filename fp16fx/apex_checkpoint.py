@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import re
+import zipfile
 from typing import IO, Any
 
 import torch
@@ -192,19 +193,32 @@ def _refusal(err: pickle.UnpicklingError, source: object) -> ApexCheckpointError
             f"checkpoint (weights-only unpickler: {err})"
         )
     name = _python3_name(match.group(1))
-    if name == "copyreg._reconstructor":  # how pickle protocols 0 and 1 rebuild any object
-        return ApexCheckpointError(
-            f"{source!r} was pickled with protocol 0 or 1 (it names copyreg._reconstructor), "
-            "which rebuilds objects through a global the safe loader does not allow, so its "
-            "apex scaler cannot be read: load it where apex is installed and save it again "
-            "with torch.save's default protocol. Nothing in it was executed",
-            global_name=name,
-        )
     return ApexCheckpointError(
         f"{source!r} names the global {name}, which is not allowed: the file is not an apex "
         "FP16_Optimizer checkpoint, and it was not executed",
         global_name=name,
     )
+
+
+def _pickled_before_protocol_2(source: str | os.PathLike[str] | IO[bytes]) -> bool:
+    """Whether ``source``'s pickle (a zip archive's ``data.pkl``, or the legacy format's first
+    pickle) was written with protocol 0 or 1: it does not start with PROTO (``0x80``)."""
+    try:
+        if not isinstance(source, (str, os.PathLike)):
+            source.seek(0)
+        if zipfile.is_zipfile(source):
+            with zipfile.ZipFile(source) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                first = archive.read(name)[:1]
+        elif isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as file:
+                first = file.read(1)
+        else:
+            source.seek(0)
+            first = source.read(1)
+    except (OSError, StopIteration, zipfile.BadZipFile, AttributeError):
+        return False
+    return first not in (b"", b"\x80")
 
 
 def load_apex_checkpoint(
@@ -248,6 +262,14 @@ def load_apex_checkpoint(
         with torch.serialization.safe_globals(allowed):
             loaded = torch.load(path_or_file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        if _pickled_before_protocol_2(path_or_file):
+            raise ApexCheckpointError(
+                f"{path_or_file!r} was pickled with protocol 0 or 1, which the weights-only "
+                "unpickler cannot read (it rebuilds objects through globals it does not "
+                "allow), so fp16fx cannot load it safely. If it is an apex checkpoint, load "
+                "it where apex is installed and save it again with torch.save's default "
+                "protocol. Nothing in it was executed"
+            ) from err
         raise _refusal(err, path_or_file) from err
     except (EOFError, IndexError, KeyError, ValueError) as err:  # torch.load on other files
         raise ApexCheckpointError(

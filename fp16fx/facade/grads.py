@@ -89,7 +89,8 @@ class GradMemo(Generic[T]):
 
 
 class GradFacts:
-    """What the fast path knows of the current gradients, each fact lapsing once they change:
+    """What an engine knows of the current gradients, each fact lapsing once they change (the
+    fast engine keeps all three; the generic one, whose masters' grads hold the rest, the scale):
 
     - the clip ``clip_master_grads`` asked of them (:meth:`clip`), which every step applies
       while they are these grads, as apex's in-place clip of its masters' grads held;

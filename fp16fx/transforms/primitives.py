@@ -178,10 +178,13 @@ def scale_by_adam(
 
     (Kingma & Ba, 2015; AMSGrad: Reddi et al., 2018.) ``eps`` is added after the bias
     correction of ``sqrt(v)``, as torch does, not inside the square root. An ``eps`` below
-    FP32's smallest normal, 2**-126, counts as it: where ``v`` is 0 (a value given only zero
-    gradients so far, or the padding of int8 moments' blocks), ``m`` is 0 too, and the update
-    is 0, not torch's 0 / 0 = NaN at ``eps = 0``; anywhere else ``sqrt(v)`` is so much larger
-    that adding either rounds away alike.
+    FP32's smallest normal, 2**-126, counts as it, so the denominator is never 0. That
+    changes nothing where ``v > 0``: ``sqrt(v)`` is at least 2**-75, and adding either
+    rounds away alike. Where ``v`` is 0 at ``eps = 0``, torch divides by 0: for a value given
+    only zero gradients so far (and the padding of int8 moments' blocks, whose NaN a block's
+    scale would spread), ``m`` is 0 too, and the update 0 where torch's is NaN; for
+    gradients whose squares underflow FP32 (below about 1e-19), ``m / 2**-126``, huge but
+    finite, where torch's is inf.
     """
     check_hyperparam("betas", betas)
     check_hyperparam("eps", eps)
