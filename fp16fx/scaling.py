@@ -106,7 +106,8 @@ class StaticLossScale(_FixedLossScale):
     """A fixed loss scale. Non-finite steps are still skipped; the scale never moves.
 
     A power of two keeps scaling and unscaling exact; other values are accepted (apex scripts
-    use e.g. 128 or 1000) and cost one rounding when the gradients are unscaled.
+    use e.g. 128 or 1000) and cost two roundings when the gradients are unscaled (of
+    ``1 / scale``, then of the product: apex's way, too).
     """
 
     scale: float
@@ -138,13 +139,17 @@ class DynamicLossScale:
             good_steps = 0
             overflows += 1
             if overflows == hysteresis:
-                scale = max(scale * backoff_factor, min_scale)   # "floored" if clamped
+                floored = scale == min_scale            # it can go no lower
+                scale = max(scale * backoff_factor, min_scale)
                 overflows = 0
 
     Hysteresis N tolerates N-1 overflows (each still skips its step) before backing off.
-    At the floor the scale is clamped, never lowered further, and ``adjust`` reports the clamp
-    (``info.loss_scale_floored`` in a step): raising on a collapsed scale is left to the
-    caller, which can check that flag whenever it is willing to sync with the device.
+    At the floor the scale is clamped, never lowered further, and ``adjust`` reports a back-off
+    that found it there (``info.loss_scale_floored`` in a step): raising on a collapsed scale
+    is left to the caller, which can check that flag whenever it is willing to sync with the
+    device. (A back-off clamped on its way down is not one: the gradients of the next try
+    are made at a lower scale.) ``backoff_factor`` is below 1: a scale that never backs off
+    would skip every overflowing step for ever.
 
     All factors and bounds must be powers of two, so that scaling and unscaling stay exact.
     The first scale is ``init_scale`` clamped into ``[min_scale, max_scale]``, as in apex.
@@ -169,8 +174,12 @@ class DynamicLossScale:
                 )
         if self.growth_factor < 1:
             raise ValueError(f"growth_factor must be >= 1, got {self.growth_factor!r}")
-        if self.backoff_factor > 1:
-            raise ValueError(f"backoff_factor must be <= 1, got {self.backoff_factor!r}")
+        if self.backoff_factor >= 1:
+            raise ValueError(
+                f"backoff_factor must be < 1 (a scale that does not back off skips every "
+                f"overflowing step for ever; a fixed one is StaticLossScale), got "
+                f"{self.backoff_factor!r}"
+            )
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 1):
@@ -202,8 +211,7 @@ class DynamicLossScale:
         back_off = ~finite & (overflows >= self.hysteresis)
 
         grown = torch.clamp(state.scale * self.growth_factor, max=self.max_scale)
-        wanted = state.scale * self.backoff_factor
-        backed_off = torch.clamp(wanted, min=self.min_scale)
+        backed_off = torch.clamp(state.scale * self.backoff_factor, min=self.min_scale)
         scale = torch.where(grow, grown, torch.where(back_off, backed_off, state.scale))
 
         changed = grow | back_off
@@ -212,7 +220,7 @@ class DynamicLossScale:
             good_steps=torch.where(changed, zero, good_steps),
             overflows=torch.where(changed, zero, overflows),
         )
-        return new_state, back_off & (wanted < self.min_scale)
+        return new_state, back_off & (state.scale <= self.min_scale)
 
 
 class GradCheck(NamedTuple):
@@ -280,7 +288,8 @@ def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> Che
     if not unscaled:
         zero = scale.new_zeros(())
         return CheckedGrads(unscaled, torch.isfinite(zero), zero)
-    values = [u._values() if u.is_sparse else u for u in unscaled]  # a sparse grad's entries
+    # A sparse grad's entries, summed where an index repeats (an embedding's repeated token)
+    values = [u.coalesce()._values() if u.is_sparse else u for u in unscaled]
     values = [v for v in values if v.numel()] or [scale.new_zeros(1)]  # an empty FSDP2 shard
     largest = torch.stack([v.abs().amax() for v in values]).amax()
     return CheckedGrads(unscaled, torch.isfinite(largest), global_norm(values))

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,9 @@ def test_dynamic_defaults_are_apexs_and_no_floor_is_2_to_the_minus_126():
     assert static._scaler.policy == StaticLossScale(1000.0) and static.loss_scale == 1000.0
     with pytest.warns(UserWarning, match="dynamic_loss_args is ignored"):
         wrap(TwoHeads(), "fast", dynamic_loss_args={"scale_window": 10})
+    with warnings.catch_warnings():  # nothing is ignored
+        warnings.simplefilter("error")
+        wrap(TwoHeads(), "fast", static_loss_scale=8.0, dynamic_loss_args={})
 
 
 @pytest.mark.parametrize("path", ["fast", "generic"])

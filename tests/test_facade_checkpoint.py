@@ -546,6 +546,13 @@ def test_amp_scaler_bounds_are_checked_by_name_and_an_infinite_ceiling_is_none(e
         assert scaler_from_dict({**AMP_DICT, "max_loss_scale": finite})[0].max_scale == NO_CEILING
 
 
+def test_amp_bounds_an_ulp_off_a_power_of_two_move_inwards():
+    """math.log2 rounded them onto the power of two, just outside apex's own bounds."""
+    floor, ceiling = math.nextafter(2.0**10, math.inf), math.nextafter(2.0**14, 0.0)
+    policy, _ = scaler_from_dict({**AMP_DICT, "min_loss_scale": floor, "max_loss_scale": ceiling})
+    assert (policy.min_scale, policy.max_scale) == (2.0**11, 2.0**13)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("era", APEX_SCALERS)
 def test_an_apex_checkpoint_loads_and_training_continues(tmp_path, path, era):

@@ -28,7 +28,7 @@ class DynamicScaleMachine(RuleBasedStateMachine):
     @initialize(
         init_exp=st.integers(-4, 24),
         growth_exp=st.integers(0, 2),
-        backoff_exp=st.integers(-2, 0),
+        backoff_exp=st.integers(-2, -1),
         growth_interval=st.integers(1, 6),
         hysteresis=st.integers(1, 3),
         min_exp=st.integers(-3, 4),
@@ -64,9 +64,8 @@ class DynamicScaleMachine(RuleBasedStateMachine):
             self.good = 0
             self.overflows += 1
             if self.overflows == p.hysteresis:
-                wanted = self.scale * p.backoff_factor
-                self.floored = wanted < p.min_scale
-                self.scale = max(wanted, p.min_scale)
+                self.floored = self.scale == p.min_scale
+                self.scale = max(self.scale * p.backoff_factor, p.min_scale)
                 self.overflows = 0
         self.state, floored = self.policy.adjust(self.state, torch.tensor(finite))
         assert bool(floored) == self.floored
@@ -101,13 +100,25 @@ def test_hysteresis_backs_off_on_the_nth_overflow_and_a_clean_step_does_not_rese
         assert state.scale.item() == expected
 
 
-def test_floor_clamps_and_reports():
-    policy = DynamicLossScale(init_scale=2.0, min_scale=1.0)
+@pytest.mark.parametrize("backoff_factor", [0.5, 0.25])
+def test_floor_clamps_and_reports_an_overflow_that_found_the_scale_there(backoff_factor):
+    """A back-off clamped on its way down (2 -> 1, not 0.5) is no floored one: the next
+    gradients are made at the lower scale, and may well be finite."""
+    policy = DynamicLossScale(init_scale=2.0, min_scale=1.0, backoff_factor=backoff_factor)
     state = policy.init()
     state, floored = policy.adjust(state, torch.tensor(False))
     assert (state.scale.item(), floored.item()) == (1.0, False)
     state, floored = policy.adjust(state, torch.tensor(False))
     assert (state.scale.item(), floored.item()) == (1.0, True)
+
+
+def test_the_norm_of_a_sparse_grad_sums_repeated_indices_first():
+    """An embedding's sparse grad repeats a row's index for each repeated token: its norm is
+    the dense grad's, not that of its entries apart."""
+    grad = torch.sparse_coo_tensor([[1, 1, 1]], torch.ones(3, 2), (4, 2))
+    checked = unscale_and_check([grad], torch.tensor(2.0))
+    dense_norm = torch.linalg.vector_norm(grad.to_dense() / 2)
+    assert checked.norm.item() == dense_norm.item() and dense_norm.item() > 2.1
 
 
 @pytest.mark.parametrize("policy", [NoLossScale(), StaticLossScale(1000.0)])
@@ -127,6 +138,8 @@ def test_fixed_policies_never_move(policy):
         ({"init_scale": 1000.0}, "init_scale must be a power of two"),
         ({"init_scale": -2.0}, "init_scale must be a finite number > 0"),
         ({"growth_factor": 0.5}, "growth_factor must be >= 1"),
+        # It would never back off: a closure that overflows would be re-run for ever.
+        ({"backoff_factor": 1.0}, "backoff_factor must be < 1"),
         ({"growth_interval": 0}, "growth_interval must be an int >= 1"),
         ({"hysteresis": 1.5}, "hysteresis must be an int >= 1"),
         # An int32 counter would wrap in the comparison: growth after every step.

@@ -118,7 +118,7 @@ def policy_from_args(
     """
     fields = None if dynamic_loss_args is None else dynamic_fields(dynamic_loss_args)
     if not dynamic_loss_scale:
-        if fields:
+        if dynamic_loss_args:
             warnings.warn(
                 "dynamic_loss_args is ignored because dynamic_loss_scale=False (as in apex)",
                 stacklevel=3,
@@ -218,8 +218,10 @@ def _amp_bound(d: Mapping[str, Any], key: str, up: bool) -> float:
         return NO_CEILING
     check_scale(f"loss_scaler[{key!r}]", value)
     if not is_power_of_two(value):
-        exponent = math.log2(value)
-        value = 2.0 ** (math.ceil(exponent) if up else math.floor(exponent))
+        # frexp's exponent is exact (log2 rounds values an ulp off a power of two onto it):
+        # value = m * 2**e, m in (0.5, 1), between 2**(e-1) and 2**e
+        exponent = math.frexp(value)[1]
+        value = 2.0 ** (exponent if up else exponent - 1)
     return min(value, NO_CEILING)
 
 
