@@ -24,7 +24,7 @@ from fp16fx.precision import (
     decode_master,
     decode_moment,
 )
-from fp16fx.scaling import check_scale
+from fp16fx.scaling import DynamicLossScale, check_scale
 from fp16fx.transforms import check_hyperparam
 
 FORMAT = "fp16fx.state/1"
@@ -171,6 +171,13 @@ def _check_values(sd: Mapping[str, Any]) -> None:
     for where, count in counts.items():
         if not count.is_meta and int(count) < 0:
             raise misfit(f"{where} is {int(count)}, a count below 0")
+    policy, scale_state = sd["policy"], sd["loss_scale"]
+    if policy.get("type") == DynamicLossScale.__name__ and not scale_state["good_steps"].is_meta:
+        fields = {k: v for k, v in policy.items() if k != "type"}
+        counters = (int(scale_state["good_steps"]), int(scale_state["overflows"]))
+        fault = DynamicLossScale(**fields).counter_fault(*counters)
+        if fault is not None:
+            raise misfit(f"['loss_scale']: {fault}")
 
 
 def value_fault(value: torch.Tensor, non_negative: bool = False) -> str | None:

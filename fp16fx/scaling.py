@@ -200,6 +200,22 @@ class DynamicLossScale:
         start = min(max(self.init_scale, self.min_scale), self.max_scale)
         return _state(start, device)
 
+    def counter_fault(self, good_steps: int, overflows: int) -> str | None:
+        """Returns why no run under this policy holds these counters (a loaded state's), or
+        None: the rule resets each when it reaches its bound, and past it an int32 counter
+        would wrap before the rule met the bound again (no growth, or no back-off, for
+        2**31 steps)."""
+        for name, count, bound in (
+            ("good_steps", good_steps, "growth_interval"),
+            ("overflows", overflows, "hysteresis"),
+        ):
+            if count >= getattr(self, bound):
+                return (
+                    f"{name} is {count}, but the policy resets it when it reaches its "
+                    f"{bound}, {getattr(self, bound)}"
+                )
+        return None
+
     def adjust(
         self, state: LossScaleState, finite: torch.Tensor
     ) -> tuple[LossScaleState, torch.Tensor]:

@@ -348,6 +348,12 @@ CORRUPTIONS = {
         ValueError,
         "'good_steps'\\] must be a count in \\[0, 2\\*\\*31\\)",
     ),
+    # One the rule resets first: past it, the int32 counter wrapped and the scale froze.
+    "scaler count past its bound": (
+        _set(["loss_scaler", "overflows"], 2**31 - 1),
+        ValueError,
+        "loss_scaler: overflows is 2147483647, but the policy resets it .* hysteresis, 1",
+    ),
     # Values no run saves, which would train into NaN: refused before anything is written.
     "a NaN master": (
         _set(["fp32_from_fp16", 0, 1], lambda t: t * math.nan),

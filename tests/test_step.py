@@ -557,6 +557,25 @@ def test_a_dict_without_segments_loads_as_before_and_a_malformed_one_is_refused(
     assert all(torch.equal(target.master[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize(
+    ("counter", "value", "bound"),
+    [("good_steps", 5, "growth_interval, 5"), ("overflows", 2**31 - 1, "hysteresis, 2")],
+)
+def test_loss_scale_counters_no_run_holds_are_refused(counter, value, bound):
+    """The dynamic rule resets each counter at its bound; loaded past it, the int32 counter
+    wrapped before meeting it again, and the scale stopped moving."""
+    policy = fp16fx.DynamicLossScale(growth_interval=5, hysteresis=2)
+    target = fp16fx.init({"w": torch.ones(4).half()}, fp16fx.sgd(0.1), policy)
+    sd = fp16fx.state_dict(target)
+    sd["loss_scale"][counter] = torch.tensor(value, dtype=torch.int32)
+    before = [t.clone() for t in target.loss_scale]
+    with pytest.raises(fp16fx.StateDictError, match=rf"{counter} is {value}, .*{bound}"):
+        fp16fx.load_state_dict(target, sd)
+    assert all(torch.equal(a, b) for a, b in zip(target.loss_scale, before))
+    sd["loss_scale"][counter] = torch.tensor(1, dtype=torch.int32)  # one a run holds
+    assert getattr(fp16fx.load_state_dict(target, sd).loss_scale, counter).item() == 1
+
+
 def test_saved_segments_apply_only_to_a_state_laid_out_alike():
     """Saved over FP16 a, c and FP32 b, d (two buckets, each its own segment), loaded over
     all-FP32 params (the model's dtype changed): one bucket, whose params came from two saved

@@ -243,6 +243,15 @@ def scaler_from_dict(d: Any) -> tuple[FacadePolicy, ScaleValues]:
     Raises:
       ValueError: an unknown format, or a missing or bad entry (named).
     """
+    policy, values = _read_scaler(d)
+    fault = policy.counter_fault(*values[1:]) if isinstance(policy, DynamicLossScale) else None
+    if fault is not None:
+        raise ValueError(f"loss_scaler: {fault}")
+    return policy, values
+
+
+def _read_scaler(d: Any) -> tuple[FacadePolicy, ScaleValues]:
+    """:func:`scaler_from_dict`'s reading of each format."""
     if not isinstance(d, Mapping):
         raise ValueError(f"loss_scaler must be a dict, got {type(d).__name__}")
     fmt = d.get("format")
