@@ -253,7 +253,9 @@ def test_save_refuses_a_file_it_would_replace_before_anything_loads(
     monkeypatch.setattr(command, "launch", lambda *args: pytest.fail("processes started"))
     ck, notes, other = tmp_path / "ck1.pt", tmp_path / "notes.txt", tmp_path / "other.pt"
     link, hard, empty = tmp_path / "latest.pt", tmp_path / "hard.pt", tmp_path / "empty.pt"
-    parts = {"format": checkpoint.FORMAT, "epoch": 2, "stepper": {}, "rng": {}, "history": {}}
+    steps: dict = {"step_loss": [], "step_loss_scale": [], "step_skipped": []}
+    history = {"epochs": [{"steps": 0}] * 2, **steps}  # the two epochs' (none saved)
+    parts = {"format": checkpoint.FORMAT, "epoch": 2, "stepper": {}, "rng": {}, "history": history}
     save_atomic({**parts, "run": {}}, str(ck))
     save_atomic({**parts, "run": {"fsdp": True}}, str(other))
     notes.write_text("my notes\n")
@@ -343,9 +345,13 @@ def test_malformed_checkpoint_fields_are_named(capsys, tmp_path, saved) -> None:
         ("epoch", -1, "its 'epoch' is -1"),
         ("run", [1, 2], "its 'run' is not a dict (list)"),
         ("history", 3, "its 'history' is not a dict (int)"),
+        # The loop resumes after the history's last epoch: once silently another than 'epoch'
+        ("epoch", 2, "its 'history' holds 1 epoch(s), its 'epoch' says 2"),
+        ("history.step_loss", [], "its history's 'step_loss' holds 0 values, its epochs"),
     ]:
         ckpt = torch.load(saved, weights_only=True)
-        ckpt[key] = value
+        held, name = (ckpt["history"], key[8:]) if key.startswith("history.") else (ckpt, key)
+        held[name] = value
         bad = str(tmp_path / "bad.pt")
         torch.save(ckpt, bad)
         code, _, err = train_cli(capsys, "--api", "functional", "--epochs", "3", "--resume", bad)
@@ -597,7 +603,8 @@ def test_checkpoint_with_a_misshapen_tensor_names_it(capsys, tmp_path, saved) ->
 def test_load_checkpoint_checks_every_identity_field(tmp_path) -> None:
     path = str(tmp_path / "ck.pt")
     run = {"model": "cnn", "dataset": "digits", "api": "facade"}
-    empty = {"stepper": {}, "rng": {}, "history": {}}
+    history = {"epochs": [{"steps": 0}], "step_loss": [], "step_loss_scale": [], "step_skipped": []}
+    empty = {"stepper": {}, "rng": {}, "history": history}
     save_atomic({"format": checkpoint.FORMAT, "run": run, "epoch": 1, **empty}, path)
     assert load_checkpoint(path, run)["epoch"] == 1
     with pytest.raises(CheckpointError, match="--dataset digits, this run has fake"):

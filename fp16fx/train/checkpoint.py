@@ -206,7 +206,30 @@ def _read(path: str) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {path} is malformed: its {key!r} is not a dict ({got})"
             )
+    fault = _history_fault(ckpt["history"], epoch)
+    if fault is not None:
+        raise CheckpointError(f"checkpoint {path} is malformed: {fault}")
     return ckpt
+
+
+def _history_fault(history: dict[str, Any], epoch: int) -> str | None:
+    """Returns why ``history`` (``loop.History.to_dict()``'s form) cannot be the one of a run
+    after ``epoch`` epochs, or None: the loop resumes after its last epoch, the run's count
+    after ``epoch``, and the two must agree, as must its per-step lists with its epochs'
+    steps."""
+    epochs = history.get("epochs")
+    if not isinstance(epochs, list) or len(epochs) != epoch:
+        held = f"{len(epochs)} epoch(s)" if isinstance(epochs, list) else "no list of epochs"
+        return f"its 'history' holds {held}, its 'epoch' says {epoch}"
+    per_step = {key: history.get(key) for key in ("step_loss", "step_loss_scale", "step_skipped")}
+    steps = [e.get("steps") if isinstance(e, dict) else None for e in epochs]
+    if not all(isinstance(s, int) for s in steps):
+        return "an epoch of its 'history' has no step count"
+    for key, values in per_step.items():
+        if not isinstance(values, list) or len(values) != sum(steps):
+            held = f"{len(values)} values" if isinstance(values, list) else "no list"
+            return f"its history's {key!r} holds {held}, its epochs {sum(steps)} steps"
+    return None
 
 
 def _check_run(path: str, ckpt: dict[str, Any], run: dict[str, Any]) -> None:
