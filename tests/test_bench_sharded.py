@@ -107,6 +107,7 @@ def test_compact_sharded_bytes_per_param_at_d2_through_the_cli(capsys) -> None:
         # Once ignored silently: the sharded measurement has none of these.
         (["--world-sizes", "2", "--rounds", "3"], "drop --rounds"),
         (["--world-sizes", "2", "--rounds", "2", "--interleave"], "drop --rounds, --interleave"),
+        (["--world-sizes", "2", "--no-compile-times"], "times no compiles; drop --no-compile-t"),
     ],
 )
 def test_cli_rejects_bad_arguments_before_spawning_or_measuring(argv, message, capsys) -> None:

@@ -297,13 +297,14 @@ def _run_sharded(args: argparse.Namespace) -> int:
         for flag, given in (
             ("--rounds", args.rounds != 1),
             ("--interleave", args.interleave),
+            ("--no-compile-times", not args.compile_times),
         )
         if given
     ]
     if ignored:
         raise SystemExit(
             "fp16fx bench: --world-sizes measures one round of the sharded step, not "
-            f"interleaved; drop {', '.join(ignored)}"
+            f"interleaved, and times no compiles; drop {', '.join(ignored)}"
         )
     if args.device != "cpu":
         raise SystemExit("fp16fx bench: --world-sizes runs on CPU with gloo only for now")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -276,7 +275,7 @@ def _run_preset(
             try:
                 result = _measure(cls, preset, opts, device, progress, round_)
             except Exception as exc:  # a broken contender must not sink the others
-                traceback.print_exc(file=sys.stderr)
+                progress(f"[{preset.name}] {cls.name}: {traceback.format_exc().rstrip()}")
                 progress(f"[{preset.name}] {cls.name}: error ({type(exc).__name__}: {exc})")
                 failed[cls.name] = _row(cls, opts, "error", f"{type(exc).__name__}: {exc}")
                 measured.pop(cls.name, None)

@@ -123,7 +123,7 @@ def _copy_timing(bench: BenchResult) -> str:
     if bench.interleaved:
         return ", timed in each interleaved iteration"
     if bench.rounds > 1:
-        return f", the median of {bench.rounds} rounds' copies"
+        return f", at the median of {bench.rounds} rounds' copy times"
     return ""
 
 

@@ -52,8 +52,9 @@ class PresetResult:
     """All contenders' results on one parameter set.
 
     ``copy_bandwidth_gbps`` is the bandwidth the roofline row is set at: the run's
-    (:attr:`BenchResult.copy_bandwidth_gbps`), the median of the rounds' (``rounds`` > 1),
-    or, timed interleaved, the median of the copies timed beside the contenders' steps.
+    (:attr:`BenchResult.copy_bandwidth_gbps`), the one at the median of the rounds' copy times
+    (``rounds`` > 1), or, timed interleaved, the median of the copies timed beside the
+    contenders' steps.
     """
 
     preset: str
