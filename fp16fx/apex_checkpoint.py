@@ -200,25 +200,38 @@ def _refusal(err: pickle.UnpicklingError, source: object) -> ApexCheckpointError
     )
 
 
-def _pickled_before_protocol_2(source: str | os.PathLike[str] | IO[bytes]) -> bool:
-    """Whether ``source``'s pickle (a zip archive's ``data.pkl``, or the legacy format's first
-    pickle) was written with protocol 0 or 1: it does not start with PROTO (``0x80``)."""
+#: How torch's legacy (unzipped) format begins when pickled with protocol 0 or 1: its magic
+#: number, pickled (protocol 2 begins with PROTO, ``0x80``, instead).
+_LEGACY_BEFORE_PROTOCOL_2 = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=0)
+
+
+def _pickled_before_protocol_2(source: str | os.PathLike[str] | IO[bytes], start: int) -> bool:
+    """Whether ``source`` (a file object: from offset ``start``) is a torch checkpoint pickled
+    with protocol 0 or 1: a zip archive whose ``data.pkl`` does not start with PROTO, or the
+    legacy format begun by its magic number in those protocols' form."""
     try:
-        if not isinstance(source, (str, os.PathLike)):
-            source.seek(0)
-        if zipfile.is_zipfile(source):
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as file:
+                head = file.read(len(_LEGACY_BEFORE_PROTOCOL_2))
+        else:
+            source.seek(start)
+            head = source.read(len(_LEGACY_BEFORE_PROTOCOL_2))
+            source.seek(start)
+        if head.startswith(b"PK"):  # a zip archive
             with zipfile.ZipFile(source) as archive:
                 name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-                first = archive.read(name)[:1]
-        elif isinstance(source, (str, os.PathLike)):
-            with open(source, "rb") as file:
-                first = file.read(1)
-        else:
-            source.seek(0)
-            first = source.read(1)
+                return archive.read(name)[:1] not in (b"", b"\x80")
     except (OSError, StopIteration, zipfile.BadZipFile, AttributeError):
         return False
-    return first not in (b"", b"\x80")
+    return head == _LEGACY_BEFORE_PROTOCOL_2
+
+
+def _tell(file: IO[bytes]) -> int:
+    """Returns ``file``'s position (0 where it cannot tell: torch.load then refuses it)."""
+    try:
+        return file.tell()
+    except (OSError, AttributeError):
+        return 0
 
 
 def load_apex_checkpoint(
@@ -258,19 +271,23 @@ def load_apex_checkpoint(
             f"{path_or_file!r}"
         )
     allowed = [(cls, cls.apex_path) for cls in _STAND_INS]
+    start = 0 if isinstance(path_or_file, (str, os.PathLike)) else _tell(path_or_file)
     try:
         with torch.serialization.safe_globals(allowed):
             loaded = torch.load(path_or_file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        if _pickled_before_protocol_2(path_or_file):
+        refusal = _refusal(err, path_or_file)
+        unnamed = refusal.global_name in (None, "copyreg._reconstructor")
+        if unnamed and _pickled_before_protocol_2(path_or_file, start):
             raise ApexCheckpointError(
                 f"{path_or_file!r} was pickled with protocol 0 or 1, which the weights-only "
                 "unpickler cannot read (it rebuilds objects through globals it does not "
                 "allow), so fp16fx cannot load it safely. If it is an apex checkpoint, load "
                 "it where apex is installed and save it again with torch.save's default "
-                "protocol. Nothing in it was executed"
+                "protocol. Nothing in it was executed",
+                global_name=refusal.global_name,
             ) from err
-        raise _refusal(err, path_or_file) from err
+        raise refusal from err
     except (EOFError, IndexError, KeyError, ValueError) as err:  # torch.load on other files
         raise ApexCheckpointError(
             f"{path_or_file!r} is not a torch checkpoint, so not an apex FP16_Optimizer one "

@@ -50,7 +50,8 @@ class LossScalePolicy(Protocol):
     def adjust(
         self, state: LossScaleState, finite: torch.Tensor
     ) -> tuple[LossScaleState, torch.Tensor]:
-        """Returns ``(new_state, floored)``; ``floored`` is True when a back-off was clamped."""
+        """Returns ``(new_state, floored)``; ``floored`` is True when an overflow found the
+        scale already at its minimum (it can go no lower)."""
         ...
 
 
@@ -136,20 +137,21 @@ class DynamicLossScale:
                 scale = min(scale * growth_factor, max_scale)
                 good_steps = overflows = 0
         else:                                   # the step itself is skipped
+            floored = scale <= min_scale            # it can go no lower
             good_steps = 0
             overflows += 1
             if overflows == hysteresis:
-                floored = scale == min_scale            # it can go no lower
                 scale = max(scale * backoff_factor, min_scale)
                 overflows = 0
 
     Hysteresis N tolerates N-1 overflows (each still skips its step) before backing off.
-    At the floor the scale is clamped, never lowered further, and ``adjust`` reports a back-off
-    that found it there (``info.loss_scale_floored`` in a step): raising on a collapsed scale
-    is left to the caller, which can check that flag whenever it is willing to sync with the
-    device. (A back-off clamped on its way down is not one: the gradients of the next try
-    are made at a lower scale.) ``backoff_factor`` is below 1: a scale that never backs off
-    would skip every overflowing step for ever.
+    At the floor the scale is clamped, never lowered further, and ``adjust`` reports an
+    overflow that found it there (``info.loss_scale_floored`` in a step), whether or not
+    hysteresis lets it back off: raising on a collapsed scale is left to the caller, which can
+    check that flag whenever it is willing to sync with the device. (A back-off clamped on its
+    way down is not one: the gradients of the next try are made at a lower scale.)
+    ``backoff_factor`` is below 1: a scale that never backs off would skip every overflowing
+    step for ever.
 
     All factors and bounds must be powers of two, so that scaling and unscaling stay exact.
     The first scale is ``init_scale`` clamped into ``[min_scale, max_scale]``, as in apex.
@@ -202,9 +204,9 @@ class DynamicLossScale:
 
     def counter_fault(self, good_steps: int, overflows: int) -> str | None:
         """Returns why no run under this policy holds these counters (a loaded state's), or
-        None: the rule resets each when it reaches its bound, and past it an int32 counter
-        would wrap before the rule met the bound again (no growth, or no back-off, for
-        2**31 steps)."""
+        None: the rule resets each when it reaches its bound. (Loaded at 2**31 - 1, the next
+        count wrapped the int32 counter below the bound: no growth, or no back-off, for 2**31
+        steps.)"""
         for name, count, bound in (
             ("good_steps", good_steps, "growth_interval"),
             ("overflows", overflows, "hysteresis"),
@@ -236,7 +238,7 @@ class DynamicLossScale:
             good_steps=torch.where(changed, zero, good_steps),
             overflows=torch.where(changed, zero, overflows),
         )
-        return new_state, back_off & (state.scale <= self.min_scale)
+        return new_state, ~finite & (state.scale <= self.min_scale)
 
 
 class GradCheck(NamedTuple):

@@ -104,6 +104,23 @@ def test_a_protocol_0_or_1_pickle_is_refused_for_its_protocol(tmp_path, protocol
         load_apex_checkpoint(path)
     with open(path, "rb") as file, pytest.raises(ApexCheckpointError, match="protocol 0 or 1"):
         load_apex_checkpoint(file)
+    offset = io.BytesIO(b"HDR" + path.read_bytes())
+    offset.read(3)  # torch.load reads from here
+    with pytest.raises(ApexCheckpointError, match="protocol 0 or 1"):
+        load_apex_checkpoint(offset)
+
+
+def test_other_files_and_named_globals_are_not_taken_for_old_protocols(tmp_path):
+    """Only a torch checkpoint's own pickle tells its protocol: a JSON or gzip file is no
+    checkpoint, and a protocol 1 pickle that names a global is refused by that name."""
+    for name, content in {"a.json": b'{"epoch": 3}', "a.gz": b"\x1f\x8b\x08\x00"}.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ApexCheckpointError, match="not an apex FP16_Optimizer"):
+            load_apex_checkpoint(tmp_path / name)
+    save(apex_state_dict(Malicious(os.system, ("true",))), tmp_path / "m.pt", pickle_protocol=1)
+    with pytest.raises(ApexCheckpointError, match="names the global") as info:
+        load_apex_checkpoint(tmp_path / "m.pt")
+    assert info.value.global_name is not None and "system" in info.value.global_name
 
 
 def test_legacy_dynamic_checkpoint_loads(tmp_path):

@@ -17,6 +17,7 @@ from torch import nn
 import fp16fx
 from fp16fx.facade.policy import NO_CEILING, scaler_from_dict
 from fp16fx.fp16_utils import FP16_Optimizer
+from fp16fx.scaling import StaticLossScale
 from tests.apex_fixtures import AMP_SCALER, LEGACY_DYNAMIC, LEGACY_STATIC, fake_apex, instance
 
 PATHS = ["fast", "generic"]
@@ -550,6 +551,15 @@ def test_amp_scaler_bounds_are_checked_by_name_and_an_infinite_ceiling_is_none(e
     assert policy.max_scale == NO_CEILING and values.scale == 2.0**13
     for finite in (2.0**127, 3e38):  # a finite ceiling is never above none
         assert scaler_from_dict({**AMP_DICT, "max_loss_scale": finite})[0].max_scale == NO_CEILING
+
+
+def test_a_legacy_dynamic_scaler_whose_scale_never_moves_loads_as_a_static_one():
+    """apex's legacy DynamicLossScaler(scale_factor=1) divides and multiplies by 1."""
+    legacy = {
+        "format": "apex.fp16_utils.dynamic", "loss_scale": 2.0**10, "dynamic": True,
+        "cur_iter": 40, "last_overflow_iter": 7, "scale_factor": 1.0, "scale_window": 1000,
+    }  # fmt: skip
+    assert scaler_from_dict(legacy) == (StaticLossScale(2.0**10), (2.0**10, 0, 0))
 
 
 def test_amp_bounds_an_ulp_off_a_power_of_two_move_inwards():

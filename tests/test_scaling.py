@@ -61,10 +61,10 @@ class DynamicScaleMachine(RuleBasedStateMachine):
                 self.scale = min(self.scale * p.growth_factor, p.max_scale)
                 self.good = self.overflows = 0
         else:
+            self.floored = self.scale == p.min_scale
             self.good = 0
             self.overflows += 1
             if self.overflows == p.hysteresis:
-                self.floored = self.scale == p.min_scale
                 self.scale = max(self.scale * p.backoff_factor, p.min_scale)
                 self.overflows = 0
         self.state, floored = self.policy.adjust(self.state, torch.tensor(finite))
@@ -98,6 +98,16 @@ def test_hysteresis_backs_off_on_the_nth_overflow_and_a_clean_step_does_not_rese
     for finite, expected in [(False, 64), (True, 64), (False, 64), (False, 32), (False, 32)]:
         state, _ = policy.adjust(state, torch.tensor(finite))
         assert state.scale.item() == expected
+
+
+def test_every_overflow_at_the_floor_is_reported_whatever_the_hysteresis():
+    """The scale can go no lower: a closure re-run at it cannot help, back-off or not."""
+    policy = DynamicLossScale(init_scale=1.0, min_scale=1.0, hysteresis=2)
+    state, floored = policy.adjust(policy.init(), torch.tensor(False))
+    assert (state.overflows.item(), floored.item()) == (1, True)
+    state, floored = policy.adjust(state, torch.tensor(False))
+    assert (state.overflows.item(), floored.item()) == (0, True)
+    assert not policy.adjust(state, torch.tensor(True))[1].item()
 
 
 @pytest.mark.parametrize("backoff_factor", [0.5, 0.25])

@@ -284,6 +284,8 @@ def _read_scaler(d: Any) -> tuple[FacadePolicy, ScaleValues]:
         # `window` clean iterations counted from the last overflow; floor 1, no ceiling.
         window = _get(d, "scale_window", int)
         factor = _get(d, "scale_factor", float)
+        if factor == 1:  # its scale never moved: a fixed one (a dynamic one must back off)
+            return StaticLossScale(scale), ScaleValues(scale, good_steps=0, overflows=0)
         policy = _dynamic(
             init_scale=2.0**32,
             growth_factor=factor,

@@ -2,8 +2,8 @@
 
 Layer: ``facade`` (docs/design.md). apex printed a line for every skipped step, from a decision
 it had already synced to the host. fp16fx's fast path never syncs in a step, so the step itself
-counts, on the device, the steps it skipped and the back-offs that hit the scale's floor
-(``info.loss_scale_floored``) into a 2-element tensor. The :class:`OverflowReporter` reads
+counts, on the device, the steps it skipped and the overflows that found the scale at its
+floor (``info.loss_scale_floored``) into a 2-element tensor. The :class:`OverflowReporter` reads
 that tensor every ``interval`` steps -- one 16-byte device-to-host copy, the only sync it adds --
 and turns what happened since into at most two log lines on the ``fp16fx`` logger:
 

@@ -183,8 +183,8 @@ def scale_by_adam(
     rounds away alike. Where ``v`` is 0 at ``eps = 0``, torch divides by 0: for a value given
     only zero gradients so far (and the padding of int8 moments' blocks, whose NaN a block's
     scale would spread), ``m`` is 0 too, and the update 0 where torch's is NaN; for
-    gradients whose squares underflow FP32 (below about 1e-19), ``m / 2**-126``, huge but
-    finite, where torch's is inf.
+    gradients so small that ``(1 - b2) * u * u`` underflows FP32 (below about 1e-21 at
+    b2 = 0.999), ``m / 2**-126``, huge but finite, where torch's is inf.
     """
     check_hyperparam("betas", betas)
     check_hyperparam("eps", eps)
