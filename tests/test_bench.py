@@ -290,6 +290,12 @@ def test_list_names_every_registered_contender_and_marks_the_opt_in_ones(
     for cls in runner_classes():
         assert ("[not in the default set]" in rows[cls.name]) == (not cls.default)
     assert "[not in the default set]" in rows["fp16fx-compiled-leaves"]
+    assert command.main(["--list", "--json"]) == 0  # once the text list
+    listed = json.loads(capsys.readouterr().out)["contenders"]
+    assert [c["name"] for c in listed] == [cls.name for cls in runner_classes()]
+    named = {c["name"]: c for c in listed}
+    assert not named["fp16fx-compiled-leaves"]["default"]
+    assert named["fp16fx-compensated-int8"]["moved_bytes_per_param"]["float16"] < 30
 
 
 #: Each fp16fx contender's masters, after a few steps, against torch.optim.Adam's: per value,

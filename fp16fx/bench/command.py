@@ -6,6 +6,7 @@ Registered into ``fp16fx``'s CLI by :func:`add_parser`; also runs as ``python -m
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -217,6 +218,23 @@ def _listed(cls: type[Runner]) -> str:
     return f"{cls.label} ({fp16:g} B/param roof" + (f"; BF16 {bf16:g})" if bf16 != fp16 else ")")
 
 
+def _list_contenders_json() -> str:
+    """Returns the registered contenders as one JSON document (``--list --json``)."""
+    contenders = [
+        {
+            "name": cls.name,
+            "label": cls.label,
+            "default": cls.default,
+            "moved_bytes_per_param": {
+                "float16": cls.moved_bytes(torch.float16),
+                "bfloat16": cls.moved_bytes(torch.bfloat16),
+            },
+        }
+        for cls in runner_classes()
+    ]
+    return json.dumps({"schema": 1, "contenders": contenders}, indent=2)
+
+
 def _list_contenders() -> str:
     rows = [("roofline", "30 B/param / measured copy bandwidth (always reported)")]
     rows += [
@@ -231,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``fp16fx bench`` with parsed ``args``; print the table or JSON; return 0, or 1 if
     every contender failed."""
     if args.list:
-        print(_list_contenders())
+        print(_list_contenders_json() if args.json else _list_contenders())
         return 0
     if args.world_sizes is not None:
         return _run_sharded(args)
