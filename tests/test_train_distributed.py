@@ -248,6 +248,7 @@ def test_fsdp_checkpoints_resume_bitwise_and_at_any_number_of_processes(capsys, 
     assert "int8 to --masters fp32 --moments fp32" in done.stderr
     assert "FP32 model, FSDP2" in done.stderr
     assert summary_rows(done.stdout)["processes"] == "4, in sync"
+    assert "3 epochs of 2 steps x 128 (4 processes x 32) from epoch 3," in done.stdout
     four_epochs = torch.load(tmp_path / "four.pt", weights_only=True)["history"]["epochs"]
     assert four_epochs[:2] == split["history"]["epochs"] and len(four_epochs) == 3
 

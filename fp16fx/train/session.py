@@ -441,6 +441,8 @@ def train(config: TrainConfig) -> TrainResult:
     torch.manual_seed(config.seed)
     stepper = _fp16_stepper(config, data, device, distributed)
     per_process = f" ({processes.size} processes x {batch_size})" if distributed else ""
+    # A resumed run's earlier epochs were another session's (another process count, maybe)
+    per_process += "" if ckpt is None else f" from epoch {ckpt['epoch'] + 1}"
     title = (
         f"fp16fx train: {config.model} on {config.dataset} "
         f"({len(data.train):,} train / {len(data.test):,} test images), {device.type}, "
