@@ -226,6 +226,11 @@ def _pickled_before_protocol_2(source: str | os.PathLike[str] | IO[bytes], start
     return head == _LEGACY_BEFORE_PROTOCOL_2
 
 
+def _seekable(file: IO[bytes]) -> bool:
+    seekable = getattr(file, "seekable", None)
+    return seekable is None or bool(seekable())
+
+
 def _tell(file: IO[bytes]) -> int:
     """Returns ``file``'s position (0 where it cannot tell: torch.load then refuses it)."""
     try:
@@ -256,7 +261,7 @@ def load_apex_checkpoint(
 
     Raises:
         FileNotFoundError: the path does not exist.
-        TypeError: ``path_or_file`` is neither a path nor a binary file.
+        TypeError: ``path_or_file`` is neither a path nor a seekable binary file.
         ApexCheckpointError: the file is no torch checkpoint (empty, truncated, text...),
             its pickle names any global beyond tensors, torch's default weights-only allowlist
             and the apex scaler classes (the name is in the message and in
@@ -269,6 +274,11 @@ def load_apex_checkpoint(
         raise TypeError(
             "load_apex_checkpoint expects a path or a file opened in binary mode ('rb'), got "
             f"{path_or_file!r}"
+        )
+    elif not (hasattr(path_or_file, "seek") and _seekable(path_or_file)):
+        raise TypeError(
+            f"load_apex_checkpoint expects a seekable file (torch.load reads a checkpoint's "
+            f"parts out of order), got {path_or_file!r}: read it into io.BytesIO first"
         )
     allowed = [(cls, cls.apex_path) for cls in _STAND_INS]
     start = 0 if isinstance(path_or_file, (str, os.PathLike)) else _tell(path_or_file)

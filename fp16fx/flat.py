@@ -281,20 +281,28 @@ def joined(
     if offsets is None:
         offsets = tuple(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
     first = tensors[0]
-    start, size = first.data_ptr(), first.element_size()
+    size = first.element_size()
+    expected = _byte_offsets(tuple(offsets), size)
+    addresses = list(map(torch.Tensor.data_ptr, tensors))
+    anchor = 0  # the tensor whose storage the flat tensor is read from
+    if 0 in addresses:  # a zero-size tensor's address is 0 wherever it sits: skip it
+        anchor = next((k for k, t in enumerate(tensors) if t.numel()), 0)
+        at = addresses[anchor] - expected[anchor]
+        addresses = [at + e if a == 0 else a for a, e in zip(addresses, expected)]
+    start = addresses[anchor] - expected[anchor]
     if (
-        list(map(operator.sub, map(torch.Tensor.data_ptr, tensors), itertools.repeat(start)))
-        != _byte_offsets(tuple(offsets), size)
+        list(map(operator.sub, addresses, itertools.repeat(start))) != expected
         or list(map(_SHAPE, tensors)) != list(shapes)  # torch.Size equals a tuple
         or set(map(_DTYPE, tensors)) != {first.dtype}
         or not all(map(torch.Tensor.is_contiguous, tensors))
     ):
         return None
     numel = offsets[-1] - offsets[0]
-    offset = first.storage_offset()
-    if offset + numel > first.untyped_storage().nbytes() // size:
+    head = tensors[anchor]
+    offset = head.storage_offset() - (offsets[anchor] - offsets[0])
+    if offset < 0 or offset + numel > head.untyped_storage().nbytes() // size:
         return None
-    return first.detach().as_strided((numel,), (1,), offset)
+    return head.detach().as_strided((numel,), (1,), offset)
 
 
 def joined_segment(layout: Layout, seg: Segment, params: Any) -> torch.Tensor | None:
@@ -428,6 +436,7 @@ class FlatParams:
                 with torch.no_grad():
                     view.copy_(p.grad)
                 p.grad = view
+        self._grad_addresses = list(map(torch.Tensor.data_ptr, self.grad_views))
         self._addresses = [p.data_ptr() for p in self.params]
         self._dtypes = [p.dtype for p in self.params]
 
@@ -438,11 +447,27 @@ class FlatParams:
         dtypes = list(map(_DTYPE, self.params))
         if addresses == self._addresses and dtypes == self._dtypes:
             return None
+        if dtypes == self._dtypes and addresses == self._view_addresses():
+            # The buffers moved whole, their views with them (model.share_memory() after the
+            # build moves each storage into shared memory in place)
+            self._addresses = addresses
+            return None
         return next(
             i
             for i, (a, d) in enumerate(zip(addresses, dtypes))
             if a != self._addresses[i] or d != self._dtypes[i]
         )
+
+    def _view_addresses(self) -> list[int]:
+        """Returns where each param's view of its buffer begins now (0 for a zero-size one,
+        as ``data_ptr`` gives)."""
+        addresses = [0] * len(self.params)
+        for bucket, flat in zip(self.layout.buckets, self.param_buffers):
+            base, size = flat.data_ptr(), flat.element_size()
+            for k, i in enumerate(bucket.indices):
+                empty = bucket.offsets[k + 1] == bucket.offsets[k]
+                addresses[i] = 0 if empty else base + bucket.offsets[k] * size
+        return addresses
 
     def collect_grads(self) -> list[bool]:
         """Returns, per param, whether it has a gradient now; moves stray grads into the buffer.
@@ -481,11 +506,22 @@ class FlatParams:
         """
         for flat in self.grad_buffers:
             flat.zero_()
+        if list(map(torch.Tensor.data_ptr, self.grad_views)) != self._grad_addresses:
+            self._view_grads_again()
         for p, view in zip(self.params, self.grad_views):
             if set_to_none:
                 p.grad = None
             elif p.grad is not None and p.grad is not view:
                 p.grad = view
+
+    def _view_grads_again(self) -> None:
+        """Makes every grad view one of its buffer again: ``p.grad.data = x`` gives the view
+        object itself other storage, and autograd would then accumulate there, never zeroed."""
+        for bucket, flat in zip(self.layout.buckets, self.grad_buffers):
+            for i, view in zip(bucket.indices, views(bucket, flat)):
+                if self.grad_views[i].data_ptr() != view.data_ptr():
+                    self.grad_views[i] = view
+        self._grad_addresses = list(map(torch.Tensor.data_ptr, self.grad_views))
 
 
 def shard_slice(bucket: Bucket, rank: int, world_size: int) -> slice:

@@ -257,6 +257,25 @@ def test_a_file_that_is_no_torch_checkpoint_is_refused_by_name(tmp_path):
     text_mode.close()
     with pytest.raises(TypeError, match="a path or a file"):
         load_apex_checkpoint((tmp_path / "whole.pt").read_bytes())
+    with open(tmp_path / "whole.pt", "rb") as file:  # once called no torch checkpoint
+        stream = io.BufferedReader(Unseekable(file.read()))
+    with pytest.raises(TypeError, match=r"expects a seekable file .* io\.BytesIO first"):
+        load_apex_checkpoint(stream)
+
+
+class Unseekable(io.RawIOBase):
+    """A stream read from start to end, as a pipe or a socket is."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        chunk = self._data.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
 
 
 def test_a_non_dict_checkpoint_is_refused(tmp_path):

@@ -522,7 +522,14 @@ APEX_SCALERS = {
         [2.0**12, 2.0**12, 2.0**12, 2.0**13],  # grows at iteration 14: (14 - 9) % 5 == 0
     ),
     "legacy static": (instance(LEGACY_STATIC, cur_scale=128.0), [128.0] * 4),
+    # Saved beside dynamic_loss_scale=True: its scale never moves, a static one.
+    "legacy dynamic, factor 1": (
+        instance(LEGACY_DYNAMIC, cur_scale=2.0**12, cur_iter=12, last_overflow_iter=9,
+               scale_factor=1.0, scale_window=5),
+        [2.0**12] * 4,
+    ),
 }  # fmt: skip
+STATIC_ERAS = ("legacy static", "legacy dynamic, factor 1")
 
 
 AMP_DICT = {
@@ -574,6 +581,7 @@ def test_amp_bounds_an_ulp_off_a_power_of_two_move_inwards():
 def test_an_apex_checkpoint_loads_and_training_continues(tmp_path, path, era):
     loss_scaler, scales = APEX_SCALERS[era]
     apex_sd = apex_state_dict(make_model(seed=4), loss_scaler, dynamic=era != "legacy static")
+    static = era in STATIC_ERAS
     loaded = load_apex(tmp_path, apex_sd)
     assert isinstance(loaded["loss_scaler"], dict)
     model = make_model()
@@ -581,7 +589,7 @@ def test_an_apex_checkpoint_loads_and_training_continues(tmp_path, path, era):
         INNER["sgd"](model.parameters()), dynamic_loss_scale=True, path=path, compiled=False
     )
     opt.load_state_dict(loaded)
-    assert opt.dynamic_loss_scale is (era != "legacy static") and opt.loss_scale == scales[0]
+    assert opt.dynamic_loss_scale is not static and opt.loss_scale == scales[0]
     (masters,) = apex_sd["fp32_from_fp16"]
     entries = opt.param_groups[0]["params"]
     assert all(torch.equal(e, m) for e, m in zip(entries, masters))

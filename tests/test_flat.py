@@ -4,6 +4,7 @@ segments cut where a leaf has no gradient."""
 from __future__ import annotations
 
 import optree
+import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -137,3 +138,17 @@ def test_a_layouts_segment_marks_rebuild_its_cuts(params, labels):
     assert [m == -1 for m in marks] == [leaf is None for leaf in leaves]
     assert layout.recut(marks, keep=False) == layout
     assert sorted(set(marks) - {-1}) == list(range(len(layout.segments)))
+
+
+@pytest.mark.parametrize("empty_at", [0, 1, 2])
+def test_a_zero_size_tensor_among_consecutive_views_leaves_them_joined(empty_at):
+    """A zero-size tensor's address is 0 wherever it sits: one among a bucket's params once
+    made every step pack the bucket's grads and params into copies."""
+    buffer = torch.arange(7.0)
+    parts = [buffer[:3], buffer[3:7]]
+    parts.insert(empty_at, buffer[3:3] if empty_at == 1 else buffer[:0])
+    shapes = [tuple(t.shape) for t in parts]
+    whole = flat.joined(parts, shapes)
+    assert whole is not None and whole.data_ptr() == buffer.data_ptr() and whole.numel() == 7
+    apart = [buffer[:3], buffer[:0], torch.arange(4.0)]
+    assert flat.joined(apart, [tuple(t.shape) for t in apart]) is None

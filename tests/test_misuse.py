@@ -839,3 +839,52 @@ def test_persistent_bytes_names_an_input_that_is_no_state():
         persistent_bytes(state, [1])
     grads = [torch.zeros(4, dtype=torch.half)]
     assert persistent_bytes(state, grads) == persistent_bytes(state) + grads[0].nbytes
+
+
+def test_zero_grad_zeroes_a_grad_whose_data_was_replaced():
+    """``p.grad.data = x`` gives the grad view itself other storage: zero_grad once zeroed
+    the flat buffers only, and that grad then summed every later backward."""
+    lin = nn.Linear(4, 1, bias=False).half()
+    opt = FP16_Optimizer(torch.optim.SGD(lin.parameters(), lr=1.0), compiled=False)
+    x = torch.ones(1, 4).half()
+    master = opt.param_groups[0]["params"][0]
+    moves = []
+    for i in range(4):
+        opt.zero_grad()
+        opt.backward(lin(x).float().sum())
+        if i == 1:
+            lin.weight.grad.data = lin.weight.grad.data * 2
+        before = master.detach().clone()
+        opt.step()
+        moves.append((before - master).mean().item())
+    assert moves == pytest.approx([1.0, 2.0, 1.0, 1.0])
+
+
+def test_params_in_shared_memory_take_the_generic_path_and_stay_shared():
+    """Hogwild: a child process's optimizer over a shared model must train the shared
+    storage. The fast path moved the params into a buffer of its own."""
+    model = nn.Linear(4, 2).half()
+    model.share_memory()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), compiled=False)
+    assert opt.path == "generic" and all(p.is_shared() for p in model.parameters())
+    with pytest.raises(ValueError, match=r"in shared memory .* Hogwild"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), path="fast")
+
+
+def test_a_model_shared_after_the_build_keeps_training():
+    """share_memory() moves each storage whole, the flat buffer and its views with it: every
+    step after it was refused as if a param had left its buffer."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2).half() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(3, 4).half()
+    opts = [FP16_Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), compiled=False) for m in models]
+    for step in range(3):
+        for model, opt in zip(models, opts):
+            if step == 1 and model is models[1]:
+                model.share_memory()
+            opt.zero_grad()
+            opt.backward(model(x).float().pow(2).sum())
+            opt.step()
+    assert opts[1].path == "fast" and all(p.is_shared() for p in models[1].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))

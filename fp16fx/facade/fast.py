@@ -108,6 +108,13 @@ class FastEngine:
                 p = params[sparse]
                 raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
             fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
+            shared = next((p for p in params if _in_shared_memory(p)), None)
+            if shared is not None:
+                raise Unsupported(
+                    f"{names[id(shared)]} is in shared memory (model.share_memory(), as Hogwild "
+                    "training does): the fast path would move it into a buffer of its own, "
+                    "which the other processes do not see"
+                )
             for label, p in zip(self.labels, params):
                 held = optimizer.state.get(p)
                 if held and fsdp:
@@ -786,6 +793,12 @@ class FastEngine:
         self.flat.zero_grads(set_to_none)
         self.grad_facts.forget_check()
         self._scattered = self._agreed = None
+
+
+def _in_shared_memory(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a CPU tensor in shared memory (``is_shared`` is always True on
+    CUDA, where another process reaches a tensor through its own handle)."""
+    return param.device.type == "cpu" and not dtensors.has_dtensors([param]) and param.is_shared()
 
 
 def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -57,8 +57,9 @@ class Scaler:
     """The loss-scale policy, its state tensors and the device-side overflow counters.
 
     Shared by ``FP16_Optimizer`` and its engine (stateful). ``state``'s tensors never change
-    identity (values are written in place); ``stats`` holds (skipped steps, floored
-    back-offs) since the reporter last read it, added to on the device by each step.
+    identity (values are written in place); ``stats`` holds (skipped steps, overflows
+    that found the scale at its floor) since the reporter last read it, added to on the
+    device by each step.
     ``consensus`` (None for one process) agrees each step's "finite" across processes
     (:class:`fp16fx.consensus.Consensus`).
     """
@@ -75,7 +76,7 @@ class Scaler:
                 dst.copy_(src)
 
     def count(self, finite: torch.Tensor, floored: torch.Tensor) -> None:
-        """Adds a step's skip (not ``finite``) and floored back-off to ``stats``."""
+        """Adds a step's skip (not ``finite``) and overflow at the floor to ``stats``."""
         self.stats.add_(torch.stack([~finite, floored]).to(self.stats.dtype))
 
     def adjust(self, finite: torch.Tensor) -> torch.Tensor:
@@ -284,7 +285,13 @@ def _read_scaler(d: Any) -> tuple[FacadePolicy, ScaleValues]:
         # `window` clean iterations counted from the last overflow; floor 1, no ceiling.
         window = _get(d, "scale_window", int)
         factor = _get(d, "scale_factor", float)
-        if factor == 1:  # its scale never moved: a fixed one (a dynamic one must back off)
+        if factor == 1:  # its scale never moves: a fixed one (a dynamic one must back off)
+            if scale < 1:
+                raise ValueError(
+                    f"loss_scaler: a legacy DynamicLossScaler with scale_factor 1 at scale "
+                    f"{scale:g}, below 1, has no fp16fx policy (apex lifts such a scale to 1 "
+                    "at its next overflow, then never moves it)"
+                )
             return StaticLossScale(scale), ScaleValues(scale, good_steps=0, overflows=0)
         policy = _dynamic(
             init_scale=2.0**32,

@@ -32,7 +32,8 @@ logger = logging.getLogger("fp16fx")
 
 
 class OverflowReporter:
-    """Logs skipped steps and floored back-offs at most once per ``interval`` steps (stateful).
+    """Logs skipped steps and overflows at the scale's floor at most once per ``interval``
+    steps (stateful).
 
     Attributes:
       skipped_total: skipped steps up to the last read of the device counters.
