@@ -869,6 +869,11 @@ def test_params_in_shared_memory_take_the_generic_path_and_stay_shared():
     assert opt.path == "generic" and all(p.is_shared() for p in model.parameters())
     with pytest.raises(ValueError, match=r"in shared memory .* Hogwild"):
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), path="fast")
+    # Nor does a fast optimizer move them when a group of them is added: it hands over.
+    model_b = nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), compiled=False)
+    opt.add_param_group({"params": list(model.parameters())})
+    assert opt.path == "generic" and all(p.is_shared() for p in model.parameters())
 
 
 def test_a_model_shared_after_the_build_keeps_training():

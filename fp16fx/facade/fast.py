@@ -108,13 +108,8 @@ class FastEngine:
                 p = params[sparse]
                 raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
             fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
-            shared = next((p for p in params if _in_shared_memory(p)), None)
-            if shared is not None:
-                raise Unsupported(
-                    f"{names[id(shared)]} is in shared memory (model.share_memory(), as Hogwild "
-                    "training does): the fast path would move it into a buffer of its own, "
-                    "which the other processes do not see"
-                )
+            if shard is NOT_SHARDED and consensus is None:  # processes sharing one model
+                _refuse_shared(params, names)
             for label, p in zip(self.labels, params):
                 held = optimizer.state.get(p)
                 if held and fsdp:
@@ -523,6 +518,8 @@ class FastEngine:
                 f"{self.whose} cannot add a param group; give every group to the wrapped "
                 "optimizer before building the FP16_Optimizer"
             )
+        if self.state.consensus is None:
+            _refuse_shared([*self.flat.params, *params], {**self.names, **names})
         groups = self.optimizer.param_groups
         spec = group_spec(self.kind, groups[-1], len(groups) - 1)
         specs = [*self.specs, spec]
@@ -795,10 +792,18 @@ class FastEngine:
         self._scattered = self._agreed = None
 
 
-def _in_shared_memory(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a CPU tensor in shared memory (``is_shared`` is always True on
-    CUDA, where another process reaches a tensor through its own handle)."""
-    return param.device.type == "cpu" and not dtensors.has_dtensors([param]) and param.is_shared()
+def _refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> None:
+    """Raises Unsupported naming the first of ``params`` in shared memory, where processes
+    that do not agree as one job (no ``process_group``) share a model: Hogwild training. (A
+    CPU tensor only: ``is_shared`` is always True on CUDA.)"""
+    for p in params:
+        if p.device.type == "cpu" and not dtensors.has_dtensors([p]) and p.is_shared():
+            raise Unsupported(
+                f"{names.get(id(p), 'a param')} is in shared memory (model.share_memory(), as "
+                "Hogwild training does) and no process_group is given: the fast path would "
+                "move it into a buffer of its own, which the other processes would not see "
+                "(for a copy of the model in each process, build it there, or clone its params)"
+            )
 
 
 def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -188,9 +188,10 @@ def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
         policy, values = scaler_from_dict(scaler)
     except ValueError as err:
         raise _fail(str(err)) from None
-    # The scaler's own flag: apex's legacy DynamicLossScaler(scale_factor=1), saved beside
-    # dynamic_loss_scale=True, loads as the static policy its never-moving scale is.
-    saved_dynamic = scaler.get("dynamic", isinstance(policy, DynamicLossScale))
+    # apex's legacy DynamicLossScaler is saved beside dynamic_loss_scale=True, also where it
+    # loads as a static policy (scale_factor=1: its scale never moves)
+    legacy = scaler.get("format") == "apex.fp16_utils.dynamic"
+    saved_dynamic = legacy or isinstance(policy, DynamicLossScale)
     dynamic = sd.get("dynamic_loss_scale", saved_dynamic)
     if dynamic is not saved_dynamic:
         raise _fail(f"dynamic_loss_scale is {dynamic!r} but loss_scaler is {scaler}")
