@@ -340,6 +340,10 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "facade_average_grads": lambda r, w: train_facade(
         make_model(torch.float16), r, w, torch.float16, average=True
     ),
+    # A model handed to spawned workers sits in shared memory (here: shared by hand)
+    "ddp_fp16_shared": lambda r, w: train_facade(
+        DDP(make_model(torch.float16).share_memory()), r, w, torch.float16
+    ),
     "ddp_fp16_bucket_view": lambda r, w: train_facade(
         DDP(make_model(torch.float16), gradient_as_bucket_view=True), r, w, torch.float16
     ),
@@ -399,6 +403,16 @@ def test_ddp_facade_matches_single_process_over_the_whole_batch(replicated, dtyp
     # DDP (gradient_as_bucket_view=False) copies its averaged grads into p.grad in place: the
     # facade's flat grad buffer keeps being the grads, no extra copy.
     assert all(r0["grads_are_views"])
+
+
+def test_a_ddp_worker_given_a_shared_model_trains_its_own_copy_on_the_fast_path(replicated):
+    """With a process_group the processes agree as one job: each trains its own copy, moved
+    into the fast path's buffers (processes sharing one model without one, as Hogwild's
+    do, take the generic path: tests/test_misuse.py)."""
+    for ranks in replicated:
+        shared, plain = ranks["ddp_fp16_shared"], ranks["ddp_fp16"]
+        assert all(shared["grads_are_views"])
+        assert all(torch.equal(a, b) for a, b in zip(shared["params"], plain["params"]))
 
 
 def test_ddp_gradient_as_bucket_view_costs_a_copy_but_not_correctness(replicated):
