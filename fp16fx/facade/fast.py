@@ -794,14 +794,16 @@ class FastEngine:
 
 def _refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> None:
     """Raises Unsupported naming the first of ``params`` in shared memory, where processes
-    that do not agree as one job (no ``process_group``) share a model: Hogwild training. (A
-    CPU tensor only: ``is_shared`` is always True on CUDA.)"""
+    that do not agree as one job (no consensus: ``process_group=None``, or the default
+    outside a torch.distributed job of two or more processes) share a model: Hogwild
+    training. (CPU tensors only: ``is_shared`` is always True on CUDA.)"""
     for p in params:
         if p.device.type == "cpu" and not dtensors.has_dtensors([p]) and p.is_shared():
             raise Unsupported(
                 f"{names.get(id(p), 'a param')} is in shared memory (model.share_memory(), as "
-                "Hogwild training does) and no process_group is given: the fast path would "
-                "move it into a buffer of its own, which the other processes would not see "
+                "Hogwild training does) and no process_group agrees on the steps (None, or one "
+                "process): the fast path would move it into a buffer of its own, which the "
+                "other processes would not see "
                 "(for a copy of the model in each process, build it there, or clone its params)"
             )
 
