@@ -281,9 +281,9 @@ def joined(
     if offsets is None:
         offsets = tuple(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
     first = tensors[0]
+    addresses = list(map(torch.Tensor.data_ptr, tensors))
     size = first.element_size()
     expected = _byte_offsets(tuple(offsets), size)
-    addresses = list(map(torch.Tensor.data_ptr, tensors))
     anchor = 0  # the tensor whose storage the flat tensor is read from
     if 0 in addresses:  # a zero-size tensor's address is 0 wherever it sits: skip it
         anchor = next((k for k, t in enumerate(tensors) if t.numel()), 0)
@@ -343,6 +343,9 @@ def _over_padding(bucket: Bucket, view: torch.Tensor, start: int) -> torch.Tenso
     return extended
 
 
+# Run, not traced, where a torch.compile of one's own wraps the step: Dynamo would trace
+# through the cache and warn (the addresses read beside it break the graph anyway).
+@torch._dynamo.disable
 @functools.lru_cache(maxsize=256)
 def _byte_offsets(offsets: tuple[int, ...], size: int) -> list[int]:
     """Returns where each of consecutive tensors starting at ``offsets`` (elements of
