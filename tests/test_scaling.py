@@ -125,7 +125,7 @@ def test_floor_clamps_and_reports_an_overflow_that_found_the_scale_there(backoff
 def test_the_norm_of_a_sparse_grad_sums_repeated_indices_first():
     """An embedding's sparse grad repeats a row's index for each repeated token: its norm is
     the dense grad's, not that of its entries apart."""
-    grad = torch.sparse_coo_tensor([[1, 1, 1]], torch.ones(3, 2), (4, 2))
+    grad = torch.sparse_coo_tensor([[1, 1, 1]], torch.ones(3, 2), (4, 2), check_invariants=True)
     checked = unscale_and_check([grad], torch.tensor(2.0))
     dense_norm = torch.linalg.vector_norm(grad.to_dense() / 2)
     assert checked.norm.item() == dense_norm.item() and dense_norm.item() > 2.1
