@@ -108,7 +108,7 @@ class FastEngine:
                 p = params[sparse]
                 raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
             fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
-            if shard is NOT_SHARDED and consensus is None:  # processes sharing one model
+            if not fsdp and shard is NOT_SHARDED and consensus is None:  # one shared model
                 _refuse_shared(params, names)
             for label, p in zip(self.labels, params):
                 held = optimizer.state.get(p)
@@ -796,9 +796,10 @@ def _refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> 
     """Raises Unsupported naming the first of ``params`` in shared memory, where processes
     that do not agree as one job (no consensus: ``process_group=None``, or the default
     outside a torch.distributed job of two or more processes) share a model: Hogwild
-    training. (CPU tensors only: ``is_shared`` is always True on CUDA.)"""
+    training. (CPU tensors only: ``is_shared`` is always True on CUDA. No DTensor comes here:
+    an FSDP2 engine keeps its shards where they are, and adds no group.)"""
     for p in params:
-        if p.device.type == "cpu" and not dtensors.has_dtensors([p]) and p.is_shared():
+        if p.device.type == "cpu" and p.is_shared():
             raise Unsupported(
                 f"{names.get(id(p), 'a param')} is in shared memory (model.share_memory(), as "
                 "Hogwild training does) and no process_group agrees on the steps (None, or one "
