@@ -27,7 +27,7 @@ import torch._dynamo
 import torch._inductor
 
 from fp16fx import tree
-from fp16fx.prepare import Prepared, Scratch, finish, prepare
+from fp16fx.prepare import Prepared, Scratch, checked, finish, gathered
 from fp16fx.scaling import GradCheck
 from fp16fx.state import MixedPrecisionState
 from fp16fx.step import StepInfo, apply_updates, apply_updates_, check
@@ -150,9 +150,12 @@ class StepFunction:
         return _run_region(key, fn, self.compile_options, args)
 
     def _prepare(self, state: MixedPrecisionState, grads: Any, gather: bool = True) -> Prepared:
-        prepared = prepare(state, grads, self._scratch if self.inplace else None, gather=gather)
-        if self.inplace:
+        scratch = self._scratch if self.inplace else None
+        prepared = checked(state, grads, scratch)
+        if self.inplace:  # before gathering, which writes FP32 leaves into their masters
             _refuse_aliases(prepared, grads)
+        if gather:
+            prepared = gathered(prepared, scratch)
         if self.cuda_graph:
             _mark_static(optree.tree_leaves((prepared.grads, prepared.trained)))
         return prepared
@@ -231,8 +234,9 @@ def compile_step(
 
 
 def _refuse_aliases(prepared: Prepared, grads: Any) -> None:
-    """Raises ValueError, naming the grad, if a gradient the core reads shares memory with a
-    tensor it writes: an in-place step would overwrite it while reading it. (Empty storages
+    """Raises ValueError, naming the grad, if a gradient the core reads shares a storage with
+    a tensor it writes: an in-place step could overwrite it while reading it. (A storage, not
+    the bytes: views of one buffer are refused even where they do not overlap. Empty storages
     hold no memory to share; they all have address 0.)"""
     leaves = optree.tree_leaves(prepared.trained)
     written = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
@@ -244,9 +248,9 @@ def _refuse_aliases(prepared: Prepared, grads: Any) -> None:
             leaf = layout.buckets[seg.bucket].indices[seg.lo]
             name = tree.leaf_names(grads, root="grads")[leaf]
             raise ValueError(
-                f"{name} shares memory with the state (its params, masters or moments): an "
-                "in-place step would overwrite it while reading it. Pass a copy, or use the "
-                "pure fp16fx.step"
+                f"{name} shares a storage with the state (its params, masters or moments): "
+                "an in-place step could overwrite it while reading it. Pass a copy, or use "
+                "the pure fp16fx.step"
             )
 
 

@@ -113,7 +113,21 @@ def prepare(
     *,
     gather: bool = True,
 ) -> Prepared:
-    """Returns the step's inputs after checking ``grads`` against ``state``'s params.
+    """Returns the step's inputs after checking ``grads`` against ``state``'s params
+    (:func:`gathered` of :func:`checked`).
+
+    Raises:
+      TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
+        not fit the params (named). Nothing is changed.
+    """
+    prepared = checked(state, grads, scratch)
+    return gathered(prepared, scratch) if gather else prepared
+
+
+def checked(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = None) -> Prepared:
+    """Returns the step's inputs after checking ``grads`` against ``state``'s params, with
+    params that are not one flat tensor not yet gathered (:func:`gathered`): nothing of the
+    state's has been written.
 
     Grads laid out like the state's buckets (``grad_buffers``) prove themselves valid by
     their addresses: one check per leaf, no copy. Any other grads get the full check, leaf by
@@ -121,9 +135,6 @@ def prepare(
     step, when given). A leaf whose grad is None, in a segment whose other leaves have one,
     gets a segment of its own (the state is cut; a compiled step compiles once per new
     pattern of which segments have a gradient).
-
-    Params that are not one flat tensor are gathered into one (:func:`_core_params`), unless
-    ``gather`` is False (a check, which reads only the grads).
 
     Raises:
       TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
@@ -145,11 +156,9 @@ def prepare(
         active = (True,) * len(layout.segments)
         grad_list = [flats[s.bucket][s.start : s.stop] for s in layout.segments]
     seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
-    targets = [
-        flat.joined_segment(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
-    ]
+    targets = _targets(state)
     written = tuple(t is not None for t in targets)
-    params, masters = _core_params(state, active, targets, scratch, gather)
+    params, masters = _core_params(state, active, targets, scratch, gather=False)
     trained = Trained(
         params=params,
         masters=masters,
@@ -158,6 +167,22 @@ def prepare(
         count=state.count,
     )
     return Prepared(state, active, written, seg_grads, trained)
+
+
+def gathered(prepared: Prepared, scratch: Scratch | None = None) -> Prepared:
+    """Returns :func:`checked`'s ``prepared`` with the params that are not one flat tensor
+    gathered into one (:func:`_core_params`; in place, FP32 ones into their masters)."""
+    state = prepared.state
+    params, masters = _core_params(state, prepared.active, _targets(state), scratch, gather=True)
+    return prepared._replace(trained=prepared.trained._replace(params=params, masters=masters))
+
+
+def _targets(state: MixedPrecisionState) -> list[torch.Tensor | None]:
+    """Per segment, the one flat tensor its params are views of (None: they are not)."""
+    layout = state.layout
+    return [
+        flat.joined_segment(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
+    ]
 
 
 def _core_params(
@@ -170,10 +195,11 @@ def _core_params(
     """Returns the params and masters the core reads, one per active segment.
 
     A segment whose params are one flat tensor gives it (None where it is FP32: its own
-    master). The leaves of any other are packed, so that the core adopts a value written
-    into them since the last step (docs/design.md, step 3) as it does a flat param's, and a
-    pure step compiles one graph, not a second one for the flat params it returns: FP16/BF16
-    leaves into a flat buffer (``scratch``'s, reused, in place), which the core writes the new
+    master). Unless ``gather`` is False (not yet, or a check, which reads only the grads),
+    the leaves of any other are packed, so that the core adopts a value written into them
+    since the last step (docs/design.md, step 3) as it does a flat param's, and a pure step
+    compiles one graph, not a second one for the flat params it returns: FP16/BF16 leaves
+    into a flat buffer (``scratch``'s, reused, in place), which the core writes the new
     params into and :func:`finish` copies to the leaves; FP32 leaves, their own masters, into
     their master (in place) or a copy of it (pure).
     """

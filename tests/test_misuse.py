@@ -559,10 +559,24 @@ def test_an_in_place_step_given_the_params_as_grads_is_refused_before_compiling(
     params = {"w": torch.randn(4).half()}
     state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0), buckets=True)
     step = fp16fx.compile_step(inplace=True)
-    with pytest.raises(ValueError, match=r"grads\['w'\] shares memory with the state"):
+    with pytest.raises(ValueError, match=r"grads\['w'\] shares a storage with the state"):
         step(state, state.params)
     state, info = fp16fx.step(state, state.params)  # pure: nothing is overwritten, allowed
     assert bool(info.finite)
+
+
+def test_a_refused_in_place_step_has_not_copied_a_written_fp32_param_into_its_master():
+    # An FP32 param that is not one flat tensor (transposed) is gathered into its master
+    # before the core runs: the refusal of aliased grads came after that copy.
+    params = {"f": torch.randn(3, 2).t(), "w": torch.randn(3).half()}
+    state = fp16fx.init(params, fp16fx.sgd(0.1))
+    with torch.no_grad():
+        params["f"].fill_(7.0)  # written since the last step
+    before = state.master["f"].clone()
+    step = StepFunction(inplace=True, compile_options=None)
+    with pytest.raises(ValueError, match=r"grads\['w'\] shares a storage with the state"):
+        step(state, {"f": torch.ones(2, 3), "w": state.params["w"]})
+    assert torch.equal(state.master["f"], before)
 
 
 def test_an_in_place_step_over_a_bucket_of_empty_params_is_no_alias():

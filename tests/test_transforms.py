@@ -255,6 +255,7 @@ def test_a_group_whose_transform_has_no_hyperparameters_keeps_its_number():
         ({"lr": "fast"}, TypeError, "'lr' must be a number"),
         ({"lr": torch.empty((), device="meta")}, TypeError, "'lr' is a meta tensor"),
         ({"momentum": 0.9}, KeyError, "no hyperparameter named"),
+        ({"eps": 1e39}, ValueError, "'eps' is 1e\\+39, past FP32's largest value"),
     ],
 )
 def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, message):
@@ -273,6 +274,11 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, messa
         (lambda: fp16fx.sgd(0.1, momentum=-0.5), "'momentum' must be >= 0"),
         (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'betas' must be a pair of numbers in \[0, 1\)"),
         (lambda: fp16fx.clip_by_global_norm(0.0), "'max_norm' must be > 0"),
+        (lambda: fp16fx.adam(lr=1e39), "'lr' is 1e\\+39, past FP32's largest value"),
+        (
+            lambda: fp16fx.sgd(0.1, momentum=0.9, dampening=-1e300),
+            "'dampening' is -1e\\+300, past FP32's",
+        ),
         (lambda: fp16fx.chain(), "at least one transform"),
         (lambda: fp16fx.multi_transform(fp16fx.sgd(1.0), [0]), "a list of .* got one transform"),
         (lambda: fp16fx.multi_transform([fp16fx.sgd(1.0)], None), "needs labels"),
