@@ -1,5 +1,7 @@
 """Measures DDP + fp16fx, fp16fx's own sharded state (ZeRO-1) and FSDP2 + fp16fx at one world
-size: persistent bytes per param per rank and time per training step. Run once per mode and d::
+size: persistent bytes per param per rank and time per training step.
+
+Run once per mode and d::
 
     torchrun --nproc-per-node 2 examples/compare_sharding.py --mode fsdp2
 
@@ -119,7 +121,7 @@ def check_pass_ms(model: nn.Module, repeats: int = 20) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=["ddp", "sharded", "fsdp2"], required=True)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)

@@ -1,5 +1,7 @@
 """FP16 training of an FSDP2 (``fully_shard``) model with fp16fx's loss scaling, and a DCP
-checkpoint resumed mid-run. Runs on CPU (gloo) or GPUs (nccl)::
+checkpoint resumed mid-run.
+
+It runs on CPU (gloo) or GPUs (nccl)::
 
     torchrun --nproc-per-node 2 examples/fsdp2_fp16.py --steps 40
     torchrun --nproc-per-node 2 examples/fsdp2_fp16.py --masters compensated --moments int8
@@ -85,7 +87,7 @@ def checkpoint(model: nn.Module, opt: fp16fx.FP16_Optimizer) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     # --masters, not --master: torchrun refuses --master as ambiguous (--master-addr, -port).
     parser.add_argument("--masters", choices=MASTERS, default="fp32")

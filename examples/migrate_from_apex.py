@@ -67,7 +67,7 @@ def train(optimizer_kwargs: dict, steps: int, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     if args.steps < 1:

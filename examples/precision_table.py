@@ -611,7 +611,7 @@ def _yes(ok: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=__doc__.split("\n\n")[0],
         epilog="A mode is MASTER[+MOMENTS]: MASTER fp32 or compensated, MOMENTS fp32 (default), "
         "bf16 or int8. The baseline fp32 always runs.",
     )

@@ -63,7 +63,7 @@ def datasets(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", help="a local CIFAR-10 (torchvision format)")
     parser.add_argument("--fake-size", type=int, default=32, help="FakeData training images")
     parser.add_argument("--epochs", type=int, default=1)

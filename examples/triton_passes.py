@@ -1,5 +1,7 @@
 """The kernels Inductor writes for one compiled fp16fx step as Triton, the code a GPU gets, on a
-machine without one: how many passes over the values each precision's step takes::
+machine without one: how many passes over the values each precision's step takes.
+
+Usage::
 
     python examples/triton_passes.py [--values 262144] [--leaves 4] [--mode compensated+int8]
 
@@ -139,7 +141,7 @@ def kernels(code: str) -> list[tuple[str, int, int, int, int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--values", type=int, default=262144, help="(whole int8 blocks)")
     parser.add_argument("--leaves", type=int, default=4)
     parser.add_argument("--mode", choices=MODES, action="append", help="(default: all)")

@@ -193,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save",
         metavar="PATH",
         help="write a checkpoint after every epoch; PATH must not exist yet, unless it is the "
-        "--resume checkpoint (refused before training: nothing is replaced)",
+        "--resume checkpoint or an empty file (refused before training: nothing is replaced)",
     )
     out.add_argument(
         "--resume",
