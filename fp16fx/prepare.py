@@ -106,13 +106,7 @@ class Prepared(NamedTuple):
         )
 
 
-def prepare(
-    state: MixedPrecisionState,
-    grads: Any,
-    scratch: Scratch | None = None,
-    *,
-    gather: bool = True,
-) -> Prepared:
+def prepare(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = None) -> Prepared:
     """Returns the step's inputs after checking ``grads`` against ``state``'s params
     (:func:`gathered` of :func:`checked`).
 
@@ -120,8 +114,7 @@ def prepare(
       TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
         not fit the params (named). Nothing is changed.
     """
-    prepared = checked(state, grads, scratch)
-    return gathered(prepared, scratch) if gather else prepared
+    return gathered(checked(state, grads, scratch), scratch)
 
 
 def checked(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = None) -> Prepared:

@@ -907,3 +907,24 @@ def test_a_model_shared_after_the_build_keeps_training():
             opt.step()
     assert opts[1].path == "fast" and all(p.is_shared() for p in models[1].parameters())
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e39])
+def test_a_param_groups_lr_the_step_cannot_hold_is_refused_by_that_step(bad):
+    model = nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(torch.optim.Adam(model.parameters()), verbose=False, compiled=False)
+
+    def step():
+        opt.zero_grad()
+        opt.backward(model(torch.ones(3, 4).half()).float().sum())
+        opt.step()
+
+    step()
+    opt.param_groups[0]["lr"] = bad  # 1e39: inf in FP32, which stepped the weights to inf
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="param group 0: hyperparameter 'lr'"):
+        step()
+    assert all(map(torch.equal, before, model.parameters()))
+    opt.param_groups[0]["lr"] = 1e-3
+    step()
+    assert all(p.isfinite().all() for p in model.parameters())

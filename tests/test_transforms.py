@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import math
 
 import optree
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fp16fx
@@ -255,7 +256,7 @@ def test_a_group_whose_transform_has_no_hyperparameters_keeps_its_number():
         ({"lr": "fast"}, TypeError, "'lr' must be a number"),
         ({"lr": torch.empty((), device="meta")}, TypeError, "'lr' is a meta tensor"),
         ({"momentum": 0.9}, KeyError, "no hyperparameter named"),
-        ({"eps": 1e39}, ValueError, "'eps' is 1e\\+39, past FP32's largest value"),
+        ({"eps": 1e39}, ValueError, "'eps' is 1e\\+39, which rounds to inf in FP32"),
     ],
 )
 def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, message):
@@ -267,6 +268,23 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, messa
     assert before.keys() == now.keys() and all(torch.equal(before[k], now[k]) for k in before)
 
 
+@given(
+    x=st.floats(min_value=0, allow_nan=False, allow_infinity=False)
+    | st.floats(min_value=3.40282e38, max_value=3.40283e38)  # about FP32's largest value
+)
+@example(x=2.0**128 - 2.0**103)  # half an ulp past FP32's largest: rounds to inf
+@example(x=math.nextafter(2.0**128 - 2.0**103, 0))  # rounds down to the largest
+def test_a_hyperparameter_is_accepted_exactly_where_fp32_holds_it(x):
+    holds = bool(torch.tensor(x, dtype=torch.float64).float().isfinite())
+    for name in ("lr", "eps", "weight_decay"):
+        if holds:
+            assert fp16fx.transforms.check_hyperparam(name, x) == x
+        else:
+            with pytest.raises(ValueError, match=f"'{name}' is .*, which rounds to inf in FP32"):
+                fp16fx.transforms.check_hyperparam(name, x)
+    assert fp16fx.transforms.check_hyperparam("max_norm", x or 1.0) == (x or 1.0)  # no limit
+
+
 @pytest.mark.parametrize(
     ("factory", "message"),
     [
@@ -274,10 +292,10 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(values, error, messa
         (lambda: fp16fx.sgd(0.1, momentum=-0.5), "'momentum' must be >= 0"),
         (lambda: fp16fx.adamw(betas=(1.5, 0.9)), r"'betas' must be a pair of numbers in \[0, 1\)"),
         (lambda: fp16fx.clip_by_global_norm(0.0), "'max_norm' must be > 0"),
-        (lambda: fp16fx.adam(lr=1e39), "'lr' is 1e\\+39, past FP32's largest value"),
+        (lambda: fp16fx.adam(lr=1e39), "'lr' is 1e\\+39, which rounds to inf in FP32"),
         (
             lambda: fp16fx.sgd(0.1, momentum=0.9, dampening=-1e300),
-            "'dampening' is -1e\\+300, past FP32's",
+            "'dampening' is -1e\\+300, which rounds to inf",
         ),
         (lambda: fp16fx.chain(), "at least one transform"),
         (lambda: fp16fx.multi_transform(fp16fx.sgd(1.0), [0]), "a list of .* got one transform"),

@@ -36,6 +36,7 @@ from fp16fx.train.steppers import (
     TorchStepper,
     make_stepper,
 )
+from fp16fx.transforms import check_hyperparam
 
 __all__ = [
     "SetupError",
@@ -304,6 +305,11 @@ def _check(config: TrainConfig) -> None:
         raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
     if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
         raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
+    if config.lr is not None:
+        try:
+            check_hyperparam("lr", config.lr)  # the optimizer's own check, before any data
+        except ValueError as err:
+            raise SetupError(f"--lr {config.lr}: {err}") from None
     if config.fsdp and config.api != "facade":
         raise SetupError("--fsdp trains with FP16_Optimizer: use --api facade")
     if config.plot is not None:

@@ -121,8 +121,9 @@ def _unit_interval(x: float) -> bool:
     return 0 <= x < 1
 
 
-#: FP32's largest value: the step computes its hyperparameters in FP32 (:func:`scalars`).
-_FP32_MAX = torch.finfo(torch.float32).max
+#: The least magnitude that rounds to inf in FP32 (half an ulp past its largest value, where
+#: round-to-nearest-even goes up): the step turns its hyperparameters into FP32 numbers.
+_FP32_OVERFLOW = 2.0**128 - 2.0**103
 
 #: Each hyperparameter's valid range, and the rule as the error states it.
 _VALID: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -146,13 +147,13 @@ def _number(name: str, value: Any) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy's numbers too
         raise TypeError(f"hyperparameter {name!r} must be a number, got {value!r}")
     valid, rule = _VALID[name]
-    shown = repr(value) if len(repr(value)) <= 40 else "a number too large for a float"
     if not (is_finite(value) and valid(value)):
+        shown = repr(value) if len(repr(value)) <= 40 else "a number too large for a float"
         raise ValueError(f"hyperparameter {name!r} must be {rule}, got {shown}")
-    if abs(value) > _FP32_MAX and name != "max_norm":  # (a max_norm past it clips nothing)
+    if abs(value) >= _FP32_OVERFLOW and name != "max_norm":  # (a max_norm past it clips nothing)
         raise ValueError(
-            f"hyperparameter {name!r} is {shown}, past FP32's largest value {_FP32_MAX:.8g}: "
-            "the step computes in FP32, where it would be inf"
+            f"hyperparameter {name!r} is {float(value)!r}, which rounds to inf in FP32 (as "
+            f"every value from {_FP32_OVERFLOW!r} does): the step computes in FP32"
         )
     return float(value)
 
