@@ -217,7 +217,7 @@ def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
     state = fdist.init(params, fp16fx.adam(1e-3), shard=True, **COMPACT)
     found["bytes"] = fdist.persistent_bytes(state, fdist.grad_buffers(state))
     load_converted(rank, world, out)
-    found["refused"] = refused_load()
+    found["refused"] = refused_load(rank)
     return found
 
 
@@ -288,10 +288,11 @@ def dtype_changed() -> dict[str, bool]:
     return found
 
 
-def refused_load() -> dict[str, Any]:
+def refused_load(rank: int) -> dict[str, Any]:
     """Loads an FP32 checkpoint whose second moment went negative, and a compact one (as the
     state stores it) whose block scales are zero, into a sharded compact state: the errors'
-    messages, and whether the state is as it was."""
+    messages, and whether the state is as it was. Last, the negative moment on rank 1 alone,
+    the others given the sound dict (a rank handed a damaged copy): no rank may load."""
     sources = converting_sources()
     sd = fp16fx.state_dict(sources["fp32"])
     sd["params"]["a"]["opt[1].nu"] = -1 - sd["params"]["a"]["opt[1].nu"]
@@ -306,7 +307,9 @@ def refused_load() -> dict[str, Any]:
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
     )
     messages = []
-    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded)):  # last: this rank's
+    sound = fp16fx.state_dict(sources["fp32"])
+    alone = sd if rank == 1 else sound
+    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone):
         try:
             fdist.load_state_dict(sharded, given)
             messages.append("loaded")
@@ -318,6 +321,7 @@ def refused_load() -> dict[str, Any]:
         "zero_scales": messages[1],
         "past_fp16": messages[2],
         "one_rank": messages[3],
+        "damaged_copy": messages[4],
         "unchanged": unchanged,
     }
 
@@ -716,6 +720,9 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
         assert "saved by 2 ranks: pass the list of every rank's dicts" in refused["one_rank"]
         assert "['a']: its master holds values past torch.float16's largest" in refused["past_fp16"]
         assert refused["unchanged"]
+    own, told = (found["compact"]["refused"]["damaged_copy"] for found in reversed(runs[2]))
+    assert "['a']['opt[1].nu'] holds negative values" in own
+    assert told == f"rank 1 refused the dict: {own}"
 
 
 def test_a_0d_param_loads_into_a_compact_sharded_state(runs):

@@ -105,6 +105,36 @@ def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
     return train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"]
 
 
+def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
+    """A fresh sharded optimizer loading the ranks' dicts, rank 1 alone a damaged copy (a
+    negative second moment): each rank's error, and whether its optimizer and model are as they were
+    (rank 0 once loaded, and trained on from a mixture of two states)."""
+    model = Net()
+    opt = make_optimizer(model, "adam", shard=True)
+    train(model, opt, range(2), "same", 1)
+    shards: list[Any] = [None] * world
+    dist.all_gather_object(shards, opt.state_dict())
+    if rank == 1:
+        for entry in shards[0]["shard"]["shard"]["params"].values():
+            for key, value in entry.items():
+                if key.endswith(".nu"):
+                    value.fill_(-1.0)
+    model = Net()
+    opt = make_optimizer(model, "adam", shard=True)
+    before = fingerprint(model, opt)
+    try:
+        opt.load_state_dict(shards)
+        error = "loaded"
+    except ValueError as err:
+        error = str(err)
+    (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
+    unchanged = structure == now_structure and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(leaves, now, strict=True)
+    )
+    return {"error": error, "unchanged": unchanged}
+
+
 def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Compensated masters and int8 moments, sharded: trains to SAVE_AT and saves every
     rank's dict; a second optimizer, on a second model, resumes from them; both run on."""
@@ -349,6 +379,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["prestepped"] = prestepped_run(rank, world, shard=True)
         found["written"] = written_then_saved(rank, world, Path(out))
         found["new_structure"] = new_structure_refused(rank, world)
+        found["damaged_copy"] = damaged_copy_refused(rank, world)
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -442,6 +473,13 @@ def test_a_checkpoint_missing_a_rank_is_refused_and_changes_nothing(runs):
     with pytest.raises(ValueError, match="rank 1's dict of a checkpoint saved by 2 ranks: pass"):
         opt.load_state_dict(saved)
     assert_same_fingerprint(fingerprint(model, opt), before)
+
+
+def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
+    own, told = (r["damaged_copy"] for r in reversed(runs[2]))
+    assert "holds negative values" in own["error"]
+    assert told["error"] == f"rank 1 refused the dict: {own['error']}"
+    assert all(r["damaged_copy"]["unchanged"] for r in runs[2])
 
 
 def test_persistent_bytes_per_param_are_4_plus_12_over_d(runs_4):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fp16fx import checkpoint, flat, saved_format, tree
+from fp16fx.distributed.agreement import checks_passed, loading_together
 from fp16fx.distributed.sharded import ShardedState, check_sharded
 from fp16fx.precision import ZERO_BLOCK_SCALE, Precision, encode_master
 
@@ -240,9 +241,17 @@ def load_state_dict(
     Raises:
       ValueError (StateDictError): the checkpoint does not fit -- another optimizer, policy or
         params, a rank missing, or params of one bucket saved with different step counts (a
-        sharded bucket keeps one). Nothing is changed.
+        sharded bucket keeps one). Nothing is changed. A collective: where one rank refuses,
+        the others raise too, naming it, and none has loaded the checkpoint
+        (:func:`~fp16fx.distributed.agreement.loading_together`).
     """
     check_sharded(state, "fdist.load_state_dict", "fp16fx.load_state_dict")
+    with loading_together(state.sharding.process_group):
+        _load(state, sd)
+
+
+def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    """:func:`load_state_dict`'s checks, the ranks' agreement, then its writes."""
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
     elif sd.get("format") == FORMAT:
@@ -281,6 +290,7 @@ def load_state_dict(
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
+    checks_passed()  # every rank's checks, before any rank writes
     with torch.no_grad():
         if as_stored and _blocks_start_alike(state, per_bucket):
             _copy_as_stored(state, per_bucket)

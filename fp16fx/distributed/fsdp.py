@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp16fx import checkpoint, dtensors, saved_format, tree
+from fp16fx.distributed.agreement import checks_passed, loading_together
 from fp16fx.state import FP32, MixedPrecisionState
 
 
@@ -183,41 +184,20 @@ def load_state_dict(
 
     The checks of values (finite, >= 0, in the param's range) read each rank's own shards, so
     one rank may refuse what another would load: the ranks of the params' mesh agree on the
-    outcome (a collective, one ``all_gather_object``), and where any refuses, every one raises
-    and none has loaded the dict.
+    outcome (:func:`~fp16fx.distributed.agreement.loading_together`: one
+    ``all_gather_object``), and where any refuses, every one raises and none has loaded it.
 
     Raises:
       fp16fx.StateDictError, ValueError: an entry does not fit (named; on the other ranks,
         with the refusing rank); nothing is changed, on any rank.
     """
-    try:
+    with loading_together(mesh_group(params)):
         write = checkpoint.prepare_load(state, _own_shards(state, sd, params))
-    except Exception as err:  # every rank must reach the agreement, or the others would hang
-        agree_on_load(params, err)
-        raise
-    agree_on_load(params, None)
-    return write()
+        checks_passed()
+        return write()
 
 
-def agree_on_load(params: Any, refusal: Exception | None) -> None:
-    """The ranks of the DTensor ``params``' mesh agree on a load: each tells the others its
-    ``refusal`` (None: it would load), and where this rank has none but another has one,
-    raises StateDictError naming that rank. A collective (one ``all_gather_object``) that
-    every rank calls once per load, refusing or not: :func:`load_state_dict` does, and so
-    must a caller that refuses before calling it (a rank refusing alone would leave the
-    others waiting). The caller raises its own refusal."""
-    group = _mesh_group(params)
-    if group is None:
-        return
-    refusals: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(refusals, None if refusal is None else str(refusal), group=group)
-    other = next(((r, why) for r, why in enumerate(refusals) if why is not None), None)
-    if refusal is None and other is not None:
-        rank = dist.get_global_rank(group, other[0])
-        raise saved_format.StateDictError(f"rank {rank} refused the dict: {other[1]}")
-
-
-def _mesh_group(params: Any) -> dist.ProcessGroup | None:
+def mesh_group(params: Any) -> dist.ProcessGroup | None:
     """The process group of the DTensors among ``params`` (None: no DTensor)."""
     leaves = tree.flatten(params)[0]
     mesh = next((leaf.device_mesh for leaf in leaves if isinstance(leaf, DTensor)), None)

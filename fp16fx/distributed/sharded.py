@@ -90,6 +90,11 @@ class Sharding:
         self.rank = dist.get_rank(group)
         self.scatter_by_all_reduce = dist.get_backend(group) == dist.Backend.GLOO
 
+    @property
+    def process_group(self) -> Any:
+        """``group`` as a group object (``None``, the default group, as itself)."""
+        return dist.group.WORLD if self.group is None else self.group
+
     def slice(self, bucket: flat.Bucket) -> slice:
         """Returns this rank's range in ``bucket``'s padded buffer."""
         return flat.shard_slice(bucket, self.rank, self.world_size)

@@ -18,6 +18,7 @@ import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
 from fp16fx.distributed import fsdp
+from fp16fx.distributed.agreement import loading_together
 from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
@@ -61,13 +62,10 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd
     takes every dict here (a rank given another format refuses it in the ranks' agreement)."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
-    try:
+    with loading_together(fsdp.mesh_group(engine.flat.params)):  # with the core's load
         groups, policy = _check_fsdp(inner, engine, params, sd)
-    except Exception as err:  # the other ranks wait in the load's agreement
-        fsdp.agree_on_load(engine.flat.params, err)
-        raise
-    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
-    engine.load_fsdp(sd["state"], policy)
+        engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
+        engine.load_fsdp(sd["state"], policy)
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from fp16fx.consensus import default_consensus
+from fp16fx.distributed.agreement import loading_together
 from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import (
     NOT_SHARDED,
@@ -637,16 +638,19 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 first_closure_call=state_dict["first_closure_call_this_step"],
             )
             return
-        if isinstance(state_dict, (list, tuple)) and all(
-            isinstance(d, Mapping) for d in state_dict
-        ):  # every rank's dict of a sharded run
-            state_dict = checkpoint.consolidate_state_dict(state_dict)
-        plan = loading.parse(self.optimizer, self._engine, self._params, state_dict)
-        try:
-            loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
-        except Unsupported as err:  # the loaded groups need the generic path
-            self._handover(err, keep_state=False)
-            loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+        sharded = self._engine.sharded if isinstance(self._engine, FastEngine) else None
+        # Sharded, with the core's load beneath: every rank loads, or none does.
+        with loading_together(None if sharded is None else sharded.sharding.process_group):
+            if isinstance(state_dict, (list, tuple)) and all(
+                isinstance(d, Mapping) for d in state_dict
+            ):  # every rank's dict of a sharded run
+                state_dict = checkpoint.consolidate_state_dict(state_dict)
+            plan = loading.parse(self.optimizer, self._engine, self._params, state_dict)
+            try:
+                loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+            except Unsupported as err:  # the loaded groups need the generic path
+                self._handover(err, keep_state=False)
+                loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
         self._phase = Phase(  # the grads are as they were
             grads=self._phase.grads,
             overflow=plan.overflow,
