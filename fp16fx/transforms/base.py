@@ -150,12 +150,13 @@ def _number(name: str, value: Any) -> float:
     if not (is_finite(value) and valid(value)):
         shown = repr(value) if len(repr(value)) <= 40 else "a number too large for a float"
         raise ValueError(f"hyperparameter {name!r} must be {rule}, got {shown}")
+    value = float(value)  # (a NumPy float32 would cast the bound below to its own dtype)
     if abs(value) >= _FP32_OVERFLOW and name != "max_norm":  # (a max_norm past it clips nothing)
         raise ValueError(
-            f"hyperparameter {name!r} is {float(value)!r}, which rounds to inf in FP32 (as "
-            f"every value from {_FP32_OVERFLOW!r} does): the step computes in FP32"
+            f"hyperparameter {name!r} is {value!r}, which rounds to inf in FP32 (as every "
+            f"value from {_FP32_OVERFLOW!r} does): the step computes in FP32"
         )
-    return float(value)
+    return value
 
 
 def check_hyperparam(name: str, value: Any) -> float | tuple[float, ...]:
