@@ -17,6 +17,7 @@ import fp16fx
 import fp16fx.distributed as fdist
 from fp16fx import saved_format
 from fp16fx.compile import StepFunction
+from fp16fx.distributed.agreement import checks_passed, loading_together
 from fp16fx.segments import named_segments
 from fp16fx.state import decode_moments
 from fp16fx.transforms import GradientTransformation
@@ -315,6 +316,13 @@ def refused_load(rank: int) -> dict[str, Any]:
             messages.append("loaded")
         except saved_format.StateDictError as err:
             messages.append(str(err))
+    with loading_together(dist.group.WORLD):  # a load agreed on, then another in its block
+        checks_passed()
+        try:
+            fdist.load_state_dict(sharded, alone)
+            messages.append("loaded")
+        except saved_format.StateDictError as err:
+            messages.append(str(err))
     unchanged = same_tensors(fdist.state_dict(sharded), before)
     return {
         "message": messages[0],
@@ -322,6 +330,7 @@ def refused_load(rank: int) -> dict[str, Any]:
         "past_fp16": messages[2],
         "one_rank": messages[3],
         "damaged_copy": messages[4],
+        "after_an_agreed_load": messages[5],
         "unchanged": unchanged,
     }
 
@@ -723,6 +732,8 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     own, told = (found["compact"]["refused"]["damaged_copy"] for found in reversed(runs[2]))
     assert "['a']['opt[1].nu'] holds negative values" in own
     assert told == f"rank 1 refused the dict: {own}"
+    nested = [found["compact"]["refused"]["after_an_agreed_load"] for found in runs[2]]
+    assert nested == [f"rank 1 refused the dict: {own}", own]
 
 
 def test_a_0d_param_loads_into_a_compact_sharded_state(runs):

@@ -16,6 +16,7 @@ from torch import nn
 
 import fp16fx.distributed as fdist
 from fp16fx.facade import FP16_Optimizer, consolidate_state_dict
+from fp16fx.facade.checkpoint import FSDP_FORMAT
 from tests.test_distributed import assert_nearly_bitwise, results, spawn
 from tests.test_facade_checkpoint import assert_same_fingerprint, fingerprint
 
@@ -122,17 +123,21 @@ def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
     model = Net()
     opt = make_optimizer(model, "adam", shard=True)
     before = fingerprint(model, opt)
-    try:
-        opt.load_state_dict(shards)
-        error = "loaded"
-    except ValueError as err:
-        error = str(err)
+    errors = []
+    # Then rank 1 alone given another format (an FSDP2 optimizer's dict), refused before the
+    # sharded load's checks: the others once waited for it until the timeout.
+    for given in (shards, {"format": FSDP_FORMAT} if rank == 1 else shards):
+        try:
+            opt.load_state_dict(given)
+            errors.append("loaded")
+        except ValueError as err:
+            errors.append(str(err))
     (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
     unchanged = structure == now_structure and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
         for x, y in zip(leaves, now, strict=True)
     )
-    return {"error": error, "unchanged": unchanged}
+    return {"error": errors[0], "other_format": errors[1], "unchanged": unchanged}
 
 
 def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -479,6 +484,8 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
     own, told = (r["damaged_copy"] for r in reversed(runs[2]))
     assert "holds negative values" in own["error"]
     assert told["error"] == f"rank 1 refused the dict: {own['error']}"
+    assert "saved from an FSDP2 model's FP16_Optimizer; this one is not" in own["other_format"]
+    assert told["other_format"] == f"rank 1 refused the dict: {own['other_format']}"
     assert all(r["damaged_copy"]["unchanged"] for r in runs[2])
 
 

@@ -58,10 +58,13 @@ def loading_together(group: Any) -> Iterator[None]:
     The block checks what it loads, calls :func:`checks_passed` before it writes anything,
     then writes. Where it raises before that, the other ranks (waiting in their
     ``checks_passed``) raise StateDictError naming this rank, and this rank raises its own
-    error; a block that ends without calling it agrees at its end. Inside another such block,
-    it is that block's part.
+    error; a block that ends without calling it agrees at its end. Inside another such block
+    of the same group that has not agreed yet, it is that block's part; anywhere else, a load
+    of its own. (An interrupt, a BaseException that is no Exception, tells the others nothing:
+    they wait until the group's timeout.)
     """
-    if group is None or _CURRENT.get() is not None:
+    outer = _CURRENT.get()
+    if group is None or (outer is not None and outer.group is group and not outer.agreed):
         yield
         return
     load = _Load(group)

@@ -92,7 +92,8 @@ class Sharding:
 
     @property
     def process_group(self) -> Any:
-        """``group`` as a group object (``None``, the default group, as itself)."""
+        """``group``, or ``dist.group.WORLD`` where it is None (torch's name for the default
+        group; :func:`~fp16fx.distributed.agreement.loading_together` takes None as no group)."""
         return dist.group.WORLD if self.group is None else self.group
 
     def slice(self, bucket: flat.Bucket) -> slice:

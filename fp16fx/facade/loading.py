@@ -17,8 +17,6 @@ from typing import Any
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
-from fp16fx.distributed import fsdp
-from fp16fx.distributed.agreement import loading_together
 from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
@@ -59,13 +57,13 @@ _MAY_BE_NONE = ("momentum_buffer", "max_exp_avg_sq")
 def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> None:
     """Loads an ``FSDP_FORMAT`` dict (filled by ``dcp.load`` at any world size) into an FSDP2
     fast engine, or raises naming what does not fit, having changed nothing. An FSDP2 engine
-    takes every dict here (a rank given another format refuses it in the ranks' agreement)."""
+    takes every dict here (a rank given another format refuses it in the ranks' agreement,
+    :func:`~fp16fx.distributed.agreement.loading_together`, which the caller opens)."""
     if not (isinstance(engine, FastEngine) and engine.fsdp):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
-    with loading_together(fsdp.mesh_group(engine.flat.params)):  # with the core's load
-        groups, policy = _check_fsdp(inner, engine, params, sd)
-        engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
-        engine.load_fsdp(sd["state"], policy)
+    groups, policy = _check_fsdp(inner, engine, params, sd)
+    engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
+    engine.load_fsdp(sd["state"], policy)
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
 

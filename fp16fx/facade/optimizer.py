@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from fp16fx.consensus import default_consensus
+from fp16fx.distributed import fsdp
 from fp16fx.distributed.agreement import loading_together
 from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import (
@@ -627,31 +628,46 @@ class FP16_Optimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        fsdp = isinstance(self._engine, FastEngine) and self._engine.fsdp
-        if fsdp or (
+        # Sharded or FSDP2, with the core's load beneath: every rank loads, or none does.
+        with loading_together(self._load_group()):
+            phase = self._load_on_this_rank(state_dict)
+        self._phase = phase
+
+    def _load_group(self) -> Any:
+        """The process group whose ranks load a checkpoint together (None: this rank alone)."""
+        engine = self._engine
+        if not isinstance(engine, FastEngine):
+            return None
+        if engine.fsdp:
+            return fsdp.mesh_group(engine.flat.params)
+        return None if engine.sharded is None else engine.sharded.sharding.process_group
+
+    def _load_on_this_rank(
+        self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> Phase:
+        """Loads ``state_dict`` and returns the phase it puts the optimizer in (its flags; the
+        grads are as they were), or raises having changed nothing."""
+        engine = self._engine
+        if (isinstance(engine, FastEngine) and engine.fsdp) or (
             isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT
         ):
-            loading.load_fsdp(self.optimizer, self._engine, self._params, state_dict)
-            self._phase = Phase(  # the grads are as they were
+            loading.load_fsdp(self.optimizer, engine, self._params, state_dict)
+            return Phase(
                 grads=self._phase.grads,
                 overflow=state_dict["overflow"],
                 first_closure_call=state_dict["first_closure_call_this_step"],
             )
-            return
-        sharded = self._engine.sharded if isinstance(self._engine, FastEngine) else None
-        # Sharded, with the core's load beneath: every rank loads, or none does.
-        with loading_together(None if sharded is None else sharded.sharding.process_group):
-            if isinstance(state_dict, (list, tuple)) and all(
-                isinstance(d, Mapping) for d in state_dict
-            ):  # every rank's dict of a sharded run
-                state_dict = checkpoint.consolidate_state_dict(state_dict)
-            plan = loading.parse(self.optimizer, self._engine, self._params, state_dict)
-            try:
-                loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
-            except Unsupported as err:  # the loaded groups need the generic path
-                self._handover(err, keep_state=False)
-                loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
-        self._phase = Phase(  # the grads are as they were
+        if isinstance(state_dict, (list, tuple)) and all(
+            isinstance(d, Mapping) for d in state_dict
+        ):  # every rank's dict of a sharded run
+            state_dict = checkpoint.consolidate_state_dict(state_dict)
+        plan = loading.parse(self.optimizer, engine, self._params, state_dict)
+        try:
+            loading.load(self.optimizer, engine, self._params, self._scaler, plan)
+        except Unsupported as err:  # the loaded groups need the generic path
+            self._handover(err, keep_state=False)
+            loading.load(self.optimizer, self._engine, self._params, self._scaler, plan)
+        return Phase(
             grads=self._phase.grads,
             overflow=plan.overflow,
             first_closure_call=plan.first_closure_call,
