@@ -719,3 +719,24 @@ def test_apex_group_attributes_name_the_live_params_and_masters(path):
     compact = wrap(TwoHeads(), "fast", master="compensated")
     with pytest.raises(RuntimeError, match="holds no FP32 master tensors"):
         _ = compact.fp32_from_fp16_groups
+
+
+def test_grads_made_without_the_optimizer_after_a_handover_are_the_ones_stepped():
+    # The handover marked the stepped grads as the next step's, unscaled: a model.zero_grad()
+    # and backward() after it went unseen, and the next step stepped the old grads again.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3).half(), nn.Linear(5, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(a.parameters(), lr=1e-2), verbose=False, compiled=False)
+    x, y = torch.ones(2, 4).half(), torch.ones(2, 5).half()
+    a(x).float().sum().backward()  # every bias grad 2
+    opt.step()
+    opt.add_param_group({"params": list(b.parameters()), "maximize": True})  # torch's path
+    assert opt.path == "generic"
+    a_master, b_master = opt.param_groups[0]["params"][1], opt.param_groups[1]["params"][1]
+    before = a_master.detach().clone(), b_master.detach().clone()
+    a.zero_grad()
+    b.zero_grad()
+    (a(x).float().sum() * 2 + b(y).float().sum() * 2).backward()  # every bias grad 4
+    opt.step()
+    torch.testing.assert_close(a_master, before[0] - 1e-2 * 4)
+    torch.testing.assert_close(b_master, before[1] + 1e-2 * 4)  # maximize
