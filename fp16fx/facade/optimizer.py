@@ -685,7 +685,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if max_norm != NO_CLIP or made_at is not None:
             # The masters' grads as the fast step would have read them (grads stepped before
             # by the scale they were made with), and clipped as it would have clipped them.
-            # The phase stays: grads made since without the optimizer are the next step's.
             generic.update_master_grads(made_at)
             if max_norm != NO_CLIP:
                 generic.clip(max_norm, 2.0)
+            if self._phase.grads == "fresh":  # as update_master_grads() would leave them;
+                self._phase.grads = "unscaled"  # stepped ones stay stale: new ones count
