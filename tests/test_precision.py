@@ -1140,7 +1140,8 @@ def _mismatches():
         ),
         "another loss-scale policy": (
             other_policy,
-            r"it was saved with loss-scale policy .*'growth_interval': 7.*, this state has",
+            r"it was saved with loss-scale policy .*'growth_interval': 7.*, this state has .*"
+            r"\(build the state with that policy, its loss_scale= argument\)",
         ),
         "an unknown precision": (bad_precision, r"\['precision'\] is .*master must be one of"),
         "truncated int8 scales": (

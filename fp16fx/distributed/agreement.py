@@ -11,8 +11,8 @@ would leave the others waiting in their next collective. So a load runs as::
         checks_passed()             # one all_gather_object: each rank's refusal, or None
         ...write...
 
-Blocks nest, and the outermost agrees: ``FP16_Optimizer``'s checks of its own entries and the
-sharded state's load beneath them are one load, with one collective.
+Blocks of one group nest, and the outermost agrees: ``FP16_Optimizer``'s checks of its own
+entries and the sharded state's load beneath them are one load, with one collective.
 """
 
 from __future__ import annotations
