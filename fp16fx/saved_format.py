@@ -94,7 +94,7 @@ def check_fits(
     if sd["policy"] != template["policy"]:
         raise misfit(
             f"it was saved with loss-scale policy {sd['policy']}, this state has "
-            f"{template['policy']} (build the state with that policy, its loss_scale= argument)"
+            f"{template['policy']}: build it with the saved policy to load this dict"
         )
     for group in ("loss_scale", "hyperparams"):
         _check_keys(f"[{group!r}]", sd[group], template[group])

@@ -1141,7 +1141,7 @@ def _mismatches():
         "another loss-scale policy": (
             other_policy,
             r"it was saved with loss-scale policy .*'growth_interval': 7.*, this state has .*"
-            r"\(build the state with that policy, its loss_scale= argument\)",
+            r": build it with the saved policy to load this dict",
         ),
         "an unknown precision": (bad_precision, r"\['precision'\] is .*master must be one of"),
         "truncated int8 scales": (

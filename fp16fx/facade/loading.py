@@ -123,7 +123,7 @@ def _saved_policy(policy: Any, sd: Any) -> Any:
     settings win, as in apex), or ``policy`` itself when ``sd`` saved another kind."""
     saved = sd.get("policy") if isinstance(sd, Mapping) else None
     if not (isinstance(saved, Mapping) and saved.get("type") == type(policy).__name__):
-        return policy  # fp16fx.load_state_dict names the mismatch
+        return policy  # fsdp.load_state_dict names the mismatch
     try:
         return dataclasses.replace(policy, **{k: v for k, v in saved.items() if k != "type"})
     except (TypeError, ValueError) as err:

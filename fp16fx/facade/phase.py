@@ -14,8 +14,8 @@ built, ``step()``, ``zero_grad()``               stale                the last s
 ``update_master_grads()``, ``backward(loss)``    generic: unscaled    these grads (sync)
 ``clip_master_grads(n)``                         generic: unscaled    these grads
                                                  fast: fresh
-a switch to the generic path (fresh grads, a     unscaled, if fresh   these grads
-clip or a scale of their own pending)
+a switch to the generic path with fresh grads    unscaled             these grads
+and a clip or a scale of their own pending
 ``step(closure)``                                stale after;         the last attempt's
                                                  ``first_closure_call`` False while
                                                  the closure re-runs
