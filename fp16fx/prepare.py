@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -74,16 +74,16 @@ class Prepared(NamedTuple):
       state: the state, with segments cut so that each has a gradient for all or none of its
         leaves (the given state when no cut was needed).
       active: per segment of ``state``, whether it has gradients this step.
-      written: per segment, whether its params are one flat tensor the step writes itself
-        (for FP32 params: the master itself); an in-place step copies the others' new values
-        into them after (:func:`finish`).
+      targets: per segment, the one flat tensor its params are views of, which the step
+        writes itself (for FP32 params: the master itself), or None: an in-place step copies
+        such a segment's new values into its params after (:func:`finish`).
       grads: the active segments' flat gradients.
       trained: the active segments' tensors.
     """
 
     state: MixedPrecisionState
     active: tuple[bool, ...]
-    written: tuple[bool, ...]
+    targets: tuple[torch.Tensor | None, ...]
     grads: Segments
     trained: Trained
 
@@ -150,7 +150,6 @@ def checked(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = No
         grad_list = [flats[s.bucket][s.start : s.stop] for s in layout.segments]
     seg_grads = Segments(grad_list, [s.label for s, on in zip(layout.segments, active) if on])
     targets = _targets(state)
-    written = tuple(t is not None for t in targets)
     params, masters = _core_params(state, active, targets, scratch, gather=False)
     trained = Trained(
         params=params,
@@ -159,29 +158,29 @@ def checked(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = No
         loss_scale=state.loss_scale,
         count=state.count,
     )
-    return Prepared(state, active, written, seg_grads, trained)
+    return Prepared(state, active, targets, seg_grads, trained)
 
 
 def gathered(prepared: Prepared, scratch: Scratch | None = None) -> Prepared:
     """Returns :func:`checked`'s ``prepared`` with the params that are not one flat tensor
     gathered into one (:func:`_core_params`; in place, FP32 ones into their masters)."""
     state = prepared.state
-    params, masters = _core_params(state, prepared.active, _targets(state), scratch, gather=True)
+    params, masters = _core_params(state, prepared.active, prepared.targets, scratch, gather=True)
     return prepared._replace(trained=prepared.trained._replace(params=params, masters=masters))
 
 
-def _targets(state: MixedPrecisionState) -> list[torch.Tensor | None]:
+def _targets(state: MixedPrecisionState) -> tuple[torch.Tensor | None, ...]:
     """Per segment, the one flat tensor its params are views of (None: they are not)."""
     layout = state.layout
-    return [
+    return tuple(
         flat.joined_segment(layout, seg, p) for seg, p in zip(layout.segments, state.param_segments)
-    ]
+    )
 
 
 def _core_params(
     state: MixedPrecisionState,
     active: tuple[bool, ...],
-    targets: list[torch.Tensor | None],
+    targets: Sequence[torch.Tensor | None],
     scratch: Scratch | None,
     gather: bool,
 ) -> tuple[Segments, Segments]:
@@ -318,7 +317,7 @@ def finish(prepared: Prepared, new: Trained | None) -> MixedPrecisionState:
         core = zip(segments, prepared.trained.params, prepared.trained.masters)
         with torch.no_grad():
             for k, written, master in core:
-                if not prepared.written[k]:  # one more pass over them
+                if prepared.targets[k] is None:  # one more pass over them
                     seg = layout.segments[k]
                     source = master if written is None else written
                     views = flat.views(layout.buckets[seg.bucket], source, seg.lo, seg.hi)
