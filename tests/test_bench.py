@@ -30,6 +30,18 @@ TINY_SHAPES = [(7,), (5, 3), (4, 2, 3, 3), (1,)]
 COMPACT = "fp16fx-compensated-int8"
 
 
+@pytest.fixture(autouse=True)
+def _small_copy_buffers(monkeypatch):
+    """A run measures the copy bandwidth over 256 MiB buffers by default, a second each time;
+    these tests check what a run does with the figure, not the figure: 16 MiB buffers."""
+    measured = measure.copy_bandwidth
+
+    def copy_bandwidth(device, buffer_bytes=None, reps=20):
+        return measured(device, buffer_bytes or 16 << 20, reps)
+
+    monkeypatch.setattr(measure, "copy_bandwidth", copy_bandwidth)
+
+
 # --- presets -------------------------------------------------------------------------------
 
 
@@ -221,6 +233,23 @@ def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
     assert rows["test-broken"].status == "error" and "boom" in rows["test-broken"].reason
     assert rows["torch-fused"].status == "ok"
     assert "error: RuntimeError: boom" in format_report(result)
+
+
+def test_a_run_thaws_the_objects_it_froze_out_of_garbage_collection(monkeypatch) -> None:
+    """A run freezes the objects from before it, so that its collections skip them; frozen
+    after it, they would never be collected. Also when it is interrupted."""
+    assert gc.get_freeze_count() == 0
+    _tiny_run(["torch-fused"])
+    assert gc.get_freeze_count() == 0
+
+    def interrupted(*args):
+        assert gc.get_freeze_count() > 0  # frozen while it measures
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "_measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_run(["torch-fused"])
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_command_fails_when_every_contender_failed(capsys) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +52,18 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("triton_passes.py", ["--leaves", "0"], "--leaves must be >= 1, got 0"),
     ],
 )
-def test_an_example_refuses_a_bad_argument_before_any_work(name, args, message):
+def test_an_example_refuses_a_bad_argument_before_any_work(
+    name, args, message, monkeypatch, capsys
+):
     """Each once ran on (loss nan, "after -1 steps") or failed in a traceback, some only after
     minutes of work (precision_table.py's --steps, after its digits study; its --device cuda
-    without CUDA, after the header)."""
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 2 and message in result.stderr.splitlines()[-1]
+    without CUDA, after the header). Run in this process as ``python examples/NAME ARGS`` runs
+    it, as ``__main__``: a refusal takes a moment, a fresh interpreter seconds."""
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *args])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
 
 
 def run_example(name: str, *args: str) -> str:
