@@ -139,6 +139,10 @@ def main() -> None:
     for name in ("width", "depth", "batch", "steps"):  # counts: at least 1
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.check_pass and args.mode != "fsdp2":
+        parser.error(
+            f"--check-pass times FSDP2's check pass: it needs --mode fsdp2, not {args.mode}"
+        )
     if "RANK" not in os.environ:
         parser.error(
             "run it under torchrun: torchrun --nproc-per-node 2 examples/compare_sharding.py ..."

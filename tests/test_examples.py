@@ -41,6 +41,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("compare_sharding.py", ["--mode=ddp", "--width=0"], "--width must be >= 1, got 0"),
         ("compare_sharding.py", ["--mode=ddp", "--depth=0"], "--depth must be >= 1, got 0"),
         ("compare_sharding.py", ["--mode=ddp", "--batch=0"], "--batch must be >= 1, got 0"),
+        ("compare_sharding.py", ["--mode=ddp", "--check-pass"], "it needs --mode fsdp2, not ddp"),
         ("precision_table.py", ["--device", "mps"], "this script runs on cpu or cuda"),
         pytest.param(
             "precision_table.py",
