@@ -237,19 +237,29 @@ def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
 
 def test_a_run_thaws_the_objects_it_froze_out_of_garbage_collection(monkeypatch) -> None:
     """A run freezes the objects from before it, so that its collections skip them; frozen
-    after it, they would never be collected. Also when it is interrupted."""
+    after it, they would never be collected. Also when it is interrupted; and a process that
+    froze objects itself keeps them frozen, and no more."""
     assert gc.get_freeze_count() == 0
     _tiny_run(["torch-fused"])
     assert gc.get_freeze_count() == 0
+    frozen = []
 
     def interrupted(*args):
-        assert gc.get_freeze_count() > 0  # frozen while it measures
+        frozen.append(gc.get_freeze_count())
         raise KeyboardInterrupt
 
     monkeypatch.setattr(harness, "_measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _tiny_run(["torch-fused"])
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and frozen[0] > 0  # frozen while it measured
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with pytest.raises(KeyboardInterrupt):
+            _tiny_run(["torch-fused"])
+        assert frozen[1] == gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
 
 
 def test_the_command_fails_when_every_contender_failed(capsys) -> None:

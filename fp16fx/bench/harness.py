@@ -21,7 +21,6 @@ With ``interleave``, the steps are timed again in turn (:mod:`fp16fx.bench.inter
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -355,14 +354,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
     if opts.compile_times and any(cls.compiled for cls in runners):
         say("warming up the compiler (imports, worker pool)")
         measure.warm_up_compiler(device)
-    # Each release_memory collects garbage; frozen, the process's objects from before the run
-    # (torch's own are hundreds of thousands, a test session's millions) are not scanned again
-    # each time: a collection takes milliseconds, not a fifth of a second.
-    gc.freeze()
-    try:
+    with measure.only_new_garbage():
         presets = [_run_preset(p, runners, opts, device, bandwidth, say) for p in opts.presets]
-    finally:
-        gc.unfreeze()
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else measure.cpu_name()
     )
