@@ -237,7 +237,8 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     """A DCP checkpoint's edges (FP16 shards, FP32 masters): a weight written before saving
     is saved as written; a load that does not fit (a param frozen since) is refused with
     nothing changed, although ``dcp.load`` filled its dict; after a load, an lr set back to
-    the value last written before it is stepped with; the generic path refuses to save."""
+    the value last written before it is stepped with; the generic path refuses to save and to
+    load."""
     model = sharded(half=True)
     opt = facade(model, compiled=False)
     train(model, opt, range(2), rank, world)
@@ -283,6 +284,18 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         generic.state_dict()
     except RuntimeError as err:
         out["generic"] = str(err)
+    # Nor loads: an apex-format dict (whole tensors, as an unsharded run saves them) once
+    # replaced its DTensor state and lr, and its next step failed in torch; an FSDP2 dict was
+    # refused as saved "from an FSDP2 model's FP16_Optimizer; this one is not".
+    plain = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    unsharded = facade(plain, torch.optim.RMSprop(plain.parameters(), lr=5e-3)).state_dict()
+    out["generic_loads"] = []
+    for refused in (unsharded, opt.state_dict()):
+        try:
+            generic.load_state_dict(refused)
+        except RuntimeError as err:
+            out["generic_loads"].append(str(err))
+    out["generic_lr"] = generic.param_groups[0]["lr"]
 
     # Dicts the unsharded load refuses: once loaded whole here, then failing at the next step
     # (a NaN lr) or raising a bare KeyError (no flag) with the state already replaced.
@@ -805,6 +818,9 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert r["optimizer_unchanged"]
         assert r["lr_after_load"] == pytest.approx(3 * LR)
         assert "generic path" in r["generic"] and "RMSprop" in r["generic"]
+        assert len(r["generic_loads"]) == 2 and r["generic_lr"] == 1e-2  # RMSprop's default
+        for refusal in r["generic_loads"]:
+            assert refusal.startswith("load_state_dict() of an FP16_Optimizer on the generic")
         assert "param group 0: hyperparameter 'lr' must be >= 0, got nan" in r["nan_lr"]
         assert "it has no 'overflow' entry" in r["no_flag"]
         assert "its 'trainable' is []: one list per param group" in r["no_trainable"]

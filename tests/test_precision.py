@@ -1100,6 +1100,12 @@ def _mismatches():
             r"\['w'\]\['opt\[1\].count'\] is a torch.int64 tensor of shape \(1,\): a step "
             "count is 0-d",
         ),
+        # Once refused as a moment: "has shape (); its ['param'] has (30, 20)".
+        "a step count saved as a float": (
+            changed("opt[1].count", lambda t: t.float()),
+            r"\['w'\]\['opt\[1\].count'\] is a torch.float32 tensor of shape \(\): a step "
+            "count is 0-d and an integer",
+        ),
         "a master beside the correction": (
             added("master", torch.zeros(30, 20)),
             r"\['w'\]\['correction'\] beside a \['master'\]",

@@ -101,6 +101,26 @@ def trained_positions(inner: torch.optim.Optimizer, params: ParamSet) -> list[li
     ]
 
 
+def refuse_the_generic_path_on_fsdp2(
+    inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, call: str
+) -> None:
+    """Raises RuntimeError, naming ``call``, if ``engine`` is the generic path over an FSDP2
+    model's DTensor params: it has no checkpoint, saved or loaded."""
+    if (isinstance(engine, FastEngine) and engine.fsdp) or not dtensors.has_dtensors(
+        [p for ps in params.trainable for p in ps]
+    ):
+        return
+    raise RuntimeError(
+        f"{call} of an FP16_Optimizer on the generic path (the wrapped "
+        f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its state "
+        "is the wrapped optimizer's, per-param DTensor shards that no FP16_Optimizer format "
+        "holds (a fresh optimizer's DCP dict has no room for them, so a DCP load would drop "
+        "them silently; an apex-format dict holds whole tensors). On FSDP2, checkpoint "
+        "through the fast path: SGD, Adam or AdamW without maximize, path 'auto' or 'fast' "
+        "(docs/distributed.md)"
+    )
+
+
 def state_dict(
     inner: torch.optim.Optimizer,
     engine: Engine,
@@ -109,16 +129,8 @@ def state_dict(
     flags: Mapping[str, bool],
 ) -> dict[str, Any]:
     """Returns the checkpoint dict (see the module docstring); a sync or two."""
+    refuse_the_generic_path_on_fsdp2(inner, engine, params, "state_dict()")
     on_fsdp2 = isinstance(engine, FastEngine) and engine.fsdp
-    if not on_fsdp2 and dtensors.has_dtensors([p for ps in params.trainable for p in ps]):
-        raise RuntimeError(
-            f"state_dict() of an FP16_Optimizer on the generic path (the wrapped "
-            f"torch.optim.{type(inner).__name__}) over an FSDP2 model is not supported: its "
-            "state is the wrapped optimizer's, which a fresh optimizer's dict has no room "
-            "for, so a DCP load would drop it silently. On FSDP2, checkpoint through the fast "
-            "path: SGD, Adam or AdamW without maximize, path 'auto' or 'fast' "
-            "(docs/distributed.md)"
-        )
     steps: dict[str, Any] = {}
     if isinstance(engine, GenericEngine):
         engine.resync_masters()  # a written param is saved as written (its step adopts it too)

@@ -648,6 +648,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Loads ``state_dict`` and returns the phase it puts the optimizer in (its flags; the
         grads are as they were), or raises having changed nothing."""
         engine = self._engine
+        checkpoint.refuse_the_generic_path_on_fsdp2(
+            self.optimizer, engine, self._params, "load_state_dict()"
+        )
         if (isinstance(engine, FastEngine) and engine.fsdp) or (
             isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT
         ):
