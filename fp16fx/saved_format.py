@@ -304,19 +304,14 @@ def _check_stored(entry: Mapping[str, torch.Tensor], block: int) -> None:
                 f"param's is {wanted}"
             )
     for key, value in entry.items():
-        # Named as the core names them: else a float count reads as a moment of another shape.
-        if key.endswith(".count") and (value.ndim or value.is_floating_point()):
-            raise _NotStored(
-                f"[{key!r}] is a {value.dtype} tensor of shape {tuple(value.shape)}: a step "
-                "count is 0-d and an integer"
-            )
-    for key, value in entry.items():
         # One value per param value: the correction, int8 codes, FP32/BF16 moments (not the
         # scales of int8 blocks, nor int64 step counts; a 0-d param's moments are 0-d).
         per_value = key == "correction" or key.endswith(".codes")
         moment = key.startswith("opt") and value.is_floating_point()
         of_blocks = key.endswith((".scales", ".offset"))
         if (per_value or (moment and not of_blocks)) and value.shape != param.shape:
+            if key.endswith(".count") and value.ndim == 0:  # as the core's transforms name it
+                raise _NotStored(f"[{key!r}] is a 0-d {value.dtype}: a step count is an integer")
             raise _NotStored(
                 f"[{key!r}] has shape {tuple(value.shape)}; its ['param'] has {tuple(param.shape)}"
             )

@@ -1103,8 +1103,7 @@ def _mismatches():
         # Once refused as a moment: "has shape (); its ['param'] has (30, 20)".
         "a step count saved as a float": (
             changed("opt[1].count", lambda t: t.float()),
-            r"\['w'\]\['opt\[1\].count'\] is a torch.float32 tensor of shape \(\): a step "
-            "count is 0-d and an integer",
+            r"\['w'\]\['opt\[1\].count'\] is a 0-d torch.float32: a step count is an integer",
         ),
         "a master beside the correction": (
             added("master", torch.zeros(30, 20)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -392,6 +393,30 @@ def test_multi_transform_labels_are_taken_as_given_when_built():
     fp16fx.init([torch.ones(2), torch.ones(2)], fp16fx.chain(*both))
     with pytest.raises(ValueError, match="must label the params alike"):
         fp16fx.chain(both[0], fp16fx.multi_transform([sgd(0.1), sgd(0.2)], [1, 0]))
+
+
+class _SeenState(NamedTuple):
+    count: Any  # per value: the steps that gave it a nonzero gradient
+
+
+def test_a_transforms_own_per_value_float_count_round_trips_through_the_state_dict():
+    """A field of one's own may be called ``count``: per value and floating, it is no step
+    count (a check of 4c6eb10's, by its name alone, refused this state's own dict)."""
+
+    def init(params):
+        return _SeenState(optree.tree_map(torch.zeros_like, params))
+
+    def update(updates, state, params):
+        counts = optree.tree_map(lambda u, c: c + (u != 0), updates, state.count)
+        return optree.tree_map(lambda u, c: u / c.clamp(min=1), updates, counts), _SeenState(counts)
+
+    seen = fp16fx.GradientTransformation(init, update)
+    state = fp16fx.init({"w": torch.ones(4, 3).half()}, fp16fx.chain(seen, fp16fx.sgd(1e-2)))
+    state, _ = fp16fx.step(state, {"w": torch.ones(4, 3).half()})
+    fresh = fp16fx.init({"w": torch.ones(4, 3).half()}, fp16fx.chain(seen, fp16fx.sgd(1e-2)))
+    loaded = fp16fx.load_state_dict(fresh, fp16fx.state_dict(state))
+    count = fp16fx.state_dict(loaded)["params"]["w"]["opt[0].count"]
+    assert torch.equal(count, torch.ones(4, 3))
 
 
 def test_a_transform_state_tensor_that_is_not_per_param_is_refused_by_its_path():
