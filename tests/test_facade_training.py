@@ -422,6 +422,36 @@ def test_a_closure_runs_once_in_a_step_that_hands_over_to_the_generic_path():
     assert_close_engines(results["fast"][1], results["generic"][1])
 
 
+def test_a_group_the_fast_path_lacks_added_by_a_closure_switches_paths_in_that_step():
+    """The generic path steps the grads that closure made, as where the group was added
+    before the step; the closure runs once. (The step once failed in a bare AssertionError.)"""
+    results = {}
+    for inside in (True, False):
+        model, batches = make_model(), iter(make_data(3))
+        group = {"params": [nn.Parameter(torch.ones(3, dtype=torch.float16))], "maximize": True}
+        opt = wrap(model, adam, "fast", static_loss_scale=8.0)
+        adding = []  # the closure adds the group in the second step, if inside
+
+        def closure(model=model, opt=opt, batches=batches, adding=adding, group=group):
+            opt.zero_grad()
+            loss = loss_fn(model, *next(batches))
+            opt.backward(loss)
+            if adding:
+                opt.add_param_group(adding.pop())
+            return loss
+
+        opt.step(closure)
+        assert opt.path == "fast"
+        if inside:
+            adding.append(group)
+        else:
+            opt.add_param_group(group)
+        opt.step(closure)
+        assert opt.path == "generic" and len(list(batches)) == 1  # two drawn
+        results[inside] = masters_of(opt)
+    assert_same(results[True], results[False])
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_gradient_accumulation_moves_the_scale_once_per_update(path):
     data = make_data(4)

@@ -416,7 +416,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         its flat buffer). Raises Unsupported, before anything changed, to hand over."""
         self._check_unchanged()
         fast = self._engine
-        assert isinstance(fast, FastEngine)
+        if not isinstance(fast, FastEngine):  # a closure's add_param_group switched paths
+            raise Unsupported("the closure switched to it")
         fast.check_params()
         return fast.step()
 
@@ -428,7 +429,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     fn, self._fast_step, self._phase, self._scaler, self._stepped
                 )
             except closure.HandOver as handing:
-                self._handover(handing.reason)
+                if isinstance(self._engine, FastEngine):
+                    self._handover(handing.reason)
                 first_loss = handing.loss  # its grads are in place: the generic step reads them
             else:
                 self._phase.grads = "stale"
