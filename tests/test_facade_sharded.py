@@ -90,10 +90,12 @@ def versus_unsharded(rank: int, world: int, name: str, compiled: bool = False) -
     return train(model, opt, range(STEPS), rank, world, inf=name == "adam", schedule=True)
 
 
-def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
-    """d=2 saves at SAVE_AT and runs on; d=4 loads the d=2 files and runs on."""
+def checkpoint_run(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """d=2 saves at SAVE_AT and runs on; d=4 loads the d=2 files, saves again (its count),
+    and runs on."""
     model = Net()
     opt = make_optimizer(model, "adam", shard=True)
+    count = None
     if world == 2:
         train(model, opt, range(SAVE_AT), "same", 1)
         torch.save(opt.state_dict(), out / f"opt_rank{rank}.pt")
@@ -103,7 +105,8 @@ def checkpoint_run(rank: int, world: int, out: Path) -> list[torch.Tensor]:
         opt.load_state_dict(
             [torch.load(out / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]
         )
-    return train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"]
+        count = int(opt.state_dict()["shard"]["shard"]["count"])
+    return {"params": train(model, opt, range(SAVE_AT, STEPS), "same", 1)["params"], "count": count}
 
 
 def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
@@ -451,10 +454,13 @@ def test_checkpoint_saved_at_2_loads_at_4_and_unsharded(runs_4):
     expected = train(model, opt, range(STEPS), "same", 1)["params"]
     for world in (2, 4):
         for r in runs[world]:
-            for a, b in zip(r["checkpoint"], expected):
+            for a, b in zip(r["checkpoint"]["params"], expected):
                 assert torch.equal(a, b), world
     # Unsharded: every rank's dict, consolidated into apex's format (weights_only both ways).
     shards = [torch.load(runs["dir"] / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    # The count the dicts hold, which a save after the load once gave back as 0.
+    assert int(shards[0]["shard"]["shard"]["count"]) == SAVE_AT
+    assert [r["checkpoint"]["count"] for r in runs[4]] == [SAVE_AT] * 4
     torch.save(consolidate_state_dict(shards), runs["dir"] / "consolidated.pt")
     whole = torch.load(runs["dir"] / "consolidated.pt", weights_only=True)
     model = Net()

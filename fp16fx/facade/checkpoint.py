@@ -9,12 +9,12 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 * ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
   pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
 * ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools;
-* ``applied_steps`` (fp16fx's, compact precision only) and ``param_segments`` (fp16fx's, the
-  fast path's) -- the core's count of applied steps, which seeds compact precision's
-  stochastic rounding, and per param (one int64 tensor in param-group order) the core's
-  segment that holds it: where int8 moments' blocks start, and the units the global
-  gradient norm is summed over. torch's format keeps neither (absent: as they are, and as
-  the step counts imply);
+* ``applied_steps`` (fp16fx's: compact precision's, and every consolidated sharded dict's) and
+  ``param_segments`` (fp16fx's, the fast path's) -- the core's count of applied steps, which
+  seeds compact precision's stochastic rounding, and per param (one int64 tensor in
+  param-group order) the core's segment that holds it: where int8 moments' blocks start,
+  and the units the global gradient norm is summed over. torch's format keeps neither
+  (absent: as they are, and as the step counts imply);
 * ``trainable`` (fp16fx's) -- per param group, the positions of the params it trains (not
   frozen when it was built): the state and masters are keyed by position among them, so a
   load checks that the same params train (an apex dict lacks it: loaded by position, as
@@ -49,7 +49,6 @@ from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import Scaler, ScaleValues, scaler_to_dict
-from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale
 
 KEYS = (
@@ -231,9 +230,10 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
         [leaf["master"] for leaf in itertools.islice(rest, len(pids)) if "master" in leaf]
         for pids in trainable
     ]
-    # A compact run's rounding reads the count; its blocks are one run per bucket, as the
-    # step counts imply, so it needs no param_segments.
-    steps = {"applied_steps": full["count"]} if precision != Precision() else {}
+    # The count the ranks' dicts hold (a compact run's rounding reads it): kept whatever the
+    # precision, so that a sharded state loaded from these dicts saves it again. A compact
+    # run's blocks are one run per bucket, as the step counts imply: no param_segments.
+    steps = {"applied_steps": full["count"]}
     return {
         **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
         "overflow": any(d["overflow"] for d in ranked),
