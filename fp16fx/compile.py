@@ -25,6 +25,7 @@ import optree
 import torch
 import torch._dynamo
 import torch._inductor
+from torch.utils import _python_dispatch
 
 from fp16fx import tree
 from fp16fx.prepare import Prepared, Scratch, checked, finish, gathered
@@ -90,11 +91,27 @@ _GRAPHS_PER_REGION = 64
 _HAS_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
+def _dynamo_runs_it_uncompiled() -> bool:
+    """Whether Dynamo would run a compiled region's frame as it is, uncompiled: its tracing
+    switched off (``torch._dynamo.config.disable``), or a TorchDispatchMode active (say
+    ``FlopCounterMode`` around a training step), whose ops Dynamo leaves to the mode. With
+    ``fullgraph=True`` it then raises "found no compiled frames" only after the frame ran: an
+    in-place step would have written the state, and a pure one's result would be lost."""
+    if torch._dynamo.config.disable:
+        return True
+    if getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
+        return _python_dispatch.any_torch_dispatch_mode_on_stack()
+    return _python_dispatch.is_in_any_mode_without_ignore_compile_internals()
+
+
 def _run_region(
     key: Hashable, fn: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]
 ) -> Any:
     """Returns ``fn(*args)`` through the compiled region of ``key`` (made on first use, and
-    made anew, fresh, if it ever reaches its graph limit: no limit is process-wide)."""
+    made anew, fresh, if it ever reaches its graph limit: no limit is process-wide), or run
+    eagerly where Dynamo would run it uncompiled."""
+    if not torch.compiler.is_compiling() and _dynamo_runs_it_uncompiled():
+        return fn(*args)
     if key not in _REGIONS:
         limit = {"recompile_limit": _GRAPHS_PER_REGION} if _HAS_LIMIT else {}  # torch >= 2.8
         _REGIONS[key] = _with_settings(torch.compile(_fresh_copy(fn), **limit, **options))
@@ -206,6 +223,9 @@ def compile_step(
         you keep it past the next step (replay overwrites it).
       mode, dynamic, backend: passed to ``torch.compile``. ``dynamic=False`` (the default)
         specialises kernels to the buffers' lengths.
+
+    Where Dynamo would not compile (its tracing disabled, or a TorchDispatchMode such as
+    ``FlopCounterMode`` active) the step runs eagerly, as :func:`fp16fx.step`.
 
     The returned callable gives the numbers of :func:`fp16fx.step` but for two roundings:
     the gradient norm's sum of squares (another order: a last-bit difference a clip carries

@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 import torch._dynamo
+import torch.utils.flop_counter
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -190,6 +191,39 @@ def test_torch_compile_of_the_facades_generic_step_keeps_the_master_only_with_ro
         compiled = _sub_ulp_facade_steps(compiled=True)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-7)
     assert (eager < 1.0 - 3e-4).all()  # ten sub-ulp updates, kept by the master
+
+
+@pytest.mark.parametrize("context", ["FlopCounterMode", "dynamo disabled"])
+def test_a_step_dynamo_would_not_compile_runs_eagerly(context):
+    """Under a TorchDispatchMode (FlopCounterMode, counting a training step's FLOPs) or with
+    Dynamo's tracing disabled, Dynamo ran the frame uncompiled and then raised "found no
+    compiled frames": the in-place state written, and the facade's skip uncounted."""
+
+    def around():
+        if context == "dynamo disabled":
+            return torch._dynamo.config.patch(disable=True)
+        return torch.utils.flop_counter.FlopCounterMode(display=False)
+
+    params = {"w": torch.randn(8).half(), "b": torch.randn(3)}
+    state = fp16fx.init(params, fp16fx.adam(1e-2), fp16fx.StaticLossScale(2.0**4))
+    reference = fp16fx.init(_fresh(params), fp16fx.adam(1e-2), fp16fx.StaticLossScale(2.0**4))
+    grads = grads_like(params, 1, scale=2.0**4)
+    with around():
+        state, info = fp16fx.compile_step(inplace=True)(state, grads)
+    expected, _ = fp16fx.step(reference, grads)
+    assert bitwise_equal(state.params, expected.params) and info["finite"].item()
+    assert bitwise_equal(state.master, expected.master)
+
+    model = torch.nn.Linear(3, 2).half()
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.Adam(model.parameters()), dynamic_loss_scale=True, verbose=False
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(torch.ones(1, 3).half()).float().sum() * float("inf"))
+    with around():
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.loss_scale == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_inplace_step_refuses_bad_grads_before_touching_anything():
