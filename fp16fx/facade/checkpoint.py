@@ -230,10 +230,6 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
         [leaf["master"] for leaf in itertools.islice(rest, len(pids)) if "master" in leaf]
         for pids in trainable
     ]
-    # The count the ranks' dicts hold (a compact run's rounding reads it): kept whatever the
-    # precision, so that a sharded state loaded from these dicts saves it again. A compact
-    # run's blocks are one run per bucket, as the step counts imply: no param_segments.
-    steps = {"applied_steps": full["count"]}
     return {
         **{key: first[key] for key in ("loss_scaler", "dynamic_loss_scale", *FLAGS)},
         "overflow": any(d["overflow"] for d in ranked),
@@ -242,5 +238,8 @@ def consolidate_state_dict(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any
         "trainable": [
             [g["params"].index(pid) for pid in pids] for g, pids in zip(groups, trainable)
         ],
-        **steps,
+        # The ranks' count (a compact run's rounding reads it), in any precision: a sharded
+        # state loaded from these dicts saves it again. A compact run's int8 blocks are one
+        # run per bucket, as the step counts imply: no param_segments.
+        "applied_steps": full["count"],
     }
