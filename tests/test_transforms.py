@@ -419,6 +419,35 @@ def test_a_transforms_own_per_value_float_count_round_trips_through_the_state_di
     assert torch.equal(count, torch.ones(4, 3))
 
 
+def _scale_by(coef: float) -> fp16fx.GradientTransformation:
+    """A transform of one's own with a hyperparameter fp16fx does not know: ``-coef * u``."""
+    return fp16fx.GradientTransformation(
+        lambda params: fp16fx.transforms.hyperparams(params, coef=coef),
+        lambda updates, h, params: (optree.tree_map(lambda u: -h["coef"].float() * u, updates), h),
+    )
+
+
+def test_a_transforms_own_hyperparameter_changes_saves_and_loads():
+    """A hyperparameter of one's own is a number like fp16fx's: set_hyperparams changes it
+    without a new transform, and the state's own dict loads (its check knew fp16fx's names
+    only, and raised a bare KeyError on any other: no checkpoint of such a state loaded)."""
+    grads = {"w": torch.ones(4).half()}
+    state = fp16fx.init({"w": torch.zeros(4).half()}, _scale_by(0.25), fp16fx.NoLossScale())
+    fp16fx.set_hyperparams(state, coef=0.5, inplace=True)
+    state, _ = fp16fx.step(state, grads)
+    assert torch.equal(state.params["w"], torch.full((4,), -0.5).half())
+    saved = fp16fx.checkpoint.state_dict_copy(state)
+    fresh = fp16fx.init({"w": torch.zeros(4).half()}, _scale_by(0.25), fp16fx.NoLossScale())
+    loaded = fp16fx.load_state_dict(fresh, saved)
+    assert fp16fx.get_hyperparams(loaded) == {"coef": 0.5}
+    assert torch.equal(fp16fx.step(loaded, grads)[0].params["w"], torch.full((4,), -1.0).half())
+    saved["hyperparams"]["opt['coef']"] = torch.tensor(math.inf, dtype=torch.float64)
+    untouched = fp16fx.init({"w": torch.zeros(4).half()}, _scale_by(0.25), fp16fx.NoLossScale())
+    with pytest.raises(fp16fx.StateDictError, match="'coef' must be a finite number, got inf"):
+        fp16fx.load_state_dict(untouched, saved)
+    assert fp16fx.get_hyperparams(untouched) == {"coef": 0.25}
+
+
 def test_a_transform_state_tensor_that_is_not_per_param_is_refused_by_its_path():
     """A step keeps a transform's per-param state, Hyperparams and GradNorm slots: a global
     count (optax's scale_by_schedule) was dropped by the pure step and the state dict while

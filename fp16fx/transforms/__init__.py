@@ -6,6 +6,7 @@ from fp16fx.transforms.base import (
     Hyperparams,
     chain,
     check_hyperparam,
+    hyperparams,
     with_grad_norm,
 )
 from fp16fx.transforms.groups import (
@@ -44,6 +45,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_coefficient",
     "hyperparam_groups",
+    "hyperparams",
     "multi_transform",
     "read_hyperparams",
     "replace_hyperparams",
