@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import optree
@@ -222,17 +222,39 @@ def in_dtype_of(path: str, entry: dict[str, Any], like: Mapping[str, Any] | None
 
 def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
     """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
-    an int8 moment's blocks where the state's sit -- so a raw copy is exact."""
+    an int8 moment's blocks where the state's sit, each block's scale saved alike by every
+    leaf in it -- so a raw copy is exact."""
     try:
         check_fits(template, {**sd, "precision": template["precision"]})
     except (StateDictError, TypeError):
         return False
-    return all(
+    return _shared_scales_agree(template, sd) and all(
         int(sd["params"][path][key]) == int(like)
         for path, entry in template["params"].items()
         for key, like in entry.items()
         if key.endswith(".offset")
     )
+
+
+def _shared_scales_agree(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
+    """:func:`scales_agree` for ``sd``'s leaves laid out as ``template``'s, whose
+    ``.scales`` are views of the state's: a block is where its scale sits."""
+    return scales_agree(
+        (like[end].data_ptr(), sd["params"][path][key][end])
+        for path, entry in template["params"].items()
+        for key, like in entry.items()
+        if key.endswith(".scales") and like.numel()  # (an empty leaf's: none)
+        for end in (0, -1)
+    )
+
+
+def scales_agree(blocks: Iterable[tuple[Hashable, torch.Tensor]]) -> bool:
+    """Whether saved leaves that share an int8 block save its scale alike: ``blocks`` are
+    (the block, named alike by every leaf in it; the scale a leaf saved for it), a leaf's
+    first and last (only those can hold another leaf too). A dict put together from two
+    runs' may not agree, and one scale cannot decode both leaves' codes."""
+    saved: dict[Hashable, torch.Tensor] = {}
+    return all(torch.equal(saved.setdefault(block, scale), scale) for block, scale in blocks)
 
 
 def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedPrecisionState:

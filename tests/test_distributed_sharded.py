@@ -3,6 +3,7 @@ checkpoints saved at d=2 and loaded at d=4, d=1 and, consolidated, into an unsha
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -223,11 +224,19 @@ def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def converting_sources() -> dict[str, Any]:
-    """Returns the two unsharded states whose checkpoints a sharded compact state cannot copy
-    as stored: a compact one whose int8 blocks restart inside a bucket ("a" and "b" each
-    missed a gradient once, so their step counts are equal again, and only the blocks show
-    the cut between them), and one with FP32 masters and moments."""
+    """Returns the unsharded checkpoints a sharded compact state cannot copy as stored: a
+    compact one whose int8 blocks restart inside a bucket ("a" and "b" each missed a gradient
+    once, so their step counts are equal again, and only the blocks show the cut between
+    them); one with FP32 masters and moments; and a compact one spliced from two runs ("b"'s
+    entry from a run on other grads, whose scale of the block "a" and "b" share is another)."""
     optimizer = fp16fx.adam(1e-2)
+    spliced = []
+    for first_step in (0, 10):
+        state = fp16fx.init(compact_params(), optimizer, buckets=True, **COMPACT)
+        for step in range(first_step, first_step + 3):
+            state, _ = fp16fx.step(state, compact_grads(step, state.loss_scale.scale))
+        spliced.append(fp16fx.checkpoint.state_dict_copy(state))
+    spliced[0]["params"]["b"] = spliced[1]["params"]["b"]
     sources = {
         "restarted": fp16fx.init(compact_params(), optimizer, buckets=True, **COMPACT),
         "fp32": fp16fx.init(compact_params(), optimizer, buckets=True),
@@ -244,7 +253,10 @@ def converting_sources() -> dict[str, Any]:
             p = param.view(-1)[0].float()
             unit = 2.0 ** (torch.frexp(p).exponent - 11) / 256  # ulp / 256
             master.view(-1)[0] = p + 127.75 * unit
-    return sources
+    return {
+        **{name: fp16fx.state_dict(state) for name, state in sources.items()},
+        "spliced": spliced[0],
+    }
 
 
 def load_converted(rank: int, world: int, out: Path) -> None:
@@ -252,7 +264,7 @@ def load_converted(rank: int, world: int, out: Path) -> None:
     saves this rank's dict of it."""
     for name, source in converting_sources().items():
         sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
-        fdist.load_state_dict(sharded, fp16fx.state_dict(source))
+        fdist.load_state_dict(sharded, source)
         torch.save(fdist.state_dict(sharded), out / f"converted_{name}_{world}_{rank}.pt")
         whole = [b.clone() for b in sharded.flat.param_buffers]
         torch.save(whole, out / f"whole_params_{name}_{world}_{rank}.pt")
@@ -295,12 +307,12 @@ def refused_load(rank: int) -> dict[str, Any]:
     messages, and whether the state is as it was. Last, the negative moment on rank 1 alone,
     the others given the sound dict (a rank handed a damaged copy): no rank may load."""
     sources = converting_sources()
-    sd = fp16fx.state_dict(sources["fp32"])
+    sd = copy.deepcopy(sources["fp32"])
     sd["params"]["a"]["opt[1].nu"] = -1 - sd["params"]["a"]["opt[1].nu"]
-    zero_scales = fp16fx.state_dict(sources["restarted"])
+    zero_scales = copy.deepcopy(sources["restarted"])
     scales = zero_scales["params"]["a"]["opt[1].mu.scales"]
     zero_scales["params"]["a"]["opt[1].mu.scales"] = torch.zeros_like(scales)
-    past_fp16 = fp16fx.state_dict(sources["restarted"])  # a pair whose master rounds to -inf
+    past_fp16 = copy.deepcopy(sources["restarted"])  # a pair whose master rounds to -inf
     past_fp16["params"]["a"]["param"].view(-1)[0] = -65504.0
     past_fp16["params"]["a"]["correction"].view(-1)[0] = -128
     sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True, **COMPACT)
@@ -308,7 +320,7 @@ def refused_load(rank: int) -> dict[str, Any]:
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, fdist.state_dict(sharded)
     )
     messages = []
-    sound = fp16fx.state_dict(sources["fp32"])
+    sound = sources["fp32"]
     alone = sd if rank == 1 else sound
     for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone):
         try:
@@ -800,22 +812,23 @@ def test_a_converted_load_writes_the_same_whole_params_on_every_rank(runs, name)
     assert all(torch.equal(a, b) for a, b in zip(*whole))
 
 
-@pytest.mark.parametrize("name", ["restarted", "fp32"])
+@pytest.mark.parametrize("name", ["restarted", "fp32", "spliced"])
 def test_a_checkpoint_it_cannot_copy_loads_decoded_and_rounded_into_a_compact_shard(runs, name):
-    """A compact checkpoint whose int8 blocks restart inside a bucket, or an FP32 one, loads
-    into a sharded compact state decoded to FP32 and re-encoded: each master to within half a
-    unit of its correction (exactly from a compensated one: the same param and correction),
-    each moment to within a code of its block (1/127 of the block's largest value), the step
-    counts exactly."""
+    """A compact checkpoint whose int8 blocks restart inside a bucket, or whose leaves save
+    one block's scale unlike each other, or an FP32 one, loads into a sharded compact state
+    decoded to FP32 and re-encoded: each master to within half a unit of its correction
+    (exactly from a compensated one: the same param and correction), each moment to within a
+    code of its block (1/127 of the block's largest value), the step counts exactly. (The
+    spliced one was copied as stored: one leaf's scale for both, "a"'s moments up to 2% off.)"""
     files = [f"converted_{name}_2_{r}.pt" for r in (0, 1)]
     loaded = fdist.consolidate([torch.load(runs["dir"] / f, weights_only=True) for f in files])
-    source = fp16fx.state_dict(converting_sources()[name])
+    source = converting_sources()[name]
     for path, entry in source["params"].items():
         ours = saved_format.canonical(loaded["params"][path], 256)
         theirs = saved_format.canonical(entry, 256)
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
-            if (key == "master" and name == "restarted") or value.ndim == 0:
+            if (key == "master" and name != "fp32") or value.ndim == 0:
                 assert torch.equal(ours[key], value), (path, key)
             elif key == "master":
                 # Half a unit of the param's: ulp / 512, the ulp 2**(e - 11) of the master's

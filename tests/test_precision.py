@@ -1239,6 +1239,25 @@ def test_moments_a_transform_keeps_in_a_dict_are_stored_compact(moments, kind):
     assert differing(stored(source), stored(target)) == []
 
 
+def test_a_dict_spliced_from_two_checkpoints_loads_each_leaf_by_its_own_int8_scales():
+    """c's entry from another run: c shares an int8 block with b and one with w, and each
+    saved that block's scale as its own codes need. One scale cannot decode both, so the
+    load encodes the decoded values anew (it copied the codes as stored, the last leaf's
+    scale overwriting each shared one: b's and c's moments loaded up to 12% off, silently)."""
+    spliced = fp16fx.checkpoint.state_dict_copy(_trained("compensated", "int8"))
+    other = tail_state("compensated", "int8")
+    for i in range(3):  # other grads: other moments
+        other, _ = fp16fx.step(other, scaled_grads(other, 50 + i))
+    spliced["params"]["c"] = fp16fx.checkpoint.state_dict_copy(other)["params"]["c"]
+    decoded = fp16fx.load_state_dict(tail_state("compensated", "fp32", seed=9), spliced)
+    target = fp16fx.load_state_dict(tail_state("compensated", "int8", seed=9), spliced)
+    compact = only_moments(target)
+    for name, x in only_moments(decoded).items():
+        q = encode_moment(x, "int8", name.endswith("nu"), BLOCK, None)
+        assert same_bits(compact[name].codes[: x.numel()], q.codes), name
+        assert same_bits(compact[name].scales, q.scales), name
+
+
 def test_a_checkpoint_cut_where_step_counts_are_equal_again_round_trips_bitwise():
     """A param without a gradient gets a segment of its own; int8 blocks restart there. When
     the step counts that cut the state become equal again, the saved blocks' offsets still

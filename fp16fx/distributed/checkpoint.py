@@ -17,7 +17,7 @@ and ``FP16_Optimizer``'s loaders after the facade's own conversion.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -315,7 +315,8 @@ def _dtypes_changed(mine: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
 
 def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> bool:
     """Whether every saved int8 moment's ``.offset`` is where the state's blocks put its
-    param: each bucket one run of blocks from its start."""
+    param (each bucket one run of blocks from its start), and the leaves that share a block
+    saved its scale alike (:func:`fp16fx.checkpoint.scales_agree`)."""
     block = state.shard.precision.block
     return all(
         int(value) == start % block
@@ -323,7 +324,19 @@ def _blocks_start_alike(state: ShardedState, per_bucket: list[list[Any]]) -> boo
         for start, entry in zip(bucket.offsets, saved)
         for key, value in entry.items()
         if key.endswith(".offset")
-    )
+    ) and checkpoint.scales_agree(_end_blocks(state, per_bucket))
+
+
+def _end_blocks(state: ShardedState, per_bucket: list[list[Any]]) -> Iterator[tuple[Any, Any]]:
+    """Yields each saved leaf's first and last int8 block, named by bucket, key and index,
+    with the scale the leaf saved for it."""
+    block = state.shard.precision.block
+    for b, (bucket, saved) in enumerate(zip(state.buckets, per_bucket)):
+        for start, end, entry in zip(bucket.offsets, bucket.offsets[1:], saved):
+            blocks = checkpoint.blocks_of(start, end, block)
+            for key in (k for k in entry if k.endswith(".scales") and entry[k].numel()):
+                yield (b, key, blocks.start), entry[key][0]
+                yield (b, key, blocks.stop - 1), entry[key][-1]
 
 
 def _joined(bucket: flat.Bucket, saved: list[Mapping[str, Any]], key: str) -> torch.Tensor:
