@@ -98,6 +98,11 @@ def default_consensus(process_group: Any = "auto") -> Consensus | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return Consensus()
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(
+            "process_group must be 'auto', None or a torch.distributed process group, got "
+            f"{process_group!r}"
+        )
+    if not dist.is_initialized():
         raise RuntimeError("a process_group was given but torch.distributed is not initialized")
     return Consensus(group=process_group)

@@ -699,6 +699,21 @@ def test_a_model_made_in_inference_mode_or_on_meta_is_refused_by_name(path):
             wrap(model, path, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("group", [True, 0, object()])
+def test_a_process_group_that_is_no_group_is_refused_when_built_moving_nothing(group):
+    """``process_group=True`` (as ``shard=True`` reads) built an optimizer whose first
+    step failed on every rank in torch's words ("Process group True is not initialized")."""
+    model = make_model()
+    weight = model[0].weight
+    with pytest.raises(TypeError, match=r"process_group must be 'auto', None or a torch"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
+    with pytest.raises(TypeError, match=r"process_group must be 'auto', None or a torch"):
+        fp16fx.distributed.init(
+            dict(model.named_parameters()), fp16fx.sgd(0.1), process_group=group
+        )
+    assert model[0].weight is weight and weight.data_ptr() == model[0].weight.data_ptr()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_clip_master_grads_names_a_norm_type_that_is_no_number(path):
     """None and "fro" once failed in float() with torch's words; the optimizer stays usable
