@@ -313,11 +313,14 @@ def encode_moment(
 def round_moment(
     x: torch.Tensor, how: str, non_negative: bool, block: int, noise: torch.Tensor | None
 ) -> Any:
-    """Returns an FP32 moment ``x`` (1-D) rounded as ``how`` stores it, still in FP32 (BF16
-    values, or int8 codes beside their scales), so that a step chooses between them and the
-    old values before the one cast into storage."""
+    """Returns a moment ``x`` (1-D) rounded as ``how`` stores it, in FP32 (BF16 values, or
+    int8 codes beside their scales), so that a step chooses between them and the old values
+    before the one cast into storage. (A transform of one's own may keep its per-param
+    state in another float dtype: FP32 holds FP16's and BF16's values, and FP64's as
+    nearly as the compact format can.)"""
     if how == "fp32":
         return x
+    x = x.float()
     if how == "bf16":
         if noise is None:
             return x.to(torch.bfloat16).float()

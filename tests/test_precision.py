@@ -1097,8 +1097,7 @@ def _mismatches():
         ),
         "a step count that is not 0-d": (
             changed("opt[1].count", lambda t: t.reshape(1)),
-            r"\['w'\]\['opt\[1\].count'\] is a torch.int64 tensor of shape \(1,\): a step "
-            "count is 0-d",
+            r"\['w'\]\['opt\[1\].count'\] has shape \(1,\), this state's \(\)",
         ),
         # Once refused as a moment: "has shape (); its ['param'] has (30, 20)".
         "a step count saved as a float": (

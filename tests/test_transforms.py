@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import fp16fx
 from fp16fx.segments import Segments
 from fp16fx.transforms import with_grad_norm
+from tests.test_step import same_bits
 
 STEPS = 20
 
@@ -417,6 +418,49 @@ def test_a_transforms_own_per_value_float_count_round_trips_through_the_state_di
     loaded = fp16fx.load_state_dict(fresh, fp16fx.state_dict(state))
     count = fp16fx.state_dict(loaded)["params"]["w"]["opt[0].count"]
     assert torch.equal(count, torch.ones(4, 3))
+
+
+class _HitsState(NamedTuple):
+    hits: Any  # per value: the steps that gave it a nonzero gradient, in a dtype of one's own
+
+
+def _counting_hits(dtype: torch.dtype) -> fp16fx.GradientTransformation:
+    def init(params):
+        return _HitsState(optree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype), params))
+
+    def update(updates, state, params):
+        hits = optree.tree_map(lambda u, c: c + (u != 0).to(c.dtype), updates, state.hits)
+        return updates, _HitsState(hits)
+
+    return fp16fx.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "moments"),
+    [(torch.int32, "fp32"), (torch.float64, "fp32"), (torch.float16, "int8")],
+)
+def test_a_transforms_own_state_in_a_dtype_of_its_own_round_trips(dtype, moments):
+    """Per-param state that init and the step take round-trips in its own dtype, and a dict
+    holding it in another is refused by its key (an int32 or FP64 state's own dict was
+    refused as "a step count is 0-d, a moment FP32 or BF16"; FP16 state under int8 moments
+    failed to build in torch's words, its scales made in FP16)."""
+
+    def fresh():
+        optimizer = fp16fx.chain(_counting_hits(dtype), fp16fx.sgd(1e-2, momentum=0.9))
+        return fp16fx.init({"w": torch.ones(4, 3).half()}, optimizer, moments=moments)
+
+    state, _ = fp16fx.step(fresh(), {"w": torch.ones(4, 3).half()})
+    saved = fp16fx.checkpoint.state_dict_copy(state)
+    loaded = fp16fx.state_dict(fp16fx.load_state_dict(fresh(), saved))["params"]["w"]
+    assert loaded.keys() == saved["params"]["w"].keys()
+    assert all(same_bits(v, saved["params"]["w"][k]) for k, v in loaded.items())
+    if moments == "fp32":
+        other = 0.5 + saved["params"]["w"]["opt[0].hits"].float()
+        saved["params"]["w"]["opt[0].hits"] = other
+        untouched = fresh()
+        with pytest.raises(fp16fx.StateDictError, match=r"\['opt\[0\].hits'\] has dtype"):
+            fp16fx.load_state_dict(untouched, saved)
+        assert not untouched.opt_state[0].hits[0].any()
 
 
 def _scale_by(coef: float) -> fp16fx.GradientTransformation:
