@@ -96,13 +96,26 @@ def _kept(x: Any) -> bool:
 
 def check_kept(state: State) -> None:
     """Raises TypeError naming the first tensor of a transform's ``init`` state that a step
-    would not keep. A step keeps the per-param state (the parts inside the
+    would not keep, or per-param integers a state dict would take for a step count. A step
+    keeps the per-param state (the parts inside the
     :class:`~fp16fx.segments.Segments` the transform was given, cut and saved with them),
     :class:`Hyperparams` and :class:`GradNorm` slots; a tensor elsewhere would be dropped by
     the pure step and the state dict. A count of steps lives per param, as in
     :func:`~fp16fx.transforms.primitives.scale_by_adam`."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=_kept)
     for accessor, leaf in zip(accessors, leaves):
+        integer = [
+            t
+            for t in (leaf if isinstance(leaf, Segments) else ())
+            if isinstance(t, torch.Tensor) and t.ndim and not t.is_floating_point()
+        ]
+        if integer:
+            raise TypeError(
+                f"the optimizer's init returned {integer[0].dtype} values per param at "
+                f"{accessor.codify('state')}: per-value state is floating (FP32 counts "
+                "exactly to 2**24), as a state dict tells a step count (an integer, 0-d per "
+                "param) by its dtype"
+            )
         if isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"the optimizer's init returned a tensor at {accessor.codify('state')} that is "
