@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
@@ -193,6 +194,16 @@ def test_history_round_trips_through_primitives() -> None:
     again = History.from_dict(h.to_dict())
     assert again == h
     assert (again.steps, again.skipped, again.final_loss_scale) == (2, 1, 128.0)
+
+
+def test_each_epochs_steps_spread_over_that_epoch_on_the_plots_axis() -> None:
+    """A run resumed on two processes took 8 steps, then 4 per epoch: the plot put them at
+    i / (12 // 2), epoch 1's last step past 1 and epoch 2's inside [1.33, 1.83]."""
+    h = _history(0.9, 128.0, [False] * 8)
+    h.epochs.append(dataclasses.replace(h.epochs[0], epoch=2, steps=4))
+    h.step_loss += [0.1] * 4
+    assert h.step_epochs == [j / 8 for j in range(8)] + [1 + j / 4 for j in range(4)]
+    assert len(h.step_epochs) == h.steps
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch) -> None:

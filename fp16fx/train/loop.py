@@ -106,6 +106,13 @@ class History:
         return sum(self.step_skipped)
 
     @property
+    def step_epochs(self) -> list[float]:
+        """Where each step sits on an axis of epochs: epoch ``k``'s steps spread over
+        ``[k - 1, k)`` by its own count (a run resumed on another number of processes takes
+        another number of steps per epoch)."""
+        return [e.epoch - 1 + j / e.steps for e in self.epochs for j in range(e.steps)]
+
+    @property
     def test_accuracy(self) -> float:
         return self.epochs[-1].test_accuracy if self.epochs else math.nan
 

@@ -109,8 +109,7 @@ def save_plot(path: str, runs: list[RunSummary]) -> None:
     fig, (ax_loss, ax_acc, ax_scale) = plt.subplots(1, 3, figsize=(15, 4))
     for run in runs:
         h = run.history
-        steps_per_epoch = max(h.steps // max(len(h.epochs), 1), 1)
-        ax_loss.plot([i / steps_per_epoch for i in range(h.steps)], h.step_loss, label=run.name)
+        ax_loss.plot(h.step_epochs, h.step_loss, label=run.name)
         ax_acc.plot(
             [e.epoch for e in h.epochs],
             [100 * e.test_accuracy for e in h.epochs],
@@ -118,9 +117,7 @@ def save_plot(path: str, runs: list[RunSummary]) -> None:
             label=run.name,
         )
         if not all(math.isnan(s) for s in h.step_loss_scale):
-            ax_scale.plot(
-                [i / steps_per_epoch for i in range(h.steps)], h.step_loss_scale, label=run.name
-            )
+            ax_scale.plot(h.step_epochs, h.step_loss_scale, label=run.name)
     ax_loss.set(title="training loss", xlabel="epoch", yscale="log")
     ax_acc.set(title="test accuracy (%)", xlabel="epoch")
     ax_scale.set(title="loss scale", xlabel="epoch", yscale="log")
