@@ -524,8 +524,10 @@ def test_without_torch_distributed_there_is_no_consensus():
     assert fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1)).consensus is None
     with pytest.raises(ValueError, match="'auto', None or a group"):
         fdist.default_consensus("world")
-    with pytest.raises(RuntimeError, match="not initialized"):
-        fdist.default_consensus(object())
+    with pytest.raises(TypeError, match=r"a torch\.distributed process group, got True"):
+        fdist.default_consensus(True)
+    with pytest.raises(RuntimeError, match="not initialized"):  # a group made by hand
+        fdist.default_consensus(dist.ProcessGroup(dist.HashStore(), 0, 1))
     with pytest.raises(ValueError, match="nothing to shard across"):
         fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
 
