@@ -101,7 +101,7 @@ def _build(job: Job, params: list[torch.Tensor]) -> tuple[Any, Any, Callable[[],
     cfg = job.config
     for p in params:
         p.grad = None  # the grads live in the state's buffers
-    optimizer = fp16fx.adam(lr=cfg.lr)
+    optimizer = fp16fx.adam(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     policy = fp16fx.StaticLossScale(cfg.loss_scale)
     compiled = fp16fx.compile_step(inplace=True)
     how = {"master": job.precision.master, "moments": job.precision.moments}
@@ -182,8 +182,9 @@ def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
         if sharded:
             dist.barrier()  # every rank starts the step together: no skew from the restore
 
-    say(f"{max(job.warmup, 1)} warm-up steps (the first compiles)")
-    warmup = _time_calls("warm-up steps", max(job.warmup, 1), prepare, step, say)
+    # The budget's plan needs a step after the one that compiles.
+    say(f"{max(job.warmup, 2)} warm-up steps (the first compiles)")
+    warmup = _time_calls("warm-up steps", max(job.warmup, 2), prepare, step, say)
     planned = _planned_steps(job, warmup[-1])
     times = _time_calls("timed steps", planned, prepare, step, say)
     comm = None
