@@ -104,14 +104,17 @@ def check_kept(state: State) -> None:
     :func:`~fp16fx.transforms.primitives.scale_by_adam`."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=_kept)
     for accessor, leaf in zip(accessors, leaves):
-        integer = [
-            t
-            for t in (leaf if isinstance(leaf, Segments) else ())
-            if isinstance(t, torch.Tensor) and t.ndim and not t.is_floating_point()
-        ]
-        if integer:
+        integer = next(
+            (
+                t
+                for t in (leaf if isinstance(leaf, Segments) else ())
+                if isinstance(t, torch.Tensor) and t.ndim and not t.is_floating_point()
+            ),
+            None,
+        )
+        if integer is not None:
             raise TypeError(
-                f"the optimizer's init returned {integer[0].dtype} values per param at "
+                f"the optimizer's init returned {integer.dtype} values per param at "
                 f"{accessor.codify('state')}: per-value state is floating (FP32 counts "
                 "exactly to 2**24), as a state dict tells a step count (an integer, 0-d per "
                 "param) by its dtype"
@@ -138,19 +141,19 @@ def _unit_interval(x: float) -> bool:
 #: round-to-nearest-even goes up): the step turns its hyperparameters into FP32 numbers.
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
 
+#: The rule for a number of any value FP32 holds: dampening, or a transform of your own's.
+_ANY_NUMBER: tuple[Callable[[float], bool], str] = (lambda x: True, "a finite number")
+
 #: Each hyperparameter's valid range, and the rule as the error states it.
 _VALID: dict[str, tuple[Callable[[float], bool], str]] = {
     "lr": (_non_negative, ">= 0"),
     "eps": (_non_negative, ">= 0"),
     "weight_decay": (_non_negative, ">= 0"),
     "momentum": (_non_negative, ">= 0"),
-    "dampening": (lambda x: True, "a finite number"),
+    "dampening": _ANY_NUMBER,
     "betas": (_unit_interval, "a pair of numbers in [0, 1)"),
     "max_norm": (lambda x: x > 0, "> 0"),
 }
-
-#: The rule for a hyperparameter fp16fx does not know: a transform of your own's.
-_ANY_NUMBER: tuple[Callable[[float], bool], str] = (lambda x: True, "a finite number")
 
 
 def _number(name: str, value: Any) -> float:
