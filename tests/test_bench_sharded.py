@@ -48,6 +48,7 @@ def test_bytes_per_param_per_rank_are_the_measured_tensors_at_d2() -> None:
     opts = ShardedOptions([TINY], world_sizes=[d], steps=12, warmup=1, timeout_s=60.0)
     result = run_sharded(opts)
 
+    assert result.warmup == 2  # as run, and the header and JSON say
     (preset,) = result.presets
     assert [(r.world_size, r.rank) for r in preset.ranks] == [(d, 0), (d, 1)]
     s = math.ceil(n / d)  # every rank's slice; the flat FP16 buffers hold d * s values

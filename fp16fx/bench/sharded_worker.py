@@ -32,10 +32,13 @@ from fp16fx.bench.presets import Shape, make_param_set
 from fp16fx.bench.runner import BenchConfig
 from fp16fx.precision import Precision, correction_dtype
 
-__all__ = ["STEP", "Job", "RankResult", "divided_bytes_per_param", "worker"]
+__all__ = ["MIN_WARMUP", "STEP", "Job", "RankResult", "divided_bytes_per_param", "worker"]
 
 #: How every rank steps its state (the shard's, for d > 1): ``fp16fx.compile_step(inplace=True)``.
 STEP = "compiled"
+
+#: The fewest warm-up steps: the first compiles, and the time budget is planned from the last.
+MIN_WARMUP = 2
 
 
 @dataclass(frozen=True)
@@ -182,9 +185,8 @@ def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
         if sharded:
             dist.barrier()  # every rank starts the step together: no skew from the restore
 
-    # The budget's plan needs a step after the one that compiles.
-    say(f"{max(job.warmup, 2)} warm-up steps (the first compiles)")
-    warmup = _time_calls("warm-up steps", max(job.warmup, 2), prepare, step, say)
+    say(f"{max(job.warmup, MIN_WARMUP)} warm-up steps (the first compiles)")
+    warmup = _time_calls("warm-up steps", max(job.warmup, MIN_WARMUP), prepare, step, say)
     planned = _planned_steps(job, warmup[-1])
     times = _time_calls("timed steps", planned, prepare, step, say)
     comm = None
