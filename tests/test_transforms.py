@@ -467,6 +467,18 @@ def test_a_transforms_own_integer_state_per_value_is_refused_when_built():
         fp16fx.init({"w": torch.ones(3).half()}, fp16fx.chain(_counting_hits(torch.int32)))
 
 
+def test_a_transforms_own_segments_of_no_tensors_are_refused_when_built():
+    """Segments of pairs stepped, then the state dict failed in torch's words ("'tuple'
+    object has no attribute 'ndim'")."""
+
+    def init(params):
+        return Segments([(torch.zeros_like(t), torch.zeros_like(t)) for t in params], params.labels)
+
+    pairs = fp16fx.GradientTransformation(init, lambda updates, state, params: (updates, state))
+    with pytest.raises(TypeError, match=r"Segments holding a tuple at state\[0\]"):
+        fp16fx.init({"w": torch.ones(3).half()}, fp16fx.chain(pairs, fp16fx.sgd(0.1)))
+
+
 def _scale_by(coef: float) -> fp16fx.GradientTransformation:
     """A transform of one's own with a hyperparameter fp16fx does not know: ``-coef * u``."""
     return fp16fx.GradientTransformation(

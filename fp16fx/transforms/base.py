@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fp16fx.segments import Segments
+from fp16fx.segments import MASKED, Segments
 from fp16fx.tree import is_finite
 
 Params = Any
@@ -96,7 +96,8 @@ def _kept(x: Any) -> bool:
 
 def check_kept(state: State) -> None:
     """Raises TypeError naming the first tensor of a transform's ``init`` state that a step
-    would not keep, or per-param integers a state dict would take for a step count. A step
+    would not keep, or per-param state that a state dict cannot hold (integers per value,
+    which it would take for a step count; Segments of anything but tensors). A step
     keeps the per-param state (the parts inside the
     :class:`~fp16fx.segments.Segments` the transform was given, cut and saved with them),
     :class:`Hyperparams` and :class:`GradNorm` slots; a tensor elsewhere would be dropped by
@@ -104,21 +105,8 @@ def check_kept(state: State) -> None:
     :func:`~fp16fx.transforms.primitives.scale_by_adam`."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=_kept)
     for accessor, leaf in zip(accessors, leaves):
-        integer = next(
-            (
-                t
-                for t in (leaf if isinstance(leaf, Segments) else ())
-                if isinstance(t, torch.Tensor) and t.ndim and not t.is_floating_point()
-            ),
-            None,
-        )
-        if integer is not None:
-            raise TypeError(
-                f"the optimizer's init returned {integer.dtype} values per param at "
-                f"{accessor.codify('state')}: per-value state is floating (FP32 counts "
-                "exactly to 2**24), as a state dict tells a step count (an integer, 0-d per "
-                "param) by its dtype"
-            )
+        for x in leaf if isinstance(leaf, Segments) else ():
+            _check_per_param(accessor.codify("state"), x)
         if isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"the optimizer's init returned a tensor at {accessor.codify('state')} that is "
@@ -127,6 +115,26 @@ def check_kept(state: State) -> None:
                 "Hyperparams and in GradNorm slots; keep a step count per param, as "
                 "fp16fx.adam does"
             )
+
+
+def _check_per_param(where: str, x: Any) -> None:
+    """Raises TypeError unless ``x``, a segment's part of a transform's per-param state at
+    ``where``, is a floating tensor (or an integer step count, 0-d), or no part (None, or
+    :data:`~fp16fx.segments.MASKED`): a state dict tells a step count by its dtype."""
+    if x is None or x is MASKED:
+        return
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"the optimizer's init returned Segments holding a {type(x).__name__} at {where}: "
+            "a transform's per-param state is a tree like the params it is given, one tensor "
+            "per segment (tree_map(torch.zeros_like, params))"
+        )
+    if x.ndim and not x.is_floating_point():
+        raise TypeError(
+            f"the optimizer's init returned {x.dtype} values per param at {where}: per-value "
+            "state is floating (FP32 counts exactly to 2**24), as a state dict tells a step "
+            "count (an integer, 0-d per param) by its dtype"
+        )
 
 
 def _non_negative(x: float) -> bool:
