@@ -206,6 +206,22 @@ def test_each_epochs_steps_spread_over_that_epoch_on_the_plots_axis() -> None:
     assert len(h.step_epochs) == h.steps
 
 
+def test_the_plot_draws_each_step_where_its_epoch_is(tmp_path, monkeypatch) -> None:
+    import matplotlib.axes
+
+    h = _history(0.9, 128.0, [False] * 8)
+    h.epochs.append(dataclasses.replace(h.epochs[0], epoch=2, steps=4))
+    h.step_loss += [0.1] * 4
+    h.step_loss_scale += [128.0] * 4
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "plot", lambda ax, x, *a, **k: drawn.append(x) or plot(ax, x, *a, **k)
+    )
+    save_plot(str(tmp_path / "curves.png"), [RunSummary("FP16", "facade", h)])
+    assert drawn == [h.step_epochs, [1, 2], h.step_epochs]  # loss, accuracy, loss scale
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(PlotError, match=r"pip install 'fp16fx\[plot\]'"):
