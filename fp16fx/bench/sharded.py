@@ -41,10 +41,10 @@ from fp16fx.bench.presets import Preset
 from fp16fx.bench.report import align, format_number, load_note, preset_line
 from fp16fx.bench.runner import BenchConfig
 from fp16fx.bench.sharded_worker import (
-    MIN_WARMUP,
     Job,
     RankResult,
     divided_bytes_per_param,
+    warmup_steps,
     worker,
 )
 from fp16fx.precision import Precision
@@ -225,7 +225,7 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
         cores=cores,
         world_sizes=sizes,
         steps=opts.steps,
-        warmup=max(opts.warmup, MIN_WARMUP),  # the steps run
+        warmup=warmup_steps(opts.warmup),  # the steps run
         loss_scale=opts.config.loss_scale,
         dtype=opts.config.dtype_name,
         master=opts.precision.master,

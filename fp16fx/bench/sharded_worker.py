@@ -32,13 +32,16 @@ from fp16fx.bench.presets import Shape, make_param_set
 from fp16fx.bench.runner import BenchConfig
 from fp16fx.precision import Precision, correction_dtype
 
-__all__ = ["MIN_WARMUP", "STEP", "Job", "RankResult", "divided_bytes_per_param", "worker"]
+__all__ = ["STEP", "Job", "RankResult", "divided_bytes_per_param", "warmup_steps", "worker"]
 
 #: How every rank steps its state (the shard's, for d > 1): ``fp16fx.compile_step(inplace=True)``.
 STEP = "compiled"
 
-#: The fewest warm-up steps: the first compiles, and the time budget is planned from the last.
-MIN_WARMUP = 2
+
+def warmup_steps(asked: int) -> int:
+    """Returns how many warm-up steps a rank runs for ``asked``: two at least, as the first
+    compiles and the time budget is planned from the last."""
+    return max(asked, 2)
 
 
 @dataclass(frozen=True)
@@ -185,8 +188,8 @@ def _measure(rank: int, job: Job, say: Callable[[str], None]) -> RankResult:
         if sharded:
             dist.barrier()  # every rank starts the step together: no skew from the restore
 
-    say(f"{max(job.warmup, MIN_WARMUP)} warm-up steps (the first compiles)")
-    warmup = _time_calls("warm-up steps", max(job.warmup, MIN_WARMUP), prepare, step, say)
+    say(f"{warmup_steps(job.warmup)} warm-up steps (the first compiles)")
+    warmup = _time_calls("warm-up steps", warmup_steps(job.warmup), prepare, step, say)
     planned = _planned_steps(job, warmup[-1])
     times = _time_calls("timed steps", planned, prepare, step, say)
     comm = None

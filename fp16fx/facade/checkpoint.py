@@ -100,12 +100,18 @@ def trained_positions(inner: torch.optim.Optimizer, params: ParamSet) -> list[li
     ]
 
 
+def steps_fsdp2_shards(engine: Engine) -> bool:
+    """Whether ``engine`` is the fast path over an FSDP2 model's shards (whose checkpoint is
+    ``FSDP_FORMAT``, through DCP)."""
+    return isinstance(engine, FastEngine) and engine.fsdp
+
+
 def refuse_the_generic_path_on_fsdp2(
     inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, call: str
 ) -> None:
     """Raises RuntimeError, naming ``call``, if ``engine`` is the generic path over an FSDP2
     model's DTensor params: it has no checkpoint, saved or loaded."""
-    if (isinstance(engine, FastEngine) and engine.fsdp) or not dtensors.has_dtensors(
+    if steps_fsdp2_shards(engine) or not dtensors.has_dtensors(
         [p for ps in params.trainable for p in ps]
     ):
         return
@@ -129,7 +135,7 @@ def state_dict(
 ) -> dict[str, Any]:
     """Returns the checkpoint dict (see the module docstring); a sync or two."""
     refuse_the_generic_path_on_fsdp2(inner, engine, params, "state_dict()")
-    on_fsdp2 = isinstance(engine, FastEngine) and engine.fsdp
+    on_fsdp2 = steps_fsdp2_shards(engine)
     steps: dict[str, Any] = {}
     if isinstance(engine, GenericEngine):
         engine.resync_masters()  # a written param is saved as written (its step adopts it too)

@@ -24,6 +24,7 @@ from fp16fx.facade.checkpoint import (
     KEYS,
     SHARDED_FORMAT,
     group_numbers,
+    steps_fsdp2_shards,
     trained_positions,
 )
 from fp16fx.facade.engines import Engine
@@ -59,7 +60,7 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd
     fast engine, or raises naming what does not fit, having changed nothing. An FSDP2 engine
     takes every dict here (a rank given another format refuses it in the ranks' agreement,
     :func:`~fp16fx.distributed.agreement.loading_together`, which the caller opens)."""
-    if not (isinstance(engine, FastEngine) and engine.fsdp):
+    if not steps_fsdp2_shards(engine):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
     groups, policy = _check_fsdp(inner, engine, params, sd)
     engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load

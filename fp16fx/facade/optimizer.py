@@ -653,7 +653,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         checkpoint.refuse_the_generic_path_on_fsdp2(
             self.optimizer, engine, self._params, "load_state_dict()"
         )
-        if (isinstance(engine, FastEngine) and engine.fsdp) or (
+        if checkpoint.steps_fsdp2_shards(engine) or (
             isinstance(state_dict, Mapping) and state_dict.get("format") == checkpoint.FSDP_FORMAT
         ):
             loading.load_fsdp(self.optimizer, engine, self._params, state_dict)
