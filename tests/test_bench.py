@@ -175,7 +175,7 @@ def _tiny_run(only: list[str], compile_times: bool = False, **options):
         presets=[presets.Preset("tiny", tuple(TINY_SHAPES))],
         only=only,
         steps=options.pop("steps", 2),
-        warmup=1,
+        warmup=options.pop("warmup", 1),
         compile_times=compile_times,
         copy_buffer_bytes=16 << 20,
         **options,
@@ -223,6 +223,30 @@ def _register_broken(runner_name: str, error: Exception) -> type[Runner]:
             return []
 
     return Broken
+
+
+def test_the_report_names_the_step_and_the_warm_up_steps_that_ran() -> None:
+    """The header once said "Adam (lr 1e-3)" whatever the config, and ``--warmup 0`` was
+    reported as 0 while a compiled contender ran one: every contender now runs at least one,
+    and the report and JSON say what ran."""
+    calls: list[str] = []
+
+    @register_runner
+    class Counting(TorchFusedRunner):
+        name = "test-counting"
+        compiled = False
+
+        def step(self) -> None:
+            calls.append("step")
+            super().step()
+
+    config = BenchConfig(lr=0.01, betas=(0.8, 0.99), eps=1e-6)
+    result = _tiny_run(["test-counting"], warmup=0, config=config)
+    assert len(calls) == 1 + result.presets[0].results[1].steps
+    doc = json.loads(to_json(result))
+    assert (doc["warmup"], doc["lr"], doc["betas"], doc["eps"]) == (1, 0.01, [0.8, 0.99], 1e-6)
+    text = format_report(result)
+    assert "after 1 warm-up" in text and "Adam (lr 0.01, betas (0.8, 0.99), eps 1e-06)" in text
 
 
 def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
@@ -434,7 +458,7 @@ def test_cli_dtype_bfloat16_steps_bf16_params(capsys: pytest.CaptureFixture[str]
     args = [*CLI_ARGS[1:], "--dtype", "bfloat16", "--only", "fp16fx-eager"]
     assert command.main(args) == 0
     out, _ = capsys.readouterr()
-    assert "Adam (lr 1e-3) on BF16 params" in out and "[fp16fx-eager]" in out
+    assert "eps 1e-08) on BF16 params" in out and "[fp16fx-eager]" in out
     assert command.main([*args, "--json", "--quiet"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dtype"] == "bfloat16"

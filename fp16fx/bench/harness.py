@@ -7,7 +7,8 @@ For each preset and each selected runner, in one process:
    directory, ``setup`` + first ``step`` (the *cold* compile), then ``torch._dynamo.reset()``
    and in-memory caches dropped, a new runner, ``setup`` + first ``step`` again (the *warm*
    compile, from the populated disk cache). Compile time = first-step time - median step time;
-3. ``warmup`` untimed steps, then ``steps`` individually timed steps; the median is reported.
+3. ``warmup`` untimed steps (at least one), then ``steps`` individually timed steps; the
+   median is reported.
    During the timed steps: peak memory above the level when they began (CPU: peak RSS,
    reset via ``/proc/self/clear_refs`` and read as ``VmHWM``, after ``malloc_trim`` returned
    freed heap to the OS; CUDA: ``max_memory_allocated``), and graphs compiled (a rise is a
@@ -150,8 +151,8 @@ def _measure(
             warm_s = _first_step_s(runner, params, grads, device)
         else:
             runner.setup(params, grads)
-        progress(f"{tag}: {opts.warmup} warm-up steps")
-        for _ in range(max(opts.warmup, 1 if cls.compiled else 0)):
+        progress(f"{tag}: {opts.warmup_steps} warm-up steps")
+        for _ in range(opts.warmup_steps):
             runner.step()
         measure.synchronize(device)
         measure.release_memory(device)  # hand back freed heap, so temporaries show as a peak
@@ -365,9 +366,12 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         torch_version=torch.__version__,
         threads=torch.get_num_threads(),
         steps=opts.steps,
-        warmup=opts.warmup,
+        warmup=opts.warmup_steps,
         rounds=opts.rounds,
         interleaved=opts.interleave,
+        lr=opts.config.lr,
+        betas=opts.config.betas,
+        eps=opts.config.eps,
         loss_scale=opts.config.loss_scale,
         dtype=opts.config.dtype_name,
         copy_bandwidth_gbps=bandwidth.gbps,

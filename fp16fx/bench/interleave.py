@@ -131,6 +131,6 @@ def _set_up(
     params, grads = opts.param_set(preset, device)
     runner = cls(opts.config)
     runner.setup(params, grads)
-    for _ in range(max(opts.warmup, 1)):
+    for _ in range(opts.warmup_steps):
         runner.step()
     return runner.step

@@ -45,6 +45,12 @@ class BenchOptions:
     interleave: bool = False
     config: BenchConfig = field(default_factory=BenchConfig)
 
+    @property
+    def warmup_steps(self) -> int:
+        """The untimed steps every contender runs before timing: ``warmup``, and at least one
+        (a compiled contender's first step compiles)."""
+        return max(self.warmup, 1)
+
     def param_set(self, preset: Preset, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
         """Returns a contender's fresh params and scaled grads: the same for every contender."""
         return make_param_set(

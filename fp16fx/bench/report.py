@@ -22,8 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult
+
+if TYPE_CHECKING:  # sharded.py imports this module
+    from fp16fx.bench.sharded import ShardedResult
 
 __all__ = [
     "JSON_SCHEMA_VERSION",
@@ -100,11 +104,12 @@ def align(names: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 DTYPE_LABELS = {"float16": "FP16", "bfloat16": "BF16"}
 
 
-def preset_line(name: str, params: int, leaves: int, loss_scale: float, dtype: str) -> str:
+def preset_line(name: str, params: int, leaves: int, bench: BenchResult | ShardedResult) -> str:
     """Return a table's first header line: the preset, its size and what is stepped."""
     return (
-        f"preset {name}: {params:,} params in {leaves:,} leaves; "
-        f"Adam (lr 1e-3) on {DTYPE_LABELS[dtype]} params, static loss scale {loss_scale:g}"
+        f"preset {name}: {params:,} params in {leaves:,} leaves; Adam (lr {bench.lr:g}, betas "
+        f"({bench.betas[0]:g}, {bench.betas[1]:g}), eps {bench.eps:g}) on "
+        f"{DTYPE_LABELS[bench.dtype]} params, static loss scale {bench.loss_scale:g}"
     )
 
 
@@ -130,7 +135,7 @@ def _copy_timing(bench: BenchResult) -> str:
 def format_table(preset: PresetResult, bench: BenchResult) -> str:
     """Return one preset's results as an aligned text table with its header lines."""
     header = [
-        preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale, bench.dtype),
+        preset_line(preset.preset, preset.params, preset.leaves, bench),
         f"copy bandwidth {preset.copy_bandwidth_gbps:.1f} GB/s "
         f"({bench.copy_buffer_bytes >> 20} MiB FP32 dst.copy_(src), read+write"
         f"{_copy_timing(bench)}) -> roofline "

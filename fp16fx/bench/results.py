@@ -78,6 +78,9 @@ class BenchResult:
     warmup: int
     rounds: int
     interleaved: bool
+    lr: float
+    betas: tuple[float, float]
+    eps: float
     loss_scale: float
     dtype: str
     copy_bandwidth_gbps: float

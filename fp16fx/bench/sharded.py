@@ -110,6 +110,9 @@ class ShardedResult:
     world_sizes: list[int]
     steps: int
     warmup: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
     loss_scale: float
     dtype: str
     master: str
@@ -226,6 +229,9 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
         world_sizes=sizes,
         steps=opts.steps,
         warmup=warmup_steps(opts.warmup),  # the steps run
+        lr=opts.config.lr,
+        betas=opts.config.betas,
+        eps=opts.config.eps,
         loss_scale=opts.config.loss_scale,
         dtype=opts.config.dtype_name,
         master=opts.precision.master,
@@ -256,7 +262,7 @@ COLUMNS: Sequence[tuple[str, Callable[[RankResult], str]]] = (
 
 def format_sharded_table(preset: ShardedPresetResult, bench: ShardedResult) -> str:
     """Return one preset's per-rank rows as an aligned text table with its header line."""
-    header = preset_line(preset.preset, preset.params, preset.leaves, bench.loss_scale, bench.dtype)
+    header = preset_line(preset.preset, preset.params, preset.leaves, bench)
     rows = [[cell(r) for _, cell in COLUMNS] for r in preset.ranks]
     body = align([name for name, _ in COLUMNS], rows)
     # The ranks of one world size step together, so they share their notes: print them once.
