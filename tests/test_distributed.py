@@ -126,7 +126,9 @@ def train_facade(
     ``fault``: at step 5 rank 1's grads get an inf "before" DDP's all-reduce (a grad hook)
     or "after" it (written into ``p.grad`` once backward returned); "between_clips": every
     step clips twice, at step 5 rank 1 writes the inf between the two clips, and rank 0
-    alone then reads the unscaled grads, before and after the step.
+    alone then reads the unscaled grads, before and after the step; "after_unscale": rank 1
+    alone writes its grads once they were unscaled (at step 5 an inf, at the others a write
+    of nothing), then every rank calls ``update_master_grads()`` again.
     """
     params = list(model.parameters())
     opt = fp16fx.FP16_Optimizer(
@@ -153,6 +155,12 @@ def train_facade(
         if average:  # data parallel without DDP
             fdist.average_grads([p.grad for p in params])
         opt.update_master_grads()
+        if fault == "after_unscale":  # only rank 1 knows its grads changed: both agree anew
+            if rank == 1:
+                params[0].grad[0, 0] = float("inf") if i == 5 else params[0].grad[0, 0]
+            with counting_all_reduces() as calls:
+                opt.update_master_grads()
+            alone += len(calls) != 1
         if fault == "between_clips":  # rank 1 alone sees new grads at the second clip
             opt.clip_master_grads(0.1)
             if i == 5 and rank == 1:
@@ -181,7 +189,9 @@ def train_facade(
         "skipped": opt.skipped_steps,
         "grads_are_views": views[1:],  # step 0 creates the grads; the facade then binds them
         "path": opt.path,
-        "all_reduces_alone": alone,  # by reads one rank made alone: none may be a collective
+        # by reads one rank made alone (none may be a collective), or calls every rank made
+        # that were not one collective on this rank
+        "all_reduces_alone": alone,
     }
 
 
@@ -291,6 +301,34 @@ def lone_read_after_add_group(rank: int, world: int) -> dict[str, Any]:
     return {"all_reduces_alone": alone, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def add_group_on_ranks_apart(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Groups added on every rank while the ranks' grads differ: rank 1 alone wrote the first
+    group's grads since they were unscaled (generic path) or clipped (fast path: its clip
+    lapsed there), and the last group's params have grads on rank 1 alone. Each
+    ``add_param_group`` once ran the consensus only on the ranks that had new grads to check
+    (generic), or a clip pending (fast)."""
+    model = DDP(nn.Sequential(make_model(torch.float16), nn.Linear(4, 4).half()))
+    first, second, third = model.module[0][0], model.module[0][2], model.module[1]
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.Adam(first.parameters(), lr=1e-2), verbose=False, compiled=False, path=path
+    )
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    if path == "fast":
+        opt.clip_master_grads(1e-3)
+    if rank == 1:
+        first.weight.grad.add_(0)
+    collectives = []
+    for layer in (second, third):
+        if rank == 0 and layer is third:
+            layer.zero_grad(set_to_none=True)
+        with counting_all_reduces() as calls:
+            opt.add_param_group({"params": list(layer.parameters())})
+        collectives.append(len(calls))
+    opt.step()
+    return {"collectives": collectives, "skipped": opt.skipped_steps, "path": opt.path}
+
+
 def refused_replicated_init(rank: int, world: int) -> list[tuple[str, bool]]:
     """fdist.init without shard refused: each rank's error, and whether its params kept their
     own values (the broadcast came before the checks: a bad optimizer left every rank with
@@ -359,6 +397,11 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "inf_after_ddp_generic": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", path="generic"
     ),
+    "inf_after_unscale_generic": lambda r, w: train_facade(
+        DDP(make_model(torch.float16)), r, w, torch.float16, fault="after_unscale", path="generic"
+    ),
+    "add_group_on_ranks_apart_generic": lambda r, w: add_group_on_ranks_apart(r, w, "generic"),
+    "add_group_on_ranks_apart_fast": lambda r, w: add_group_on_ranks_apart(r, w, "fast"),
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
@@ -425,13 +468,22 @@ def test_ddp_gradient_as_bucket_view_costs_a_copy_but_not_correctness(replicated
 
 
 @pytest.mark.parametrize(
-    "name", ["inf_before_ddp", "inf_after_ddp", "inf_between_clips", "inf_after_ddp_generic"]
+    "name",
+    [
+        "inf_before_ddp",
+        "inf_after_ddp",
+        "inf_between_clips",
+        "inf_after_ddp_generic",
+        "inf_after_unscale_generic",
+    ],
 )
 def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     """inf_after_ddp runs the facade's compiled step (the consensus is traced into it);
     inf_after_ddp_generic the generic path (torch's Adam on the masters); in
     inf_between_clips only rank 1's grads changed since the first clip's consensus (its
-    cached result once left rank 1 alone in the second clip's collective)."""
+    cached result once left rank 1 alone in the second clip's collective); in
+    inf_after_unscale_generic only rank 1's since they were unscaled (rank 0 once skipped
+    the second ``update_master_grads()``'s collective, which rank 1 ran)."""
     r0, r1 = (r[name] for r in replicated)
     assert r0["path"] == r1["path"] == ("generic" if name.endswith("generic") else "fast")
     assert r0["all_reduces_alone"] == 0
@@ -446,6 +498,16 @@ def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):
     r0, r1 = (r["lone_read_after_add_group"] for r in replicated)
     assert r0["all_reduces_alone"] == 0
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+
+
+@pytest.mark.parametrize("path", ["generic", "fast"])
+def test_each_add_param_group_is_one_collective_on_every_rank(replicated, path):
+    for found in replicated:
+        assert found[f"add_group_on_ranks_apart_{path}"] == {
+            "collectives": [1, 1],
+            "skipped": 0,
+            "path": path,
+        }
 
 
 def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):

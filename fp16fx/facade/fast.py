@@ -511,7 +511,8 @@ class FastEngine:
         ``names``: the new group's params' readable names (``{id(param): name}``).
 
         Every param moves into new flat buffers; the core state is rebuilt and keeps every
-        master, moment and count (one recompile).
+        master, moment and count (one recompile). Across processes it is a collective: every
+        rank then checks the grads once (:meth:`check`).
         """
         if self.sharded is not None or self.fsdp:
             raise ValueError(
@@ -561,7 +562,7 @@ class FastEngine:
         self.grad_facts.forget_check()
         self.grad_facts.still_these(clip, made_at)
         self._agreed = None  # its norm left the new group out: agree anew (every rank adds it)
-        if clip != NO_CLIP and self.distributed:
+        if self.distributed:  # on every rank, pending clip or not: one rank's may have lapsed
             self.check()
         return moved
 

@@ -16,11 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.consensus import Consensus
 from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.policy import Scaler
-from fp16fx.scaling import CheckedGrads, all_finite
-from fp16fx.step import adopt_written_, unscale_and_agree
+from fp16fx.scaling import CheckedGrads, GradCheck, all_finite, unscale_and_check
+from fp16fx.step import adopt_written_
 from fp16fx.transforms.primitives import CLIP_EPS
 
 
@@ -46,6 +45,8 @@ class GenericEngine:
         self._finite: torch.Tensor | None = None
         self._finite_read: tuple[torch.Tensor, bool] | None = None  # _finite, and on the host
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
+        self._local: GradCheck | None = None  # (finite, norm) of this rank's grads, unagreed
+        self._agreeing = False  # every rank checked grads: add_group agrees too (see there)
         self._stepped_finite = (  # the last step's check
             torch.ones((), dtype=torch.bool) if stepped_finite is None else stepped_finite
         )
@@ -68,19 +69,28 @@ class GenericEngine:
         into their masters already (and unchanged since), the new params' grads, if any, are
         unscaled now too, by the same loss scale (one backward made them all), and join the
         check: the next step, which leaves unscaled grads as they are, steps them as well
-        (and a clip or a second step does not unscale the others' twice)."""
+        (and a clip or a second step does not unscale the others' twice).
+
+        Across processes, once grads were checked, every call is one agreement on every rank,
+        whatever this rank's grads are: a rank whose grads changed since, or whose new params
+        have none, takes part with a check that changes nothing."""
         kept = self._still_unscaled()
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
         if kept and any(p.grad is not None for p in params):
             assert self._unscaled is not None and self._unscaled_by is not None
-            assert self._finite is not None and self._norm is not None
+            assert self._local is not None
             # Over no grads at all, that scale says nothing of these, made with the current one.
             scale = self.scaler.state.scale if self._unscaled.empty else self._unscaled_by
             finite, norm = self._unscale(pairs, scale)
-            self._finite = self._finite & finite
-            self._norm = torch.hypot(self._norm, norm)
+            self._local = GradCheck(
+                self._local.finite & finite, torch.hypot(self._local.norm, norm)
+            )
         self._unscaled = self.grad_stamp() if kept else None
+        if kept:
+            self._agree()
+        elif self._agreeing and self.scaler.consensus is not None:
+            self.scaler.consensus(*self._nothing_to_check())
 
     def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
@@ -92,13 +102,35 @@ class GenericEngine:
         and its state alone (apex left the previous step's master grad there). Grads unscaled
         here already, which nothing wrote since, are left as they are: an FP32 param's is
         unscaled in place (it is its own master), and a second ``step()`` without a new
-        ``backward`` would divide it again.
+        ``backward`` would divide it again. Across processes every call agrees once
+        (:meth:`_agree`), on every rank.
         """
-        if self._still_unscaled():
-            return
-        scale = (self._made_with() if scale is None else scale).clone()  # the state's moves on
-        self._finite, self._norm = self._unscale(self.pairs, scale)
-        self._unscaled, self._unscaled_by = self.grad_stamp(), scale
+        if not self._still_unscaled():
+            scale = (self._made_with() if scale is None else scale).clone()  # the state moves
+            self._local = self._unscale(self.pairs, scale)
+            self._unscaled, self._unscaled_by = self.grad_stamp(), scale
+        self._agreeing = True
+        self._agree()
+
+    def _agree(self) -> None:
+        """Sets the check a step decides by: this rank's own (``_local``), agreed by the
+        consensus if there is one.
+
+        Across processes it runs on every call, grads unchanged or not: whether a rank's grads
+        changed is that rank's own knowledge (one rank may write its grads alone), and a
+        collective one rank skipped would pair with the next one of the others. Agreeing an
+        unchanged rank's own check again is exact: the ranks' maximum (or sum of squares) of
+        the same numbers."""
+        assert self._local is not None
+        consensus = self.scaler.consensus
+        self._finite, self._norm = self._local if consensus is None else consensus(*self._local)
+
+    def _nothing_to_check(self) -> GradCheck:
+        """Returns a check that an agreement leaves as it is: finite, of norm 0."""
+        device = self.scaler.state.scale.device
+        return GradCheck(
+            torch.ones((), dtype=torch.bool, device=device), torch.zeros((), device=device)
+        )
 
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
@@ -112,25 +144,21 @@ class GenericEngine:
         return self.scaler.state.scale if made_at is None else made_at
 
     def _unscaled_copies(
-        self,
-        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        scale: torch.Tensor,
-        consensus: Consensus | None = None,
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], CheckedGrads]:
         """Returns the ``pairs`` whose param has a grad, those grads (FSDP2's DTensor grads:
-        their local shards, the consensus spans the mesh), and their ``unscale_and_agree`` by
-        ``scale`` under ``consensus`` (new tensors; nothing is written)."""
+        their local shards), and their ``unscale_and_check`` by ``scale`` (new tensors;
+        nothing is written)."""
         with_grad = [(p, m) for p, m in pairs if p.grad is not None]
         grads, _, _ = dtensors.local_shards([p.grad for p, _ in with_grad], root="grads")
-        return with_grad, grads, unscale_and_agree(grads, scale, consensus)
+        return with_grad, grads, unscale_and_check(grads, scale)
 
     def _unscale(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> GradCheck:
         """Unscales the grads of ``pairs``' params by ``scale`` into their masters' grads;
-        returns their ``(finite, norm)``, agreed by the consensus if there is one (every
-        process skips or applies together)."""
-        with_grad, grads, checked = self._unscaled_copies(pairs, scale, self.scaler.consensus)
+        returns this rank's check of them (:meth:`_agree` agrees it)."""
+        with_grad, grads, checked = self._unscaled_copies(pairs, scale)
         with torch.no_grad():
             for (p, master), local, grad in zip(with_grad, grads, checked.unscaled):
                 if master is p:
@@ -140,7 +168,7 @@ class GenericEngine:
             for p, master in pairs:
                 if p.grad is None and master is not p:
                     master.grad = None
-        return checked.finite, checked.norm
+        return GradCheck(checked.finite, checked.norm)
 
     def keep_scale_of_the_grads(self) -> None:
         """Makes the current grads, not unscaled yet, keep the loss scale they were made with
@@ -218,6 +246,8 @@ class GenericEngine:
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)
             self._norm = self._norm * coef  # the clipped grads' norm: a second clip reads it
+            assert self._local is not None
+            self._local = self._local._replace(norm=self._local.norm * coef)  # (and a re-agree)
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
 
