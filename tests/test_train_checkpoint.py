@@ -542,6 +542,12 @@ def test_checkpoint_of_another_run_is_refused(capsys, saved) -> None:
     # A resumed run continues the checkpoint's random streams: another seed would be ignored.
     code, _, err = train_cli(capsys, "--api", "functional", "--seed", "5", "--resume", saved)
     assert code == 1 and "was written with --seed 0, this run has 5" in one_line(err)
+    # Every difference at once, not the first alone
+    code, _, err = train_cli(capsys, "--seed", "5", "--resume", saved, *SMALL, "--lr", "0.01")
+    assert code == 1 and (
+        "was written with --api functional, this run has facade; with --seed 0, this run has "
+        "5; with --lr 0.003, this run has 0.01" in one_line(err)
+    )
     # ...and its loss-scale state: the facade once printed the new scale and ran the old one.
     code, _, err = train_cli(
         capsys, "--api", "functional", "--loss-scale", "128", "--resume", saved

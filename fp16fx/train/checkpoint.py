@@ -233,23 +233,24 @@ def _history_fault(history: dict[str, Any], epoch: int) -> str | None:
 
 
 def _check_run(path: str, ckpt: dict[str, Any], run: dict[str, Any]) -> None:
-    """Raises :class:`CheckpointError` unless checkpoint ``ckpt`` (read from ``path``) was
-    written with ``run``'s settings (see :func:`load_checkpoint`)."""
+    """Raises :class:`CheckpointError` naming every setting in which checkpoint ``ckpt`` (read
+    from ``path``) differs from ``run``'s (see :func:`load_checkpoint`)."""
     saved_run = ckpt["run"]
+    differences = []
     for key, value in run.items():
         if key not in saved_run and key not in _IDENTITY_DEFAULTS:
             continue  # written before the run recorded it (loss scale, batches): not compared
         saved = saved_run.get(key, _IDENTITY_DEFAULTS.get(key))
-        if saved != value:
-            flag = f"--{key.replace('_', '-')}"
-            if isinstance(value, bool):  # a switch: say how to resume it
-                how = "with" if saved else "without"
-                raise CheckpointError(
-                    f"checkpoint {path} was written {how} {flag}: resume it {how} {flag}"
-                )
-            if saved is None or value is None:  # an option given on one side only
-                how = f"without {flag}" if saved is None else f"with {flag} {saved}"
-                raise CheckpointError(f"checkpoint {path} was written {how}: resume it {how}")
-            raise CheckpointError(
-                f"checkpoint {path} was written with {flag} {saved}, this run has {value}"
-            )
+        if saved == value:
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):  # a switch: say how to resume it
+            how = "with" if saved else "without"
+            differences.append(f"{how} {flag}: resume it {how} {flag}")
+        elif saved is None or value is None:  # an option given on one side only
+            how = f"without {flag}" if saved is None else f"with {flag} {saved}"
+            differences.append(f"{how}: resume it {how}")
+        else:
+            differences.append(f"with {flag} {saved}, this run has {value}")
+    if differences:
+        raise CheckpointError(f"checkpoint {path} was written {'; '.join(differences)}")
