@@ -304,9 +304,9 @@ def lone_read_after_add_group(rank: int, world: int) -> dict[str, Any]:
 def add_group_on_ranks_apart(rank: int, world: int, path: str) -> dict[str, Any]:
     """Groups added on every rank while the ranks' grads differ: rank 1 alone wrote the first
     group's grads since they were unscaled (generic path) or clipped (fast path: its clip
-    lapsed there), and the last group's params have grads on rank 1 alone. Each
-    ``add_param_group`` once ran the consensus only on the ranks that had new grads to check
-    (generic), or a clip pending (fast)."""
+    lapsed there), and the last group's params have grads on rank 1 alone; the second
+    group's grads overflowed on every rank. Each ``add_param_group`` once ran the consensus
+    only on the ranks that had new grads to check (generic), or a clip pending (fast)."""
     model = DDP(nn.Sequential(make_model(torch.float16), nn.Linear(4, 4).half()))
     first, second, third = model.module[0][0], model.module[0][2], model.module[1]
     opt = fp16fx.FP16_Optimizer(
@@ -318,6 +318,7 @@ def add_group_on_ranks_apart(rank: int, world: int, path: str) -> dict[str, Any]
         opt.clip_master_grads(1e-3)
     if rank == 1:
         first.weight.grad.add_(0)
+    second.weight.grad[0, 0] = float("inf")  # on every rank: the step skips on every rank
     collectives = []
     for layer in (second, third):
         if rank == 0 and layer is third:
@@ -327,6 +328,30 @@ def add_group_on_ranks_apart(rank: int, world: int, path: str) -> dict[str, Any]
         collectives.append(len(calls))
     opt.step()
     return {"collectives": collectives, "skipped": opt.skipped_steps, "path": opt.path}
+
+
+def switch_on_ranks_apart(rank: int, world: int) -> dict[str, Any]:
+    """A switch to the generic path (``clip_master_grads(norm_type=1)``) on every rank, after
+    rank 1 alone wrote the grads a step stepped: only rank 0 still knew them as stepped, and
+    it alone unscaled them at the switch (once one collective more than rank 1 in the call)."""
+    model = DDP(make_model(torch.float16))
+    opt = fp16fx.FP16_Optimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), verbose=False, compiled=False
+    )
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    opt.step()
+    if rank == 1:
+        next(model.parameters()).grad.add_(0)
+    with counting_all_reduces() as calls:
+        opt.clip_master_grads(1.0, norm_type=1)
+    collectives = len(calls)
+    opt.step()
+    return {
+        "collectives": collectives,
+        "path": opt.path,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
 
 
 def refused_replicated_init(rank: int, world: int) -> list[tuple[str, bool]]:
@@ -402,6 +427,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     ),
     "add_group_on_ranks_apart_generic": lambda r, w: add_group_on_ranks_apart(r, w, "generic"),
     "add_group_on_ranks_apart_fast": lambda r, w: add_group_on_ranks_apart(r, w, "fast"),
+    "switch_on_ranks_apart": switch_on_ranks_apart,
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
@@ -505,9 +531,16 @@ def test_each_add_param_group_is_one_collective_on_every_rank(replicated, path):
     for found in replicated:
         assert found[f"add_group_on_ranks_apart_{path}"] == {
             "collectives": [1, 1],
-            "skipped": 0,
+            "skipped": 1,  # rank 1 too, which found no inf of its own (it once applied)
             "path": path,
         }
+
+
+def test_a_switch_to_the_generic_path_is_as_many_collectives_on_every_rank(replicated):
+    r0, r1 = (r["switch_on_ranks_apart"] for r in replicated)
+    assert r0["collectives"] == r1["collectives"] == 2  # the switch's unscale, the clip's
+    assert r0["path"] == r1["path"] == "generic"
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
 
 
 def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):

@@ -713,8 +713,8 @@ class FastEngine:
     def check(self) -> GradCheck:
         """Returns the check of the current unscaled grads (0-d tensors); sharded, of
         the mean grads. Unless across processes, cached while the grads are unchanged. Across
-        processes it is a collective, called by every rank (``clip_master_grads``;
-        ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
+        processes it is a collective, called by every rank (``clip_master_grads``,
+        ``add_param_group``), and runs anew each time: a cache would hold
         on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
         gets :meth:`agreed` instead."""
         if not self.distributed and (checked := self.grad_facts.checked()) is not None:

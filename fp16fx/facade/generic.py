@@ -46,7 +46,6 @@ class GenericEngine:
         self._finite_read: tuple[torch.Tensor, bool] | None = None  # _finite, and on the host
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
         self._local: GradCheck | None = None  # (finite, norm) of this rank's grads, unagreed
-        self._agreeing = False  # every rank checked grads: add_group agrees too (see there)
         self._stepped_finite = (  # the last step's check
             torch.ones((), dtype=torch.bool) if stepped_finite is None else stepped_finite
         )
@@ -71,9 +70,11 @@ class GenericEngine:
         check: the next step, which leaves unscaled grads as they are, steps them as well
         (and a clip or a second step does not unscale the others' twice).
 
-        Across processes, once grads were checked, every call is one agreement on every rank,
-        whatever this rank's grads are: a rank whose grads changed since, or whose new params
-        have none, takes part with a check that changes nothing."""
+        Once grads were checked, every call agrees the check anew (:meth:`_agree`; across
+        processes one collective on every rank, whose result every rank takes): a rank whose
+        grads changed since offers its last check, of the masters' grads a step still reads.
+        (Its new params' grads are not unscaled: as on one process, a write after
+        ``update_master_grads`` leaves the new group to the next one.)"""
         kept = self._still_unscaled()
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
@@ -87,10 +88,8 @@ class GenericEngine:
                 self._local.finite & finite, torch.hypot(self._local.norm, norm)
             )
         self._unscaled = self.grad_stamp() if kept else None
-        if kept:
+        if self._local is not None:
             self._agree()
-        elif self._agreeing and self.scaler.consensus is not None:
-            self.scaler.consensus(*self._nothing_to_check())
 
     def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
@@ -109,7 +108,6 @@ class GenericEngine:
             scale = (self._made_with() if scale is None else scale).clone()  # the state moves
             self._local = self._unscale(self.pairs, scale)
             self._unscaled, self._unscaled_by = self.grad_stamp(), scale
-        self._agreeing = True
         self._agree()
 
     def _agree(self) -> None:
@@ -118,19 +116,13 @@ class GenericEngine:
 
         Across processes it runs on every call, grads unchanged or not: whether a rank's grads
         changed is that rank's own knowledge (one rank may write its grads alone), and a
-        collective one rank skipped would pair with the next one of the others. Agreeing an
-        unchanged rank's own check again is exact: the ranks' maximum (or sum of squares) of
-        the same numbers."""
+        collective one rank skipped would pair with the next one of the others. Agreeing the
+        ranks' unchanged checks again gives what the first agreement gave: the ranks' maximum
+        (or root of the summed squares) of the same numbers (after an FSDP2 clip, of the
+        clipped norms: the clipped global norm, to rounding)."""
         assert self._local is not None
         consensus = self.scaler.consensus
         self._finite, self._norm = self._local if consensus is None else consensus(*self._local)
-
-    def _nothing_to_check(self) -> GradCheck:
-        """Returns a check that an agreement leaves as it is: finite, of norm 0."""
-        device = self.scaler.state.scale.device
-        return GradCheck(
-            torch.ones((), dtype=torch.bool, device=device), torch.zeros((), device=device)
-        )
 
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,

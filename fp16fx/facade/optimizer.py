@@ -687,7 +687,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         # The grads' scale and a pending clip belong to the grads, which outlive a load too.
         max_norm, made_at = fast.grad_facts.clip_norm(), fast.grad_facts.made_at()
         self._engine = generic = handover(fast, self._params, reason, keep_state=keep_state)
-        if max_norm != NO_CLIP or made_at is not None:
+        # Across processes, a switch in a call every rank makes unscales on every rank: what
+        # is pending is one rank's knowledge (its grads written since end it there), and the
+        # unscale is a collective. (A load is one rank's own call.)
+        collective = keep_state and self._scaler.consensus is not None
+        if max_norm != NO_CLIP or made_at is not None or collective:
             # The masters' grads as the fast step would have read them (grads stepped before
             # by the scale they were made with), and clipped as it would have clipped them.
             generic.update_master_grads(made_at)
