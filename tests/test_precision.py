@@ -351,14 +351,14 @@ def _mean_over_noise(p, c, u64):
     """Returns (mean decoded master over the 256 dithers ``master_noise`` can draw, FP32 master,
     the unit of its param)."""
     x32, _ = _sums(p, c, u64)
-    grid = (torch.arange(256, dtype=torch.float32) + 0.5) / 256
+    grid = precision.master_noise(torch.arange(256))  # every low byte of the step's hash
     p1, c1 = encode_master(x32.expand(256), p.dtype, grid)
     return decode_master(p1, c1).double().mean(), x32.double().squeeze(), unit(p1).max()
 
 
 def _check_unbiased(p, c, u64):
     mean, x, q = _mean_over_noise(p, c, u64)
-    bound = q / 256 + 2 * ulp32(x)  # 1/512 of a unit: the dither's own grid
+    bound = q / 512 + 2 * ulp32(x)  # half a step of the dither's grid (a grid off by that: 1/256)
     assert abs(mean - x) <= bound, f"bias {((mean - x) / q).item():+.3f} units at {x.item()!r}"
 
 
@@ -439,6 +439,20 @@ def test_a_value_draws_its_dither_from_its_place_however_the_state_is_cut():
 #: Masters whose rest is close to half an ulp, where the correction reaches its limit: the
 #: ulp is exactly 256 units above a power of two and everywhere among the subnormals.
 EDGES = {
+    # The largest FP16 value below 2, 127.7 units of 2**-18 up: the rest rounds to 128
+    # units, the param steps up to 2.0, a power of two whose unit is twice as large, and
+    # keeps -64 of those (-128 once decoded 64 units low).
+    "fp16 2 - ulp + 127.7 units": (
+        torch.tensor([2.0 - 2.0**-10]).half(),
+        torch.tensor([127], dtype=torch.int8),
+        0.7 * 2.0**-18,
+    ),
+    # The same for BF16 (unit 2**-23 below 2, correction limit 32767).
+    "bf16 2 - ulp + 32767.7 units": (
+        torch.tensor([2.0 - 2.0**-7]).bfloat16(),
+        torch.tensor([32767], dtype=torch.int16),
+        0.7 * 2.0**-23,
+    ),
     # 1.0 plus 127.75 units of 2**-18 (the next FP16 value is 256 units up).
     "fp16 1.0 + 127.75 units": (
         torch.tensor([1.0]).half(),
@@ -597,6 +611,31 @@ def test_memory_after_the_params_in_a_buffer_of_the_users_is_never_taken_as_padd
         state, _ = step(state, {k: torch.ones_like(p) for k, p in params.items()})
     assert torch.equal(buffer[400:], torch.full((2 * BLOCK - 400,), 5.0, dtype=torch.float16))
     assert (state.params["a"] < 5.0).all()  # stepped (in place: in the buffer)
+
+
+def test_the_dithers_are_the_centred_grids_the_roundings_are_unbiased_over():
+    """A master's dither is (k + 1/2) / 256 for each low byte k of the hash, a moment's
+    (k + 1/2) / 65536 for each 16 bits: a grid k / 256 would round every master down by
+    1/512 of a unit on average."""
+    master = precision.master_noise(torch.arange(256) + (torch.arange(256) << 8))
+    assert torch.equal(master, (torch.arange(256, dtype=torch.float32) + 0.5) / 256)
+    first = precision.moment_noise(torch.arange(1 << 16) << 16, 0)
+    assert torch.equal(first, (torch.arange(1 << 16, dtype=torch.float32) + 0.5) / (1 << 16))
+    bits = precision.hash_bits(1 << 16, 0, torch.tensor(3))
+    for i in range(1, 4):
+        k = precision.moment_noise(bits, i) * (1 << 16) - 0.5
+        assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() < 1 << 16
+
+
+def test_each_bucket_and_step_draws_its_own_dither():
+    """The hash mixes the bucket (salt) and the applied-step count: two buckets, or two
+    steps, with the same dither would round their values up and down together."""
+    n, count = 1 << 16, torch.tensor(3)
+    base = precision.master_noise(precision.hash_bits(n, 0, count))
+    for other in (precision.hash_bits(n, 1, count), precision.hash_bits(n, 0, count + 1)):
+        noise = precision.master_noise(other)
+        assert (noise == base).float().mean() < 0.01
+        assert abs(torch.corrcoef(torch.stack([noise, base]))[0, 1]) < 0.02
 
 
 def test_each_moment_of_a_segment_draws_its_own_dither():

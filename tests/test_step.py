@@ -536,6 +536,26 @@ def test_a_clipped_run_resumes_bitwise_after_a_param_missed_its_gradient(seed):
     assert all(same_bits(run.master[k], resumed.master[k]) for k in grads)
 
 
+FP32 = ("bn_weight", "bn_bias")
+
+
+def test_a_load_makes_every_fp32_leaf_its_own_master():
+    """An FP32 leaf (a BatchNorm weight) is its own master; in a state without buckets its
+    master is a tensor of its own, which a load once left at its value before the load."""
+    g = torch.Generator().manual_seed(0)
+
+    def state(offset: float) -> fp16fx.MixedPrecisionState:
+        params = {"w": torch.randn(5, generator=g).half()}
+        params |= {k: torch.randn(3, generator=g) + offset for k in ("bn_weight", "bn_bias")}
+        return fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0))
+
+    run, _ = fp16fx.step(state(0.0), {"w": torch.ones(5).half()} | {k: torch.ones(3) for k in FP32})
+    loaded = fp16fx.load_state_dict(state(10.0), _saved_and_loaded(fp16fx.state_dict(run)))
+    for key in FP32:
+        assert same_bits(loaded.params[key], run.params[key])
+        assert same_bits(loaded.master[key], run.params[key])
+
+
 def test_a_dict_without_segments_loads_as_before_and_a_malformed_one_is_refused():
     run, _ = fp16fx.step(_clipped_sgd_state(0), {"a": torch.ones(300).half(), "b": None})
     sd = _saved_and_loaded(fp16fx.state_dict(run))
