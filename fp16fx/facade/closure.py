@@ -101,6 +101,7 @@ def generic_step(
             check()
             if phase.grads != "unscaled":
                 engine.update_master_grads()
+            engine.agree()
             floored = engine.adjust_scale()
             if engine.finite():
                 return loss

@@ -6,6 +6,9 @@ grads) and the policy's ``adjust``, applied once per step as on the fast path (a
 scale in every ``update_master_grads``, so accumulated gradients mixed scales). The only
 host-device sync is the skip decision, one bool per step -- the price torch's
 ``GradScaler.step`` pays.
+
+Across processes each rank unscales and checks its own grads; the ranks agree on the check
+where a decision is taken (:meth:`GenericEngine.agree`).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ class GenericEngine:
     ) -> None:
         self.optimizer, self.scaler = optimizer, scaler
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The check a decision reads: this rank's own, or agreed by the last ``agree``
         self._finite: torch.Tensor | None = None
         self._finite_read: tuple[torch.Tensor, bool] | None = None  # _finite, and on the host
         self._norm: torch.Tensor | None = None  # the last checked grads' global L2 norm
-        self._local: GradCheck | None = None  # (finite, norm) of this rank's grads, unagreed
+        self._local: GradCheck | None = None  # this rank's own check of the masters' grads
         self._stepped_finite = (  # the last step's check
             torch.ones((), dtype=torch.bool) if stepped_finite is None else stepped_finite
         )
@@ -68,13 +72,7 @@ class GenericEngine:
         into their masters already (and unchanged since), the new params' grads, if any, are
         unscaled now too, by the same loss scale (one backward made them all), and join the
         check: the next step, which leaves unscaled grads as they are, steps them as well
-        (and a clip or a second step does not unscale the others' twice).
-
-        Once grads were checked, every call agrees the check anew (:meth:`_agree`; across
-        processes one collective on every rank, whose result every rank takes): a rank whose
-        grads changed since offers its last check, of the masters' grads a step still reads.
-        (Its new params' grads are not unscaled: as on one process, a write after
-        ``update_master_grads`` leaves the new group to the next one.)"""
+        (and a clip or a second step does not unscale the others' twice)."""
         kept = self._still_unscaled()
         pairs = list(zip(params, masters, strict=True))
         self.pairs.extend(pairs)
@@ -84,12 +82,10 @@ class GenericEngine:
             # Over no grads at all, that scale says nothing of these, made with the current one.
             scale = self.scaler.state.scale if self._unscaled.empty else self._unscaled_by
             finite, norm = self._unscale(pairs, scale)
-            self._local = GradCheck(
-                self._local.finite & finite, torch.hypot(self._local.norm, norm)
+            self._checked(
+                GradCheck(self._local.finite & finite, torch.hypot(self._local.norm, norm))
             )
         self._unscaled = self.grad_stamp() if kept else None
-        if self._local is not None:
-            self._agree()
 
     def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
         """Unscales the model grads into the masters' grads and checks them (no state moves).
@@ -101,28 +97,40 @@ class GenericEngine:
         and its state alone (apex left the previous step's master grad there). Grads unscaled
         here already, which nothing wrote since, are left as they are: an FP32 param's is
         unscaled in place (it is its own master), and a second ``step()`` without a new
-        ``backward`` would divide it again. Across processes every call agrees once
-        (:meth:`_agree`), on every rank.
+        ``backward`` would divide it again.
         """
-        if not self._still_unscaled():
-            scale = (self._made_with() if scale is None else scale).clone()  # the state moves
-            self._local = self._unscale(self.pairs, scale)
-            self._unscaled, self._unscaled_by = self.grad_stamp(), scale
-        self._agree()
+        if self._still_unscaled():
+            return
+        scale = (self._made_with() if scale is None else scale).clone()  # the state's moves on
+        self._checked(self._unscale(self.pairs, scale))
+        self._unscaled, self._unscaled_by = self.grad_stamp(), scale
 
-    def _agree(self) -> None:
-        """Sets the check a step decides by: this rank's own (``_local``), agreed by the
-        consensus if there is one.
+    def _checked(self, local: GradCheck) -> None:
+        """Makes ``local``, this rank's check of the masters' grads, the one decisions read
+        (until :meth:`agree`)."""
+        self._local = local
+        self._finite, self._norm = local
 
-        Across processes it runs on every call, grads unchanged or not: whether a rank's grads
-        changed is that rank's own knowledge (one rank may write its grads alone), and a
-        collective one rank skipped would pair with the next one of the others. Agreeing the
-        ranks' unchanged checks again gives what the first agreement gave: the ranks' maximum
-        (or root of the summed squares) of the same numbers (after an FSDP2 clip, of the
-        clipped norms: the clipped global norm, to rounding)."""
-        assert self._local is not None
+    def agree(self) -> None:
+        """Makes the check decisions read the one every process agrees on (one collective;
+        without a consensus, nothing to do): this rank's own, agreed.
+
+        The facade calls it where a decision is taken -- a step, a clip, each attempt of a
+        closure's step -- calls every rank makes alike, so that it is one collective on every
+        rank, whatever each rank's grads did since: whether they changed is one rank's own
+        knowledge (a rank may write its grads alone), and unscaling them is local. Agreeing
+        the ranks' unchanged checks again gives what the last agreement gave, the ranks'
+        maximum (or root of the summed squares) of the same numbers (after an FSDP2 clip: of
+        the clipped norms, to rounding)."""
         consensus = self.scaler.consensus
-        self._finite, self._norm = self._local if consensus is None else consensus(*self._local)
+        if consensus is None:
+            return
+        local = self._local
+        if local is None:  # nothing unscaled yet: a check that changes no agreement
+            device = self.scaler.state.scale.device
+            nothing = torch.zeros((), device=device)
+            local = GradCheck(torch.ones((), dtype=torch.bool, device=device), nothing)
+        self._finite, self._norm = consensus(*local)
 
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
@@ -149,7 +157,7 @@ class GenericEngine:
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: torch.Tensor
     ) -> GradCheck:
         """Unscales the grads of ``pairs``' params by ``scale`` into their masters' grads;
-        returns this rank's check of them (:meth:`_agree` agrees it)."""
+        returns this rank's check of them."""
         with_grad, grads, checked = self._unscaled_copies(pairs, scale)
         with torch.no_grad():
             for (p, master), local, grad in zip(with_grad, grads, checked.unscaled):
@@ -179,8 +187,9 @@ class GenericEngine:
         return all_finite(dtensors.local_shards(grads, root="grads")[0])
 
     def finite(self) -> bool:
-        """Returns whether the last ``update_master_grads`` found finite grads (one sync per
-        check: a clip and the step that follows read the same check once)."""
+        """Returns whether the last ``update_master_grads`` found finite grads (as agreed, if
+        :meth:`agree` ran since; one sync per check: a clip and the step that follows read
+        the same check once)."""
         if self._finite is None:
             return True
         if self._finite_read is None or self._finite_read[0] is not self._finite:
@@ -233,13 +242,13 @@ class GenericEngine:
             raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
         else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
             # by clip_grad_norm_'s own rule, in its FP32, as the branch above does
+            assert self._local is not None  # (unscaled before any clip)
             coef = torch.clamp(max_norm / (self._norm + CLIP_EPS), max=1.0)
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)
             self._norm = self._norm * coef  # the clipped grads' norm: a second clip reads it
-            assert self._local is not None
-            self._local = self._local._replace(norm=self._local.norm * coef)  # (and a re-agree)
+            self._local = self._local._replace(norm=self._local.norm * coef)  # and agrees
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
 

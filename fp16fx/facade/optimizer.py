@@ -357,8 +357,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Makes the model grads the next step's (unscaled, checked) gradient.
 
         Generic path: copies them, unscaled, into the FP32 masters' grads and checks them, as
-        apex did (the scale moves in ``step()``). Fast path: the grads already sit in the flat
-        buffer, and the step unscales and checks them.
+        apex did (the scale moves in ``step()``; across processes, the step agrees on the
+        ranks' checks). Fast path: the grads already sit in the flat buffer, and the step
+        unscales and checks them.
         """
         self._phase.new_grads()
         if isinstance(self._engine, GenericEngine):
@@ -400,6 +401,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if self._phase.grads != "unscaled":  # also grads made without backward()
             engine.update_master_grads()
         engine.resync_masters()
+        engine.agree()
         return self._stepped(engine.step())
 
     def _check_unchanged(self) -> None:
@@ -494,6 +496,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if self._phase.grads != "unscaled":
             self.update_master_grads()
         self._phase.overflow = None  # overflow reads these grads
+        engine.agree()
         return engine.clip(max_norm, order)
 
     def zero_grad(
@@ -687,11 +690,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
         # The grads' scale and a pending clip belong to the grads, which outlive a load too.
         max_norm, made_at = fast.grad_facts.clip_norm(), fast.grad_facts.made_at()
         self._engine = generic = handover(fast, self._params, reason, keep_state=keep_state)
-        # Across processes, a switch in a call every rank makes unscales on every rank: what
-        # is pending is one rank's knowledge (its grads written since end it there), and the
-        # unscale is a collective. (A load is one rank's own call.)
-        collective = keep_state and self._scaler.consensus is not None
-        if max_norm != NO_CLIP or made_at is not None or collective:
+        if max_norm != NO_CLIP or made_at is not None:
             # The masters' grads as the fast step would have read them (grads stepped before
             # by the scale they were made with), and clipped as it would have clipped them.
             generic.update_master_grads(made_at)
