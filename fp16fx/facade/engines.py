@@ -159,7 +159,14 @@ def build_engine(
                 engine.load(existing, {}, scaler.policy)
             return engine, masters
         if optimizer.state:  # cast existing state to the masters' dtype, as apex did
-            optimizer.load_state_dict(optimizer.state_dict())
+            try:
+                optimizer.load_state_dict(optimizer.state_dict())
+            except (KeyError, ValueError, TypeError, RuntimeError) as err:
+                raise ValueError(
+                    f"the state the optimizer given holds does not fit its params: torch.optim."
+                    f"{type(optimizer).__name__}'s own load, onto their FP32 masters, refused it "
+                    f"({type(err).__name__}: {err}); give it its own state, or a fresh optimizer"
+                ) from err
     except BaseException:  # e.g. torch's own load refusing a state: the optimizer as given
         optimizer.param_groups, optimizer.state = groups, state
         groups[:] = [group for group, _ in held_groups]
