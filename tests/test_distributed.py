@@ -301,22 +301,19 @@ def lone_read_after_add_group(rank: int, world: int) -> dict[str, Any]:
     return {"all_reduces_alone": alone, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def add_group_on_ranks_apart(rank: int, world: int, path: str) -> dict[str, Any]:
-    """Groups added on every rank while the ranks' grads differ: rank 1 alone wrote the first
-    group's grads since they were unscaled (generic path) or clipped (fast path: its clip
-    lapsed there), and the last group's params have grads on rank 1 alone; the second
-    group's grads overflowed on every rank. Each ``add_param_group`` once ran the consensus
-    only on the ranks that had new grads to check (generic: now none, the step agrees), or
-    a clip pending (fast: now every rank)."""
+def add_group_on_ranks_apart(rank: int, world: int) -> dict[str, Any]:
+    """Groups added on every rank (generic path) while the ranks' grads differ: rank 1 alone
+    wrote the first group's grads since they were unscaled, and the last group's params have
+    grads on rank 1 alone; the second group's grads overflowed on every rank. Each
+    ``add_param_group`` once ran the consensus only on the ranks that had new grads to
+    check; now none does (the step agrees)."""
     model = DDP(nn.Sequential(make_model(torch.float16), nn.Linear(4, 4).half()))
     first, second, third = model.module[0][0], model.module[0][2], model.module[1]
     opt = fp16fx.FP16_Optimizer(
-        torch.optim.Adam(first.parameters(), lr=1e-2), verbose=False, compiled=False, path=path
+        torch.optim.Adam(first.parameters(), lr=1e-2), verbose=False, path="generic"
     )
     x, y = batch(0, rank, world, torch.float16)
     opt.backward(F.mse_loss(model(x).float(), y.float()))
-    if path == "fast":
-        opt.clip_master_grads(1e-3)
     if rank == 1:
         first.weight.grad.add_(0)
     second.weight.grad[0, 0] = float("inf")  # on every rank: the step skips on every rank
@@ -426,8 +423,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "inf_after_unscale_generic": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after_unscale", path="generic"
     ),
-    "add_group_on_ranks_apart_generic": lambda r, w: add_group_on_ranks_apart(r, w, "generic"),
-    "add_group_on_ranks_apart_fast": lambda r, w: add_group_on_ranks_apart(r, w, "fast"),
+    "add_group_on_ranks_apart": add_group_on_ranks_apart,
     "switch_on_ranks_apart": switch_on_ranks_apart,
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
@@ -527,13 +523,12 @@ def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
 
 
-@pytest.mark.parametrize("path", ["generic", "fast"])
-def test_add_param_group_is_as_many_collectives_on_every_rank(replicated, path):
+def test_add_param_group_on_the_generic_path_is_no_collective(replicated):
     for found in replicated:
-        assert found[f"add_group_on_ranks_apart_{path}"] == {
-            "collectives": [1, 1] if path == "fast" else [0, 0],
-            "skipped": 1,  # rank 1 too, which found no inf of its own (it once applied)
-            "path": path,
+        assert found["add_group_on_ranks_apart"] == {
+            "collectives": [0, 0],
+            "skipped": 1,  # rank 1 too, which found no inf of its own
+            "path": "generic",
         }
 
 

@@ -511,8 +511,7 @@ class FastEngine:
         ``names``: the new group's params' readable names (``{id(param): name}``).
 
         Every param moves into new flat buffers; the core state is rebuilt and keeps every
-        master, moment and count (one recompile). Across processes it is a collective: every
-        rank then checks the grads once (:meth:`check`).
+        master, moment and count (one recompile).
         """
         if self.sharded is not None or self.fsdp:
             raise ValueError(
@@ -562,7 +561,7 @@ class FastEngine:
         self.grad_facts.forget_check()
         self.grad_facts.still_these(clip, made_at)
         self._agreed = None  # its norm left the new group out: agree anew (every rank adds it)
-        if self.distributed:  # on every rank, pending clip or not: one rank's may have lapsed
+        if clip != NO_CLIP and self.distributed:
             self.check()
         return moved
 
@@ -713,8 +712,8 @@ class FastEngine:
     def check(self) -> GradCheck:
         """Returns the check of the current unscaled grads (0-d tensors); sharded, of
         the mean grads. Unless across processes, cached while the grads are unchanged. Across
-        processes it is a collective, called by every rank (``clip_master_grads``,
-        ``add_param_group``), and runs anew each time: a cache would hold
+        processes it is a collective, called by every rank (``clip_master_grads``;
+        ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
         on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
         gets :meth:`agreed` instead."""
         if not self.distributed and (checked := self.grad_facts.checked()) is not None:

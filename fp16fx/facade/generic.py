@@ -188,8 +188,8 @@ class GenericEngine:
 
     def finite(self) -> bool:
         """Returns whether the last ``update_master_grads`` found finite grads (as agreed, if
-        :meth:`agree` ran since; one sync per check: a clip and the step that follows read
-        the same check once)."""
+        :meth:`agree` ran since; one sync per check: on one process a clip and the step that
+        follows read the same check once, across processes each reads its own agreement)."""
         if self._finite is None:
             return True
         if self._finite_read is None or self._finite_read[0] is not self._finite:
