@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup",
         type=_at_least(0),
         default=DEFAULT_WARMUP,
-        help=f"untimed steps before timing (default {DEFAULT_WARMUP})",
+        help=f"untimed steps before timing, at least one (default {DEFAULT_WARMUP})",
     )
     parser.add_argument(
         "--rounds",

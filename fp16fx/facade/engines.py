@@ -163,9 +163,10 @@ def build_engine(
                 optimizer.load_state_dict(optimizer.state_dict())
             except (KeyError, ValueError, TypeError, RuntimeError) as err:
                 raise ValueError(
-                    f"the state the optimizer given holds does not fit its params: torch.optim."
-                    f"{type(optimizer).__name__}'s own load, onto their FP32 masters, refused it "
-                    f"({type(err).__name__}: {err}); give it its own state, or a fresh optimizer"
+                    f"the state the optimizer given holds does not fit its params: "
+                    f"{type(optimizer).__name__}.load_state_dict, onto their FP32 masters, "
+                    f"refused it ({type(err).__name__}: {err}); give it its own state, or a "
+                    "fresh optimizer"
                 ) from err
     except BaseException:  # e.g. torch's own load refusing a state: the optimizer as given
         optimizer.param_groups, optimizer.state = groups, state

@@ -125,12 +125,8 @@ class GenericEngine:
         consensus = self.scaler.consensus
         if consensus is None:
             return
-        local = self._local
-        if local is None:  # nothing unscaled yet: a check that changes no agreement
-            device = self.scaler.state.scale.device
-            nothing = torch.zeros((), device=device)
-            local = GradCheck(torch.ones((), dtype=torch.bool, device=device), nothing)
-        self._finite, self._norm = consensus(*local)
+        assert self._local is not None  # (a decision follows an unscale)
+        self._finite, self._norm = consensus(*self._local)
 
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
