@@ -627,15 +627,19 @@ def test_the_dithers_are_the_centred_grids_the_roundings_are_unbiased_over():
         assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() < 1 << 16
 
 
+def _assert_independent(a: torch.Tensor, b: torch.Tensor, what: object) -> None:
+    """Asserts that two dithers are not one: they rarely match and do not correlate."""
+    assert (a == b).float().mean() < 0.01, what
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.02, what
+
+
 def test_each_bucket_and_step_draws_its_own_dither():
     """The hash mixes the bucket (salt) and the applied-step count: two buckets, or two
     steps, with the same dither would round their values up and down together."""
     n, count = 1 << 16, torch.tensor(3)
     base = precision.master_noise(precision.hash_bits(n, 0, count))
     for other in (precision.hash_bits(n, 1, count), precision.hash_bits(n, 0, count + 1)):
-        noise = precision.master_noise(other)
-        assert (noise == base).float().mean() < 0.01
-        assert abs(torch.corrcoef(torch.stack([noise, base]))[0, 1]) < 0.02
+        _assert_independent(precision.master_noise(other), base, "salt or count")
 
 
 def test_each_moment_of_a_segment_draws_its_own_dither():
@@ -645,9 +649,7 @@ def test_each_moment_of_a_segment_draws_its_own_dither():
     noises = [precision.moment_noise(bits, i) for i in range(6)]
     for a in range(6):
         for b in range(a):
-            assert (noises[a] == noises[b]).float().mean() < 0.01, (a, b)
-            correlation = torch.corrcoef(torch.stack([noises[a], noises[b]]))[0, 1]
-            assert abs(correlation) < 0.02, (a, b)
+            _assert_independent(noises[a], noises[b], (a, b))
 
 
 def _assert_the_numbers_of_eager(eager, compiled):
