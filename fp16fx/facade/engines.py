@@ -17,11 +17,12 @@ import torch.distributed as dist
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
 from fp16fx.facade import torch_state
-from fp16fx.facade.fast import NOT_SHARDED, FastEngine
+from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import ParamSet, replace_params
 from fp16fx.facade.policy import Scaler
+from fp16fx.facade.takeover import NOT_SHARDED
 from fp16fx.precision import Precision
 from fp16fx.state import FP32
 
@@ -239,7 +240,6 @@ def handover(
 
 
 __all__ = [
-    "NOT_SHARDED",
     "Engine",
     "build_engine",
     "check_path",

@@ -9,7 +9,8 @@ params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param gro
 stay FSDP's DTensor shards (:class:`~fp16fx.distributed.fsdp.FSDPParams`) and the state is
 over their local shards. What this module adds is the translation: hyperparameters read from
 ``param_groups`` before each step, and the state shown and loaded in torch.optim's per-param
-format.
+format. What it takes over from the wrapped optimizer is read and checked first, in
+:mod:`fp16fx.facade.takeover`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, dtensors, saved_format, tree
+from fp16fx import checkpoint, saved_format, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
-from fp16fx.distributed.sharded import refusing_together
 from fp16fx.facade import torch_state
 from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.groups import (
@@ -36,13 +36,13 @@ from fp16fx.facade.groups import (
     Unsupported,
     build_transform,
     describe,
-    fast_kind,
     group_spec,
     group_values,
 )
 from fp16fx.facade.policy import Scaler
+from fp16fx.facade.takeover import NOT_SHARDED, read_optimizer, refuse_shared
 from fp16fx.facade.torch_state import PerParamState
-from fp16fx.flat import FlatParams, first_sparse_grad, put_back_on_failure
+from fp16fx.flat import FlatParams, put_back_on_failure
 from fp16fx.precision import Precision
 from fp16fx.scaling import GradCheck, LossScaleState, all_finite
 from fp16fx.segments import Segments
@@ -51,16 +51,6 @@ from fp16fx.step import StepInfo, adopt_written_, was_written
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
 
 logger = logging.getLogger("fp16fx")
-
-#: ``shard`` for an engine that keeps the whole state on every rank.
-NOT_SHARDED = object()
-
-
-def refusing_together_if_sharded(shard: Any) -> contextlib.AbstractContextManager[None]:
-    """Sharded (``shard`` a process group), :func:`refusing_together`: where the block raises
-    on one rank, the others, waiting in the sharded init's gather, raise too. Unsharded,
-    the block alone."""
-    return contextlib.nullcontext() if shard is NOT_SHARDED else refusing_together(shard)
 
 
 class FastEngine:
@@ -74,9 +64,8 @@ class FastEngine:
     stores masters and moments (:mod:`fp16fx.precision`); with compensated masters there is
     no FP32 copy, and the param groups keep the model's params too.
 
-    Raises Unsupported, before changing anything, when the core cannot run the optimizer;
-    ValueError when a group's numbers or the state the optimizer holds do not fit (on FSDP2
-    shards, any state it holds: torch's per-param state cannot be taken over there).
+    Raises Unsupported or ValueError, before changing anything, where
+    :func:`~fp16fx.facade.takeover.read_optimizer` refuses the optimizer.
     """
 
     def __init__(
@@ -91,52 +80,10 @@ class FastEngine:
         shard: Any = NOT_SHARDED,
         precision: Precision = FP32,
     ) -> None:
-        with refusing_together_if_sharded(shard):
-            kind = fast_kind(optimizer)
-            if kind is None:
-                raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
-            if not any(trainable):
-                raise Unsupported("no param requires grad, so there is nothing to put in buffers")
-            groups = optimizer.param_groups
-            specs = [group_spec(kind, g, k) for k, g in enumerate(groups)]
-            self.labels = [k for k, params in enumerate(trainable) for _ in params]
-            transform = build_transform(specs, groups, self.labels)  # validates the numbers
-            # The state the optimizer holds, before the params move (or, sharded, broadcast).
-            params = [p for group_params in trainable for p in group_params]
-            sparse = first_sparse_grad(params)  # the generic path takes these
-            if sparse is not None:
-                p = params[sparse]
-                raise Unsupported(f"{names[id(p)]} has a {p.grad.layout} gradient")
-            fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
-            if not fsdp and shard is NOT_SHARDED and consensus is None:  # one shared model
-                _refuse_shared(params, names)
-            for label, p in zip(self.labels, params):
-                held = optimizer.state.get(p)
-                if held and fsdp:
-                    raise ValueError(
-                        f"{names[id(p)]} has state in the optimizer given: an FSDP2 model's "
-                        "FP16_Optimizer cannot take over torch.optim's state (its state is "
-                        "FSDP2's shards). Wrap a fresh optimizer, then load fp16fx's checkpoint "
-                        "(FP16_Optimizer.state_dict(), through DCP: docs/distributed.md)"
-                    )
-                try:
-                    torch_state.check(specs[label], p, held or {})
-                    torch_state.check_values(specs[label], held or {})
-                except ValueError as err:
-                    raise ValueError(
-                        f"the state the optimizer given holds for {names[id(p)]}: {err}"
-                    ) from None
-            # Sharded: the state held, which every rank must hold alike (read in this block:
-            # a rank that cannot read it tells the others).
-            agreed: list[tuple[str, Any]] = []
-            if shard is not NOT_SHARDED:
-                summaries = [torch_state.summary(optimizer.state.get(p)) for p in params]
-                torch_state.check_one_count_per_bucket(specs, self.labels, params, summaries, names)
-                agreed = [
-                    (f"the state its optimizer holds for {names[id(p)]}", summary)
-                    for p, summary in zip(params, summaries, strict=True)
-                ]
-        self.optimizer, self.kind, self.scaler, self.specs = optimizer, kind, scaler, specs
+        taken = read_optimizer(optimizer, trainable, names, shard=shard, consensus=consensus)
+        params, transform = taken.params, taken.transform
+        self.optimizer, self.kind, self.scaler = optimizer, taken.kind, scaler
+        self.specs, self.labels = taken.specs, taken.labels
         self.names = names  # {id(param): readable name}, for errors
         self.step_fn = (
             compile_step(inplace=True)
@@ -144,7 +91,7 @@ class FastEngine:
             else StepFunction(inplace=True, compile_options=None)
         )
         self.sharded: fdist.ShardedState | None = None
-        self.fsdp = fsdp
+        self.fsdp = taken.fsdp
         if shard is NOT_SHARDED:
             self.flat = (
                 FSDPParams(params)
@@ -161,11 +108,14 @@ class FastEngine:
                 master=precision.master,
                 moments=precision.moments,
                 names=[names[id(p)] for p in params],
-                agreed=agreed,
+                agreed=taken.agreed,
             )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
-        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
+        self._written = [
+            group_values(s, g, k)
+            for k, (s, g) in enumerate(zip(self.specs, optimizer.param_groups))
+        ]
         self.grad_facts = GradFacts(self.grad_stamp)
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
@@ -519,7 +469,7 @@ class FastEngine:
                 "optimizer before building the FP16_Optimizer"
             )
         if self.state.consensus is None:
-            _refuse_shared([*self.flat.params, *params], {**self.names, **names})
+            refuse_shared([*self.flat.params, *params], {**self.names, **names})
         groups = self.optimizer.param_groups
         spec = group_spec(self.kind, groups[-1], len(groups) - 1)
         specs = [*self.specs, spec]
@@ -790,23 +740,6 @@ class FastEngine:
         self.flat.zero_grads(set_to_none)
         self.grad_facts.forget_check()
         self._scattered = self._agreed = None
-
-
-def _refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> None:
-    """Raises Unsupported naming the first of ``params`` in shared memory, where processes
-    that do not agree as one job (no consensus: ``process_group=None``, or the default
-    outside a torch.distributed job of two or more processes) share a model: Hogwild
-    training. (CPU tensors only: ``is_shared`` is always True on CUDA. No DTensor comes here:
-    an FSDP2 engine keeps its shards where they are, and adds no group.)"""
-    for p in params:
-        if p.device.type == "cpu" and p.is_shared():
-            raise Unsupported(
-                f"{names.get(id(p), 'a param')} is in shared memory (model.share_memory(), as "
-                "Hogwild training does) and no process_group agrees on the steps (None, or one "
-                "process): the fast path would move it into a buffer of its own, which the "
-                "other processes would not see "
-                "(for a copy of the model in each process, build it there, or clone its params)"
-            )
 
 
 def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -21,15 +21,8 @@ from fp16fx.consensus import default_consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.agreement import loading_together
 from fp16fx.facade import checkpoint, closure, loading
-from fp16fx.facade.engines import (
-    NOT_SHARDED,
-    Engine,
-    build_engine,
-    check_path,
-    handover,
-    shard_group,
-)
-from fp16fx.facade.fast import FastEngine, refusing_together_if_sharded
+from fp16fx.facade.engines import Engine, build_engine, check_path, handover, shard_group
+from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.groups import NO_CLIP, Unsupported
 from fp16fx.facade.params import (
@@ -42,6 +35,7 @@ from fp16fx.facade.params import (
 from fp16fx.facade.phase import Phase
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
+from fp16fx.facade.takeover import NOT_SHARDED, refusing_together_if_sharded
 from fp16fx.flat import put_back_on_failure
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
