@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import optree
 import pytest
@@ -259,7 +260,10 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         FP16_Optimizer(torch.optim.Adam(groups), shard=True, verbose=False, compiled=False)
     except ValueError as err:
         found["other_model"] = str(err)
-    opt = make_optimizer(model, "adam", shard=True)
+    # The facade's checks and the sharded init's are one agreement: one gather.
+    with mock.patch.object(dist, "all_gather_object", wraps=dist.all_gather_object) as gather:
+        opt = make_optimizer(model, "adam", shard=True)
+    found["gathers_at_init"] = gather.call_count
     for what in ("state", "inspect_master_grad_data"):
         try:
             getattr(opt, what)() if what != "state" else opt.state
@@ -525,6 +529,7 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     for refused in (r["refusals"]["other_model"] for r in runs[2]):  # it said params[1]
         assert refused.startswith(other), refused
     assert "steps each gradient once" in found["again"] and found["again_unchanged"]
+    assert found["gathers_at_init"] == 1
     sparse = "this needs the generic path, which a sharded FP16_Optimizer cannot take"
     assert sparse in found["sparse"] and found["sparse_unchanged"], found["sparse"]
     for error, as_never_asked in (r["new_structure"] for r in runs[2]):

@@ -35,7 +35,7 @@ from fp16fx.facade.params import (
 from fp16fx.facade.phase import Phase
 from fp16fx.facade.policy import Scaler, policy_from_args
 from fp16fx.facade.reporting import OverflowReporter, describe
-from fp16fx.facade.takeover import NOT_SHARDED, refusing_together_if_sharded
+from fp16fx.facade.takeover import NOT_SHARDED, initializing_together_if_sharded
 from fp16fx.flat import put_back_on_failure
 from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
@@ -154,8 +154,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
         moments: str = "fp32",
     ) -> None:
         group = shard_group(shard)
-        # Sharded, a rank refusing alone would leave the others waiting for it to broadcast.
-        with refusing_together_if_sharded(group):
+        # Sharded, a rank refusing alone would leave the others waiting for it to broadcast:
+        # these checks and the sharded init's (in build_engine) are one agreement.
+        with initializing_together_if_sharded(group):
             if isinstance(init_optimizer, FP16_Optimizer):
                 raise TypeError("init_optimizer is already an FP16_Optimizer; wrap the inner one")
             if not isinstance(init_optimizer, torch.optim.Optimizer):
@@ -171,20 +172,21 @@ class FP16_Optimizer(torch.optim.Optimizer):
             groups = init_optimizer.param_groups
             check_unique(groups)
             trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
-            check_trainable([p for params in trainable for p in params], names)
-        every = [*(p for ps in trainable for p in ps), *(p for g in groups for p in g["params"])]
-        device = every[0].device if every else torch.device("cpu")  # a group may be empty
-        stats = torch.zeros(2, dtype=torch.int64, device=device)
-        consensus = default_consensus(process_group) if group is NOT_SHARDED else None
-        self._scaler = Scaler(policy, policy.init(device), stats, consensus)
-        self.optimizer = init_optimizer
-        self.verbose = verbose
-        self._init_hooks()
-        with put_back_on_failure([p for params in trainable for p in params]):
-            engine, masters = build_engine(
-                init_optimizer, trainable, self._scaler,
-                path=path, compiled=compiled, shard=group, names=names, precision=precision,
-            )  # fmt: skip
+            trained = [p for params in trainable for p in params]
+            check_trainable(trained, names)
+            every = [*trained, *(p for g in groups for p in g["params"])]
+            device = every[0].device if every else torch.device("cpu")  # a group may be empty
+            stats = torch.zeros(2, dtype=torch.int64, device=device)
+            consensus = default_consensus(process_group) if group is NOT_SHARDED else None
+            self._scaler = Scaler(policy, policy.init(device), stats, consensus)
+            self.optimizer = init_optimizer
+            self.verbose = verbose
+            self._init_hooks()
+            with put_back_on_failure(trained):
+                engine, masters = build_engine(
+                    init_optimizer, trainable, self._scaler,
+                    path=path, compiled=compiled, shard=group, names=names, precision=precision,
+                )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
         sizes = [len(group["params"]) for group in groups]
         self._params = ParamSet(trainable, masters, frozen, names, sizes)

@@ -17,7 +17,7 @@ import torch
 
 from fp16fx import dtensors
 from fp16fx.consensus import Consensus
-from fp16fx.distributed.sharded import refusing_together
+from fp16fx.distributed.agreement import initializing_together
 from fp16fx.facade import torch_state
 from fp16fx.facade.groups import GroupSpec, Unsupported, build_transform, fast_kind, group_spec
 from fp16fx.flat import first_sparse_grad
@@ -27,11 +27,11 @@ from fp16fx.transforms import GradientTransformation
 NOT_SHARDED = object()
 
 
-def refusing_together_if_sharded(shard: Any) -> contextlib.AbstractContextManager[None]:
-    """Sharded (``shard`` a process group), :func:`refusing_together`: where the block raises
-    on one rank, the others, waiting in the sharded init's gather, raise too. Unsharded,
-    the block alone."""
-    return contextlib.nullcontext() if shard is NOT_SHARDED else refusing_together(shard)
+def initializing_together_if_sharded(shard: Any) -> contextlib.AbstractContextManager[None]:
+    """Sharded (``shard`` a process group; None: the world), :func:`initializing_together`:
+    where the block raises on one rank, every rank raises (the sharded init's
+    ``check_on_every_rank`` within it agrees for it). Unsharded, the block alone."""
+    return contextlib.nullcontext() if shard is NOT_SHARDED else initializing_together(shard)
 
 
 class Takeover(NamedTuple):
@@ -65,9 +65,9 @@ def read_optimizer(
     nothing trainable, a sparse grad, a model in shared memory that no process group agrees
     on); ValueError where a group's numbers or the state the optimizer holds do not fit (on
     FSDP2 shards, any state it holds: torch's per-param state cannot be taken over there).
-    Sharded, a rank that raises makes every rank raise (:func:`refusing_together`).
+    Sharded, a rank that raises makes every rank raise (:func:`initializing_together`).
     """
-    with refusing_together_if_sharded(shard):
+    with initializing_together_if_sharded(shard):
         kind = fast_kind(optimizer)
         if kind is None:
             raise Unsupported(f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW")
@@ -133,7 +133,7 @@ def refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> N
 __all__ = [
     "NOT_SHARDED",
     "Takeover",
+    "initializing_together_if_sharded",
     "read_optimizer",
     "refuse_shared",
-    "refusing_together_if_sharded",
 ]
