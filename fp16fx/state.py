@@ -340,7 +340,7 @@ def checked_arguments(
 ) -> Arguments:
     """Returns :func:`init`'s arguments checked and its layout planned, before anything
     changes (also what every rank checks before a broadcast:
-    :func:`fp16fx.distributed.agreement.check_on_every_rank`). Raises as :func:`init` does."""
+    :func:`fp16fx.distributed.init_checks.check_on_every_rank`). Raises as :func:`init` does."""
     check_optimizer(optimizer)
     precision = Precision(master, moments)
     params, mesh, group = dtensors.local_shards(params)

@@ -621,6 +621,9 @@ def test_without_torch_distributed_there_is_no_consensus():
         fdist.default_consensus(dist.ProcessGroup(dist.HashStore(), 0, 1))
     with pytest.raises(ValueError, match="nothing to shard across"):
         fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), shard=True)
+    params = {"w": torch.ones(2, dtype=torch.float16)}
+    with pytest.raises(ValueError, match="process group has not been initialized"):
+        fdist.init_sharded(params, fp16fx.sgd(0.1))  # torch's error, not an fp16fx assert
 
 
 def test_sharded_and_unsharded_calls_given_the_other_state_say_which_call_to_use():

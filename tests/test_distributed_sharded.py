@@ -335,6 +335,15 @@ def refused_load(rank: int) -> dict[str, Any]:
             messages.append("loaded")
         except saved_format.StateDictError as err:
             messages.append(str(err))
+    try:  # an init inside a load: an agreement of its own, which leaves the load's open
+        with loading_together(dist.group.WORLD):
+            fdist.init({"w": torch.ones(4, dtype=torch.float16)}, fp16fx.sgd(0.1))
+            if rank == 1:
+                raise saved_format.StateDictError("refused after an init")
+            checks_passed()
+        messages.append("loaded")
+    except saved_format.StateDictError as err:
+        messages.append(str(err))
     unchanged = same_tensors(fdist.state_dict(sharded), before)
     return {
         "message": messages[0],
@@ -343,6 +352,7 @@ def refused_load(rank: int) -> dict[str, Any]:
         "one_rank": messages[3],
         "damaged_copy": messages[4],
         "after_an_agreed_load": messages[5],
+        "init_in_a_load": messages[6],
         "unchanged": unchanged,
     }
 
@@ -745,6 +755,9 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     assert "['a']['opt[1].nu'] holds negative values" in own
     assert told == f"rank 1 refused the dict: {own}"
     nested = [found["compact"]["refused"]["after_an_agreed_load"] for found in runs[2]]
+    init_in_a_load = [found["compact"]["refused"]["init_in_a_load"] for found in runs[2]]
+    refused = "refused after an init"
+    assert init_in_a_load == [f"rank 1 refused the dict: {refused}", refused]
     assert nested == [f"rank 1 refused the dict: {own}", own]
 
 

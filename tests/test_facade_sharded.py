@@ -136,12 +136,30 @@ def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
             errors.append("loaded")
         except ValueError as err:
             errors.append(str(err))
+
+    def refuse(_opt: FP16_Optimizer, _state_dict: Any) -> None:
+        raise ValueError("a load pre-hook refused it")
+
+    # Then a load pre-hook that raises on rank 1 alone: the others once loaded without it.
+    hook = opt.register_load_state_dict_pre_hook(refuse) if rank == 1 else None
+    try:
+        opt.load_state_dict(shards)
+        errors.append("loaded")
+    except ValueError as err:
+        errors.append(str(err))
+    if hook is not None:
+        hook.remove()
     (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
     unchanged = structure == now_structure and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
         for x, y in zip(leaves, now, strict=True)
     )
-    return {"error": errors[0], "other_format": errors[1], "unchanged": unchanged}
+    return {
+        "error": errors[0],
+        "other_format": errors[1],
+        "pre_hook": errors[2],
+        "unchanged": unchanged,
+    }
 
 
 def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -495,6 +513,8 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
     assert "holds negative values" in own["error"]
     assert told["error"] == f"rank 1 refused the dict: {own['error']}"
     assert "saved from an FSDP2 model's FP16_Optimizer; this one is not" in own["other_format"]
+    assert own["pre_hook"] == "a load pre-hook refused it"
+    assert told["pre_hook"] == "rank 1 refused the dict: a load pre-hook refused it"
     assert told["other_format"] == f"rank 1 refused the dict: {own['other_format']}"
     assert all(r["damaged_copy"]["unchanged"] for r in runs[2])
 

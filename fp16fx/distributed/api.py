@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from fp16fx import flat
 from fp16fx.consensus import default_consensus
-from fp16fx.distributed.agreement import check_on_every_rank
+from fp16fx.distributed.init_checks import check_on_every_rank
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from fp16fx import flat, tree
 from fp16fx.compile import StepFunction
 from fp16fx.consensus import Consensus, collective_error
-from fp16fx.distributed.agreement import check_on_every_rank
+from fp16fx.distributed.init_checks import check_on_every_rank
 from fp16fx.flat import FlatParams
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import MixedPrecisionState, init
@@ -222,7 +222,7 @@ def init_sharded(
     multiple of d blocks, so that every slice is whole blocks and the ranks' blocks are the
     bucket's. ``names``: each leaf's name in errors (default: its path in ``params``);
     ``agreed``: more ``(name, value)`` pairs every rank must hold alike
-    (:func:`~fp16fx.distributed.agreement.check_on_every_rank`).
+    (:func:`~fp16fx.distributed.init_checks.check_on_every_rank`).
     """
     args = check_on_every_rank(
         params,

@@ -616,23 +616,23 @@ class FP16_Optimizer(torch.optim.Optimizer):
 
         The FP16/BF16 model params are set from the loaded masters. The load hooks run as in
         torch.optim (``register_load_state_dict_pre_hook``'s get a shallow copy of the dict,
-        and may return another).
+        and may return another). Sharded or on FSDP2, every rank loads or none does: a pre-hook
+        that raises on one rank makes every rank raise, as a dict one rank refuses does.
         """
-        # A shallow copy, as torch.optim takes: a hook may edit it, not the caller's dict.
-        if isinstance(state_dict, (Mapping, list, tuple)):
-            state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else list(state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            returned = pre_hook(self, state_dict)
-            state_dict = state_dict if returned is None else returned
-        self._load(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         # Sharded or FSDP2, with the core's load beneath: every rank loads, or none does.
         with loading_together(self._load_group()):
+            # A shallow copy, as torch.optim takes: a hook may edit it, not the caller's dict.
+            if isinstance(state_dict, Mapping):
+                state_dict = dict(state_dict)
+            elif isinstance(state_dict, (list, tuple)):
+                state_dict = list(state_dict)
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                returned = pre_hook(self, state_dict)
+                state_dict = state_dict if returned is None else returned
             phase = self._load_on_this_rank(state_dict)
         self._phase = phase
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _load_group(self) -> Any:
         """The process group whose ranks load a checkpoint together (None: this rank alone)."""

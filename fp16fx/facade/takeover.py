@@ -2,9 +2,9 @@
 
 Layer: ``facade`` (docs/design.md). :func:`read_optimizer` reads an SGD/Adam/AdamW's param
 groups and the per-param state it holds into what :class:`~fp16fx.facade.fast.FastEngine`
-builds its core state from, and refuses -- before a param moves or a rank waits in a
-collective -- what the core cannot run (Unsupported: the generic path takes it) or what does
-not fit (ValueError).
+builds its core state from, and refuses -- before a param moves, and sharded, in the
+agreement every rank makes before the init -- what the core cannot run (Unsupported: the
+generic path takes it) or what does not fit (ValueError).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def read_optimizer(
     FSDP2 shards, any state it holds: torch's per-param state cannot be taken over there).
     Sharded, a rank that raises makes every rank raise (:func:`initializing_together`).
     """
+    # Inside FP16_Optimizer's own block this is part of its agreement; alone, one of its own.
     with initializing_together_if_sharded(shard):
         kind = fast_kind(optimizer)
         if kind is None:
