@@ -149,6 +149,18 @@ def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
         errors.append(str(err))
     if hook is not None:
         hook.remove()
+    # Then a pre-hook that loads another sharded optimizer (an agreement of its own, before
+    # this load's): rank 1 refusing the damaged copy once raised alone, the others waiting.
+    other = make_optimizer(Net(), "adam", shard=True)
+    others: list[Any] = [None] * world
+    dist.all_gather_object(others, other.state_dict())
+    hook = opt.register_load_state_dict_pre_hook(lambda *_: other.load_state_dict(others))
+    try:
+        opt.load_state_dict(shards)
+        errors.append("loaded")
+    except ValueError as err:
+        errors.append(str(err))
+    hook.remove()
     (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
     unchanged = structure == now_structure and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
@@ -158,6 +170,7 @@ def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
         "error": errors[0],
         "other_format": errors[1],
         "pre_hook": errors[2],
+        "hook_loads": errors[3],
         "unchanged": unchanged,
     }
 
@@ -263,11 +276,10 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     except ValueError as err:
         found["rmsprop"] = str(err)
     solo = dist.new_group([0])  # every rank takes part in making it
-    if rank == 0:
-        try:
-            FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
-        except ValueError as err:
-            found["solo"] = str(err)
+    try:  # rank 1 is no member of it: it once failed inside the agreement (IndexError)
+        FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
+    except ValueError as err:
+        found["solo"] = str(err)
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
     found["alone"] = refused_on_one_rank(rank)
     # Models that differ in a param after a frozen one: named as the param groups hold it.
@@ -515,6 +527,7 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
     assert "saved from an FSDP2 model's FP16_Optimizer; this one is not" in own["other_format"]
     assert own["pre_hook"] == "a load pre-hook refused it"
     assert told["pre_hook"] == "rank 1 refused the dict: a load pre-hook refused it"
+    assert (own["hook_loads"], told["hook_loads"]) == (own["error"], told["error"])
     assert told["other_format"] == f"rank 1 refused the dict: {own['other_format']}"
     assert all(r["damaged_copy"]["unchanged"] for r in runs[2])
 
@@ -533,6 +546,7 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     found = runs[2][0]["refusals"]
     assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
     assert "nothing to shard across" in found["solo"]
+    assert "not a member of the process group given" in runs[2][1]["refusals"]["solo"]
     assert found["untouched"]
     rank_0, rank_1 = (r["refusals"]["alone"] for r in runs[2])
     assert rank_0["kept"] and rank_1["kept"]

@@ -14,46 +14,55 @@ agreement::
         checks_passed()             # one all_gather_object: each rank's refusal, or its facts
         ...write...
 
-Blocks of one group nest, and the outermost agrees: ``FP16_Optimizer``'s checks of its own
-arguments (or of a checkpoint's entries) and the sharded state's init (or load) beneath them
-are one agreement, with one collective.
+Blocks of one group and kind nest, and the outermost agrees: ``FP16_Optimizer``'s checks of
+its own arguments (or of a checkpoint's entries) and the sharded state's init (or load)
+beneath them are one agreement, with one collective. A block of the other kind inside one
+that has not agreed yet is refused (RuntimeError): a rank that refused before reaching it
+would pair its refusal with the inner block's collective.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from fp16fx.saved_format import StateDictError
 
-#: Builds the error a rank raises where rank ``r`` of the group (its index) refused ``why``.
-Refused = Callable[[Any, int, str], Exception]
+Kind = Literal["load", "init"]
+_WHAT = {"load": "a load", "init": "an init"}
 
 
 class _Agreement:
-    """One agreement of the ranks of ``group``; ``agreed`` once this rank took part."""
+    """One agreement of the ranks of ``group`` on a load or an init; ``agreed`` once this
+    rank took part."""
 
-    def __init__(self, group: Any, refused: Refused) -> None:
+    def __init__(self, group: Any, kind: Kind) -> None:
         self.group = group
-        self.refused = refused
+        self.kind = kind
         self.agreed = False
 
     def agree(self, refusal: Exception | None, facts: Any = None) -> list[Any]:
         """Tells the other ranks this rank's ``refusal`` (None: it would go on) or its
-        ``facts`` and hears theirs; returns every rank's facts, in group order. Raises
-        :attr:`refused`'s error naming a rank that refused, where this one did not."""
+        ``facts`` and hears theirs; returns every rank's facts, in group order. Raises,
+        where this rank did not refuse and another did, an error naming that rank."""
         self.agreed = True  # before the collective: a failing one is not retried
         told: list[tuple[str | None, Any]] = [(None, None)] * dist.get_world_size(self.group)
         mine = (None if refusal is None else str(refusal), facts)
         dist.all_gather_object(told, mine, group=self.group)
         other = next(((r, why) for r, (why, _) in enumerate(told) if why is not None), None)
         if refusal is None and other is not None:
-            raise self.refused(self.group, *other)
+            raise self._refused(*other)
         return [facts for _, facts in told]
+
+    def _refused(self, rank: int, why: str) -> Exception:
+        if self.kind == "load":
+            global_rank = dist.get_global_rank(self.group, rank)
+            return StateDictError(f"rank {global_rank} refused the dict: {why}")
+        return ValueError(f"rank {rank} of the group refused its arguments: {why}")
 
 
 _CURRENT: contextvars.ContextVar[_Agreement | None] = contextvars.ContextVar(
@@ -62,26 +71,35 @@ _CURRENT: contextvars.ContextVar[_Agreement | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def _together(group: Any, refused: Refused) -> Iterator[None]:
+def _together(group: Any, kind: Kind) -> Iterator[None]:
     """Runs a block that every rank of the process group ``group`` runs too (``None``: no
     group, this process alone): the one agreement behind :func:`loading_together` and
     :func:`initializing_together`.
 
     The block checks, calls :func:`checks_passed` before it changes anything, then goes on.
     Where it raises before that, the other ranks (waiting in their ``checks_passed``) raise
-    ``refused``'s error naming this rank, and this rank raises its own error; a block that
-    ends without calling it agrees at its end. Inside another such block of the same group
-    and kind (``refused``) that has not agreed yet, it is that block's part; anywhere else,
-    an agreement of its own (every rank nests alike, so their collectives still pair).
-    (An interrupt, a BaseException that is no Exception, tells the others nothing: they wait
-    until the group's timeout.)
+    an error naming this rank, and this rank raises its own error; a block that ends without
+    calling it agrees at its end. Inside another such block of the same group and kind that
+    has not agreed yet, it is that block's part; inside one of the other kind, it raises
+    RuntimeError; anywhere else, it is an agreement of its own. (An interrupt, a
+    BaseException that is no Exception, tells the others nothing: they wait until the
+    group's timeout.)
     """
     outer = _CURRENT.get()
-    joins = outer is not None and outer.group is group and outer.refused is refused
-    if group is None or (joins and not outer.agreed):
+    if group is None:
         yield
         return
-    agreement = _Agreement(group, refused)
+    if outer is not None and outer.group is group and not outer.agreed:
+        if outer.kind != kind:
+            inner, around = _WHAT[kind], _WHAT[outer.kind]
+            raise RuntimeError(
+                f"fp16fx cannot agree on {inner} inside {around} over the same process group "
+                f"before that agreed: a rank that refused {around} would pair its refusal "
+                f"with the collective of {inner}"
+            )
+        yield
+        return
+    agreement = _Agreement(group, kind)
     token = _CURRENT.set(agreement)
     try:
         yield
@@ -98,20 +116,12 @@ def _together(group: Any, refused: Refused) -> Iterator[None]:
         agreement.agree(None)
 
 
-def _refused_the_dict(group: Any, rank: int, why: str) -> Exception:
-    return StateDictError(f"rank {dist.get_global_rank(group, rank)} refused the dict: {why}")
-
-
-def _refused_its_arguments(group: Any, rank: int, why: str) -> Exception:
-    return ValueError(f"rank {rank} of the group refused its arguments: {why}")
-
-
 def loading_together(group: Any) -> contextlib.AbstractContextManager[None]:
     """Runs a load that every rank of the process group ``group`` runs too (``None``: no
     group, this process alone; the default group is ``dist.group.WORLD``): where one rank
     refuses the dict, every rank raises (the others StateDictError, naming its global rank),
     and none wrote anything (:func:`_together`)."""
-    return _together(group, _refused_the_dict)
+    return _together(group, "load")
 
 
 def initializing_together(group: Any) -> contextlib.AbstractContextManager[None]:
@@ -121,8 +131,12 @@ def initializing_together(group: Any) -> contextlib.AbstractContextManager[None]
     (:func:`_together`). An init always has a group: None is the world here (torch's
     ValueError where torch.distributed is not initialized), not "this process alone" as
     for :func:`loading_together`."""
-    dist.get_world_size(group)  # raises torch's ValueError where there is no such group
-    return _together(dist.group.WORLD if group is None else group, _refused_its_arguments)
+    if dist.get_rank(group) < 0:  # torch's -1 for a process outside the group
+        raise ValueError(
+            "this process is not a member of the process group given: build the state on "
+            "the group's processes only"
+        )
+    return _together(dist.group.WORLD if group is None else group, "init")
 
 
 def checks_passed(facts: Any = None) -> list[Any] | None:

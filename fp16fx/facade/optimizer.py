@@ -619,20 +619,31 @@ class FP16_Optimizer(torch.optim.Optimizer):
         and may return another). Sharded or on FSDP2, every rank loads or none does: a pre-hook
         that raises on one rank makes every rank raise, as a dict one rank refuses does.
         """
+        refusal = None
+        try:  # before the ranks' agreement, not in it: a hook may load (and agree) itself
+            state_dict = self._pre_hooked(state_dict)
+        except Exception as err:
+            refusal = err
         # Sharded or FSDP2, with the core's load beneath: every rank loads, or none does.
         with loading_together(self._load_group()):
-            # A shallow copy, as torch.optim takes: a hook may edit it, not the caller's dict.
-            if isinstance(state_dict, Mapping):
-                state_dict = dict(state_dict)
-            elif isinstance(state_dict, (list, tuple)):
-                state_dict = list(state_dict)
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                returned = pre_hook(self, state_dict)
-                state_dict = state_dict if returned is None else returned
+            if refusal is not None:
+                raise refusal
             phase = self._load_on_this_rank(state_dict)
         self._phase = phase
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _pre_hooked(self, state_dict: Any) -> Any:
+        """Returns what the load pre-hooks make of a shallow copy of ``state_dict`` (as
+        torch.optim: a hook may edit the copy, not the caller's dict, or return another)."""
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)
+        elif isinstance(state_dict, (list, tuple)):
+            state_dict = list(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        return state_dict
 
     def _load_group(self) -> Any:
         """The process group whose ranks load a checkpoint together (None: this rank alone)."""
