@@ -286,18 +286,19 @@ def all_finite(grads: Iterable[torch.Tensor]) -> bool:
     return not largest or bool(torch.isfinite(torch.stack(largest)).all())
 
 
-def unscale_and_check(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> CheckedGrads:
+def unscale_and_check(grads: Iterable[torch.Tensor], scale: torch.Tensor) -> CheckedGrads:
     """Returns the grads divided by ``scale`` in FP32, whether all are finite, and their norm.
 
     One reduction pass computes both: ``finite`` from the largest magnitude (exactly "every
     element is finite": grads of 1e19, whose squares overflow, are finite), ``norm`` from the
     squares. Unscaling multiplies by ``1 / scale``, exact when the scale is a power of two.
-    Nothing is synced to the host.
+    Nothing is synced to the host. ``grads``: any iterable of tensors (read once).
     """
     if not isinstance(scale, torch.Tensor):
         raise TypeError(
             f"scale must be the loss scale tensor (state.loss_scale.scale), got {scale!r}"
         )
+    grads = list(grads)  # a generator would be spent by the check below
     strays = [i for i, g in enumerate(grads) if not isinstance(g, torch.Tensor)]
     if strays:
         raise TypeError(f"grads[{strays[0]}] is {grads[strays[0]]!r}, not a tensor")

@@ -274,3 +274,15 @@ def test_adjust_and_unscale_and_check_name_arguments_of_another_kind():
         unscale_and_check([None, torch.ones(2)], state.scale)
     with pytest.raises(TypeError, match=r"state.loss_scale.scale"):
         unscale_and_check([torch.ones(2)], state)
+
+
+def test_unscale_and_check_reads_a_generator_of_grads_as_a_list():
+    """A generator was spent by the check for non-tensors: an inf in it came out finite."""
+    grads = [torch.tensor([float("inf")]).half(), torch.ones(3).half()]
+    as_list = unscale_and_check(grads, torch.tensor(2.0))
+    as_generator = unscale_and_check((g for g in grads), torch.tensor(2.0))
+    assert not as_generator.finite and torch.equal(as_generator.norm, as_list.norm)
+    assert [torch.equal(a, b) for a, b in zip(as_generator.unscaled, as_list.unscaled)] == [
+        True,
+        True,
+    ]

@@ -467,6 +467,19 @@ def test_a_transforms_own_integer_state_per_value_is_refused_when_built():
         fp16fx.init({"w": torch.ones(3).half()}, fp16fx.chain(_counting_hits(torch.int32)))
 
 
+def test_a_transforms_own_floating_value_per_param_is_refused_when_built():
+    """One FP32 value per param (a running maximum, say) stepped and saved, and then its own
+    state dict was refused: "['opt[0].seen'] has shape (); its ['param'] has (3,)"."""
+
+    def init(params):
+        return optree.tree_map(lambda p: torch.zeros((), dtype=torch.float32), params)
+
+    running_max = fp16fx.GradientTransformation(init, lambda u, s, params: (u, s))
+    params = {"w": torch.ones(4, 3).half(), "b": torch.ones(3).half()}
+    with pytest.raises(TypeError, match=r"one torch.float32 value per param at state\["):
+        fp16fx.init(params, fp16fx.chain(running_max, fp16fx.sgd(1e-2)))
+
+
 def test_a_transforms_own_segments_of_no_tensors_are_refused_when_built():
     """Segments of pairs stepped, then the state dict failed in torch's words ("'tuple'
     object has no attribute 'ndim'")."""

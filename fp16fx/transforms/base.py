@@ -135,6 +135,13 @@ def _check_per_param(where: str, x: Any) -> None:
             "state is floating (FP32 counts exactly to 2**24), as a state dict tells a step "
             "count (an integer, 0-d per param) by its dtype"
         )
+    if not x.ndim and x.is_floating_point():
+        raise TypeError(
+            f"the optimizer's init returned one {x.dtype} value per param at {where}: "
+            "per-param state is per value (tree_map(torch.zeros_like, params)) or an integer "
+            "step count (0-d); a state dict could not save one floating value per param "
+            "and load it back"
+        )
 
 
 def _non_negative(x: float) -> bool:
