@@ -462,6 +462,16 @@ def test_state_dict_hooks_run_as_in_torch_optim(path):
     opt.load_state_dict(saved)  # refuses keys apex's dict lacks, unless a hook drops them
     assert calls == ["save, before", 3, True] and saved["epoch"] == 3
 
+    refusal = ValueError("a pre-hook refused it")
+
+    def refuse(o, sd):
+        raise refusal
+
+    opt.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(ValueError) as raised:
+        opt.load_state_dict(saved)
+    assert raised.value is refusal and calls == ["save, before", 3, True, 3]  # no post hook
+
 
 def test_cannot_be_pickled_as_in_apex():
     with pytest.raises(RuntimeError, match="state_dict"):

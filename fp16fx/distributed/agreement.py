@@ -14,11 +14,11 @@ agreement::
         checks_passed()             # one all_gather_object: each rank's refusal, or its facts
         ...write...
 
-Blocks of one group and kind nest, and the outermost agrees: ``FP16_Optimizer``'s checks of
-its own arguments (or of a checkpoint's entries) and the sharded state's init (or load)
-beneath them are one agreement, with one collective. A block of the other kind inside one
-that has not agreed yet is refused (RuntimeError): a rank that refused before reaching it
-would pair its refusal with the inner block's collective.
+Blocks of one group (the same object) and kind nest, and the outermost agrees:
+``FP16_Optimizer``'s checks of its own arguments (or of a checkpoint's entries) and the
+sharded state's init (or load) beneath them are one agreement, with one collective. A block
+of the other kind inside one that has not agreed yet is refused (RuntimeError): a rank that
+refused before reaching it would pair its refusal with the inner block's collective.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _together(group: Any, kind: Kind) -> Iterator[None]:
     The block checks, calls :func:`checks_passed` before it changes anything, then goes on.
     Where it raises before that, the other ranks (waiting in their ``checks_passed``) raise
     an error naming this rank, and this rank raises its own error; a block that ends without
-    calling it agrees at its end. Inside another such block of the same group and kind that
-    has not agreed yet, it is that block's part; inside one of the other kind, it raises
+    calling it agrees at its end. Inside another such block of the same group object and kind
+    that has not agreed yet, it is that block's part; inside one of the other kind, it raises
     RuntimeError; anywhere else, it is an agreement of its own. (An interrupt, a
     BaseException that is no Exception, tells the others nothing: they wait until the
     group's timeout.)

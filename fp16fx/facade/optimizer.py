@@ -617,18 +617,22 @@ class FP16_Optimizer(torch.optim.Optimizer):
         The FP16/BF16 model params are set from the loaded masters. The load hooks run as in
         torch.optim (``register_load_state_dict_pre_hook``'s get a shallow copy of the dict,
         and may return another). Sharded or on FSDP2, every rank loads or none does: a pre-hook
-        that raises on one rank makes every rank raise, as a dict one rank refuses does.
+        that raises on one rank makes every rank raise, as a dict one rank refuses does. The
+        pre-hooks run just before the ranks agree, so a hook may load another optimizer; a
+        hook that runs a collective must run it on every rank, after no hook raised on one.
         """
         refusal = None
         try:  # before the ranks' agreement, not in it: a hook may load (and agree) itself
             state_dict = self._pre_hooked(state_dict)
         except Exception as err:
             refusal = err
-        # Sharded or FSDP2, with the core's load beneath: every rank loads, or none does.
-        with loading_together(self._load_group()):
-            if refusal is not None:
-                raise refusal
-            phase = self._load_on_this_rank(state_dict)
+        try:  # Sharded or FSDP2, with the core's load beneath: every rank loads, or none does.
+            with loading_together(self._load_group()):
+                if refusal is not None:
+                    raise refusal
+                phase = self._load_on_this_rank(state_dict)
+        finally:
+            del refusal  # its traceback holds this frame: no cycle keeping the dict alive
         self._phase = phase
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
