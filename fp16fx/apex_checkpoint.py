@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
-import math
 import os
 import pickle
 import re
@@ -94,15 +93,6 @@ def _number(obj: object, name: str, kind: type[int] | type[float]) -> Any:
     return kind(value)
 
 
-def _loss_scale(obj: object, name: str) -> float:
-    scale = _number(obj, name, float)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ApexCheckpointError(
-            f"apex scaler attribute {name!r} is {scale}, not a positive scale"
-        )
-    return scale
-
-
 def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
     """Returns a plain dict describing an apex loss-scaler object (stand-in or real apex class).
 
@@ -122,7 +112,9 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
 
     Raises:
         ApexCheckpointError: ``obj`` is not an apex scaler, misses a required attribute, or
-            holds a non-numeric or non-positive scale.
+            holds a value that is not a number. The numbers themselves are judged where
+            the dict is loaded (``FP16_Optimizer.load_state_dict``): a run whose scale
+            underflowed to 0 still gives back the file's other entries, such as the model.
     """
     cls = type(obj)
     fmt = getattr(cls, "format", "") if issubclass(cls, _ApexScalerStandIn) else ""
@@ -133,7 +125,7 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
         min_scale = getattr(obj, "_min_loss_scale", None)
         return {
             "format": fmt,
-            "loss_scale": _loss_scale(obj, "_loss_scale"),
+            "loss_scale": _number(obj, "_loss_scale", float),
             "dynamic": bool(_attr(obj, "dynamic")),
             "unskipped": _number(obj, "_unskipped", int),
             "scale_window": _number(obj, "_scale_seq_len", int),
@@ -144,7 +136,7 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
     if fmt == "apex.fp16_utils.dynamic":
         return {
             "format": fmt,
-            "loss_scale": _loss_scale(obj, "cur_scale"),
+            "loss_scale": _number(obj, "cur_scale", float),
             "dynamic": True,
             "cur_iter": _number(obj, "cur_iter", int),
             "last_overflow_iter": _number(obj, "last_overflow_iter", int),
@@ -152,7 +144,7 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
             "scale_window": _number(obj, "scale_window", int),
         }
     if fmt == "apex.fp16_utils.static":
-        return {"format": fmt, "loss_scale": _loss_scale(obj, "cur_scale"), "dynamic": False}
+        return {"format": fmt, "loss_scale": _number(obj, "cur_scale", float), "dynamic": False}
     raise ApexCheckpointError(f"{cls.__module__}.{cls.__qualname__} is not an apex loss scaler")
 
 

@@ -576,6 +576,17 @@ def test_amp_bounds_an_ulp_off_a_power_of_two_move_inwards():
     assert (policy.min_scale, policy.max_scale) == (2.0**11, 2.0**13)
 
 
+def test_an_apex_scale_that_underflowed_to_zero_is_refused_by_the_optimizers_load(tmp_path):
+    scaler = instance(AMP_SCALER, **{**APEX_SCALERS["amp"][0].__dict__, "_loss_scale": 0.0})
+    loaded = load_apex(tmp_path, apex_state_dict(make_model(seed=4), scaler))
+    model = make_model()
+    opt = FP16_Optimizer(INNER["sgd"](model.parameters()), dynamic_loss_scale=True, compiled=False)
+    before = fingerprint(model, opt)
+    with pytest.raises(ValueError, match=r"loss_scaler\['loss_scale'\]"):
+        opt.load_state_dict(loaded)
+    assert_same_fingerprint(fingerprint(model, opt), before)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("era", APEX_SCALERS)
 def test_an_apex_checkpoint_loads_and_training_continues(tmp_path, path, era):

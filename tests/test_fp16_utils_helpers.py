@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -472,3 +474,7 @@ def test_apex_submodule_paths_import_the_same_objects():
     }.items():  # fmt: skip
         found = importlib.import_module(f"fp16fx.fp16_utils.{module}")
         assert all(getattr(found, name) is getattr(package, name) for name in names)
+    # apex's package imported its submodules: apex.fp16_utils.fp16_optimizer needed no import
+    # of its own (a fresh interpreter: this one may have imported them already).
+    script = "import fp16fx.fp16_utils as u; print(u.fp16util, u.fp16_optimizer, u.loss_scaler)"
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
