@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
+import math
 import os
 import pickle
 import re
@@ -85,12 +86,20 @@ def _attr(obj: object, name: str) -> Any:
 
 
 def _number(obj: object, name: str, kind: type[int] | type[float]) -> Any:
+    """Returns the scaler's attribute ``name`` as a ``kind``: a float as it is (inf, NaN and
+    0 too: the optimizer's load judges the numbers, by name), a counter only if it is a
+    whole number."""
     value = _attr(obj, name)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a number")
-    return kind(value)
+    if kind is int and not (isinstance(value, int) or value.is_integer()):
+        raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a count")
+    try:
+        return kind(value)
+    except OverflowError:  # an int past a float's range: infinite, which the load refuses
+        return math.inf if value > 0 else -math.inf
 
 
 def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
@@ -112,9 +121,10 @@ def apex_scaler_to_dict(obj: object) -> dict[str, Any]:
 
     Raises:
         ApexCheckpointError: ``obj`` is not an apex scaler, misses a required attribute, or
-            holds a value that is not a number. The numbers themselves are judged where
-            the dict is loaded (``FP16_Optimizer.load_state_dict``): a run whose scale
-            underflowed to 0 still gives back the file's other entries, such as the model.
+            holds a value that is not a number (or a counter that is not a whole number).
+            The numbers themselves are judged where the dict is loaded
+            (``FP16_Optimizer.load_state_dict``): a run whose scale underflowed to 0 still
+            gives back the file's other entries, such as the model.
     """
     cls = type(obj)
     fmt = getattr(cls, "format", "") if issubclass(cls, _ApexScalerStandIn) else ""

@@ -8,7 +8,7 @@ like the params" (``mu = tree_map(zeros_like, params)``), so every per-param par
 optimizer's state is a ``Segments`` too. That lets the step cut a segment in two, pick the
 segments that have a gradient, or read one leaf's part of every state, without knowing the
 optimizer: it finds the ``Segments`` nodes in the state. Each entry of a ``Segments`` is a
-tensor (1-D: one value per element of the segment; 0-d: one value for the segment, e.g. a step
+tensor (1-D: one value per element of the segment; 0-d: an integer for the segment, a step
 count), a :data:`MASKED` placeholder (a segment an inner transform of ``multi_transform`` does
 not own), or None.
 

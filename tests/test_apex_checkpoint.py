@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import math
 import os
 import pickle
 import re
@@ -312,6 +313,15 @@ def test_scaler_to_dict_reports_missing_or_bad_attributes():
         apex_scaler_to_dict(instance(LEGACY_DYNAMIC, cur_scale=2.0, cur_iter=1))
     with pytest.raises(ApexCheckpointError, match="not a number"):
         apex_scaler_to_dict(instance(LEGACY_STATIC, cur_scale="big"))
+    # A counter that is no whole number once failed in Python's words, unnamed ("cannot
+    # convert float NaN to integer"), or was truncated (2.5 read as 2).
+    for count in (math.nan, math.inf, 2.5):
+        legacy = instance(LEGACY_DYNAMIC, cur_scale=2.0, cur_iter=count, last_overflow_iter=0,
+                          scale_factor=2.0, scale_window=5)  # fmt: skip
+        with pytest.raises(ApexCheckpointError, match=r"'cur_iter' is .*, not a count"):
+            apex_scaler_to_dict(legacy)
+    huge = apex_scaler_to_dict(instance(LEGACY_STATIC, cur_scale=10**400))  # OverflowError once
+    assert huge["loss_scale"] == math.inf  # which the optimizer's load refuses by name
     with pytest.raises(ApexCheckpointError, match="not an apex loss scaler"):
         apex_scaler_to_dict(Unrelated())
 

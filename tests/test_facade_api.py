@@ -4,10 +4,12 @@ grads, frozen and mixed-dtype params, attributes, logging, param groups, engine 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -471,6 +473,32 @@ def test_state_dict_hooks_run_as_in_torch_optim(path):
     with pytest.raises(ValueError) as raised:
         opt.load_state_dict(saved)
     assert raised.value is refusal and calls == ["save, before", 3, True, 3]  # no post hook
+
+
+class _Dict(dict):
+    """A dict a weak reference can follow."""
+
+
+def test_a_refused_load_holds_no_reference_to_the_dict_given():
+    """The refusal, kept in a local beside a traceback that holds its frame, once made a
+    reference cycle: the dict (a checkpoint's tensors) lived until the next gc pass."""
+    model = TwoHeads()
+    opt = wrap(model, "fast")
+
+    def refuse(o, sd):
+        raise ValueError("refused")
+
+    opt.register_load_state_dict_pre_hook(refuse)
+    given = _Dict(opt.state_dict())
+    alive = weakref.ref(given)
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="refused"):
+            opt.load_state_dict(given)
+        del given
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_cannot_be_pickled_as_in_apex():

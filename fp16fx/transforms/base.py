@@ -97,7 +97,8 @@ def _kept(x: Any) -> bool:
 def check_kept(state: State) -> None:
     """Raises TypeError naming the first tensor of a transform's ``init`` state that a step
     would not keep, or per-param state that a state dict cannot hold (integers per value,
-    which it would take for a step count; Segments of anything but tensors). A step
+    which it would take for a step count; one floating value per segment; Segments of
+    anything but tensors). A step
     keeps the per-param state (the parts inside the
     :class:`~fp16fx.segments.Segments` the transform was given, cut and saved with them),
     :class:`Hyperparams` and :class:`GradNorm` slots; a tensor elsewhere would be dropped by
@@ -119,8 +120,9 @@ def check_kept(state: State) -> None:
 
 def _check_per_param(where: str, x: Any) -> None:
     """Raises TypeError unless ``x``, a segment's part of a transform's per-param state at
-    ``where``, is a floating tensor (or an integer step count, 0-d), or no part (None, or
-    :data:`~fp16fx.segments.MASKED`): a state dict tells a step count by its dtype."""
+    ``where``, is a floating tensor of the segment's values (1-D) or an integer step count
+    (0-d), or no part (None, or :data:`~fp16fx.segments.MASKED`): a state dict tells a step
+    count by its dtype, and saves per-value state per param."""
     if x is None or x is MASKED:
         return
     if not isinstance(x, torch.Tensor):
