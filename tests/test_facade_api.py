@@ -489,13 +489,13 @@ def test_a_refused_load_holds_no_reference_to_the_dict_given():
         raise ValueError("refused")
 
     opt.register_load_state_dict_pre_hook(refuse)
-    given = _Dict(opt.state_dict())
-    alive = weakref.ref(given)
+    checkpoint = _Dict(opt.state_dict())
+    alive = weakref.ref(checkpoint)
     gc.disable()
     try:
         with pytest.raises(ValueError, match="refused"):
-            opt.load_state_dict(given)
-        del given
+            opt.load_state_dict(checkpoint)
+        del checkpoint
         assert alive() is None
     finally:
         gc.enable()

@@ -560,6 +560,15 @@ def test_amp_scaler_bounds_are_checked_by_name_and_an_infinite_ceiling_is_none(e
         assert scaler_from_dict({**AMP_DICT, "max_loss_scale": finite})[0].max_scale == NO_CEILING
 
 
+@pytest.mark.parametrize("entry", ["unskipped", "scale_window", "loss_scale", "min_loss_scale"])
+def test_amp_scaler_numbers_past_a_floats_range_are_refused_by_name(entry):
+    """An int too large for a float once escaped as an unnamed OverflowError (a ceiling that
+    large is none, as amp's inf)."""
+    with pytest.raises(ValueError, match=rf"loss_scaler(\['{entry}'\]|: growth_interval)"):
+        scaler_from_dict({**AMP_DICT, entry: 10**400})
+    assert scaler_from_dict({**AMP_DICT, "max_loss_scale": 10**400})[0].max_scale == NO_CEILING
+
+
 def test_a_legacy_dynamic_scaler_whose_scale_never_moves_loads_as_a_static_one():
     """apex's legacy DynamicLossScaler(scale_factor=1) divides and multiplies by 1."""
     legacy = {

@@ -197,9 +197,14 @@ def _get(d: Mapping[str, Any], key: str, kind: type) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"loss_scaler[{key!r}] must be a number, got {value!r}")
-    if kind is int and not (math.isfinite(value) and value == int(value)):
-        raise ValueError(f"loss_scaler[{key!r}] must be an integer, got {value!r}")
-    return kind(value)
+    if kind is int:  # (an int of any size is one: no float conversion, which would overflow)
+        if not (isinstance(value, int) or value.is_integer()):
+            raise ValueError(f"loss_scaler[{key!r}] must be an integer, got {value!r}")
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range: infinite, which the checks refuse
+        return math.inf if value > 0 else -math.inf
 
 
 def _count(d: Mapping[str, Any], key: str) -> int:
