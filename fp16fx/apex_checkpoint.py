@@ -20,6 +20,7 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import math
+import numbers
 import os
 import pickle
 import re
@@ -92,9 +93,9 @@ def _number(obj: object, name: str, kind: type[int] | type[float]) -> Any:
     value = _attr(obj, name)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
         raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a number")
-    if kind is int and not (isinstance(value, int) or value.is_integer()):
+    if kind is int and not (isinstance(value, numbers.Integral) or float(value).is_integer()):
         raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a count")
     try:
         return kind(value)

@@ -82,6 +82,12 @@ def collective_error(what: str, err: Exception) -> RuntimeError:
     )
 
 
+def _outside(process_group: Any) -> bool:
+    """Whether ``process_group`` is what ``dist.new_group`` returns to a process outside it."""
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    return type(process_group) is type(non_member) and process_group == non_member
+
+
 def default_consensus(process_group: Any = "auto") -> Consensus | None:
     """Returns the consensus a replicated optimizer should use, or None for a single process.
 
@@ -98,6 +104,11 @@ def default_consensus(process_group: Any = "auto") -> Consensus | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return Consensus()
+    if dist.is_available() and _outside(process_group):
+        raise ValueError(
+            "process_group is torch's value for a group this process is not in (new_group "
+            "returns it to the processes it leaves out): give a group on its own processes only"
+        )
     if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise TypeError(
             "process_group must be 'auto', None or a torch.distributed process group, got "

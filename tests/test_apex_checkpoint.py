@@ -14,6 +14,7 @@ import pickle
 import re
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -333,3 +334,11 @@ def test_scaler_to_dict_accepts_real_apex_classes_and_tensor_values():
         "loss_scale": 64.0,
         "dynamic": False,
     }
+    # numpy's numbers too (a numpy integer counter was once "not a number")
+    legacy = instance(
+        LEGACY_DYNAMIC, cur_scale=np.float32(4.0), cur_iter=np.int64(3),
+        last_overflow_iter=np.int64(-1), scale_factor=2.0, scale_window=np.int32(5),
+    )  # fmt: skip
+    read = apex_scaler_to_dict(legacy)
+    assert (read["loss_scale"], read["cur_iter"], read["scale_window"]) == (4.0, 3, 5)
+    assert type(read["cur_iter"]) is int and type(read["loss_scale"]) is float

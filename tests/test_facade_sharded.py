@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import fp16fx
 import fp16fx.distributed as fdist
 from fp16fx.facade import FP16_Optimizer, consolidate_state_dict
 from fp16fx.facade.checkpoint import FSDP_FORMAT
@@ -280,6 +281,11 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
     except ValueError as err:
         found["solo"] = str(err)
+    if rank == 1:  # as a consensus's group: torch's value for a non-member was once "got -100"
+        try:
+            fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), process_group=solo)
+        except ValueError as err:
+            found["solo_consensus"] = str(err)
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
     found["alone"] = refused_on_one_rank(rank)
     # Models that differ in a param after a frozen one: named as the param groups hold it.
@@ -547,6 +553,7 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
     assert "nothing to shard across" in found["solo"]
     assert "not a member of the process group given" in runs[2][1]["refusals"]["solo"]
+    assert "a group this process is not in" in runs[2][1]["refusals"]["solo_consensus"]
     assert found["untouched"]
     rank_0, rank_1 = (r["refusals"]["alone"] for r in runs[2])
     assert rank_0["kept"] and rank_1["kept"]
