@@ -47,6 +47,9 @@ class Consensus:
     group: Any = None
     sharded: bool = False
 
+    def __post_init__(self) -> None:
+        refuse_non_member(self.group)
+
     def __call__(
         self, finite: torch.Tensor, norm: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,17 +85,27 @@ def collective_error(what: str, err: Exception) -> RuntimeError:
     )
 
 
-def _outside(process_group: Any) -> bool:
-    """Whether ``process_group`` is what ``dist.new_group`` returns to a process outside it."""
-    non_member = dist.GroupMember.NON_GROUP_MEMBER
-    return type(process_group) is type(non_member) and process_group == non_member
+def refuse_non_member(group: Any) -> None:
+    """Raises ValueError if ``group`` is what ``dist.new_group`` returns to a process outside
+    it (torch's -100): torch's collectives would skip it with a warning, and a division by
+    its world size (-1) would flip the grads' sign."""
+    if not dist.is_available():
+        return
+    non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    if non_member is not None and type(group) is type(non_member) and group == non_member:
+        raise ValueError(
+            "the process group given is torch's value for a group this process is not in "
+            "(new_group returns it to the processes it leaves out): give a group on its own "
+            "processes only"
+        )
 
 
 def default_consensus(process_group: Any = "auto") -> Consensus | None:
     """Returns the consensus a replicated optimizer should use, or None for a single process.
 
     ``process_group``: ``"auto"`` (the world group when torch.distributed is initialized and
-    has more than one process, else none), ``None``/``False`` (off), or a process group.
+    has more than one process, else none), ``None``/``False`` (off), or a process group
+    (ValueError for one this process is not in, :func:`refuse_non_member`).
     """
     if process_group is None or process_group is False:
         return None
@@ -104,11 +117,7 @@ def default_consensus(process_group: Any = "auto") -> Consensus | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return Consensus()
-    if dist.is_available() and _outside(process_group):
-        raise ValueError(
-            "process_group is torch's value for a group this process is not in (new_group "
-            "returns it to the processes it leaves out): give a group on its own processes only"
-        )
+    refuse_non_member(process_group)
     if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise TypeError(
             "process_group must be 'auto', None or a torch.distributed process group, got "

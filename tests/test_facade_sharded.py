@@ -281,11 +281,18 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         FP16_Optimizer(torch.optim.Adam(model.parameters()), shard=solo)
     except ValueError as err:
         found["solo"] = str(err)
-    if rank == 1:  # as a consensus's group: torch's value for a non-member was once "got -100"
-        try:
-            fdist.init({"w": torch.ones(2)}, fp16fx.sgd(0.1), process_group=solo)
-        except ValueError as err:
-            found["solo_consensus"] = str(err)
+    if rank == 1:  # torch's value for a non-member: once "got -100", a silent consensus of
+        grads = {"w": torch.ones(2)}  # one, or grads divided by -1 (average_grads)
+        for key, call in {
+            "solo_consensus": lambda: fdist.init(grads, fp16fx.sgd(0.1), process_group=solo),
+            "solo_own_consensus": lambda: fdist.Consensus(group=solo),
+            "solo_average": lambda: fdist.average_grads(grads, solo),
+        }.items():
+            try:
+                call()
+            except ValueError as err:
+                found[key] = str(err)
+        found["solo_grads_kept"] = torch.equal(grads["w"], torch.ones(2))
     found["untouched"] = where == [p.data_ptr() for p in model.parameters()]
     found["alone"] = refused_on_one_rank(rank)
     # Models that differ in a param after a frozen one: named as the param groups hold it.
@@ -553,7 +560,9 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
     assert "needs the fast path" in found["rmsprop"] and "RMSprop" in found["rmsprop"]
     assert "nothing to shard across" in found["solo"]
     assert "not a member of the process group given" in runs[2][1]["refusals"]["solo"]
-    assert "a group this process is not in" in runs[2][1]["refusals"]["solo_consensus"]
+    for key in ("solo_consensus", "solo_own_consensus", "solo_average"):
+        assert "a group this process is not in" in runs[2][1]["refusals"][key]
+    assert runs[2][1]["refusals"]["solo_grads_kept"]
     assert found["untouched"]
     rank_0, rank_1 = (r["refusals"]["alone"] for r in runs[2])
     assert rank_0["kept"] and rank_1["kept"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fp16fx import flat
-from fp16fx.consensus import default_consensus
+from fp16fx.consensus import default_consensus, refuse_non_member
 from fp16fx.distributed.init_checks import check_on_every_rank
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
 from fp16fx.precision import Precision
@@ -95,6 +95,7 @@ def average_grads(grads: Any, group: Any = None) -> None:
     as DDP's buckets, so that a model's many small grads cost a few collectives, not one each.
     Unlike DDP it does not overlap communication with backward.
     """
+    refuse_non_member(group)  # its world size, -1, would flip the grads' sign
     by_storage: dict[int, list[torch.Tensor]] = {}
     for g in optree.tree_leaves(grads):
         if not isinstance(g, torch.Tensor):
