@@ -93,7 +93,9 @@ def average_grads(grads: Any, group: Any = None) -> None:
     fast path) are divided by d and all-reduced as *one* tensor, in place -- no copy; other
     grads (e.g. ``torch.func.grad``'s) are copied into flat buffers of up to 25 MB per dtype,
     as DDP's buckets, so that a model's many small grads cost a few collectives, not one each.
-    Unlike DDP it does not overlap communication with backward.
+    Unlike DDP it does not overlap communication with backward. A ``group`` this process is
+    not in (torch's value from ``new_group`` for the processes it leaves out) raises
+    ValueError, the grads untouched.
     """
     refuse_non_member(group)  # its world size, -1, would flip the grads' sign
     by_storage: dict[int, list[torch.Tensor]] = {}
