@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
-import math
-import numbers
 import os
 import pickle
 import re
@@ -28,6 +26,8 @@ import zipfile
 from typing import IO, Any
 
 import torch
+
+from fp16fx.saved_format import as_number
 
 __all__ = ["ApexCheckpointError", "apex_scaler_to_dict", "load_apex_checkpoint"]
 
@@ -93,14 +93,16 @@ def _number(obj: object, name: str, kind: type[int] | type[float]) -> Any:
     value = _attr(obj, name)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
-        raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a number")
-    if kind is int and not (isinstance(value, numbers.Integral) or float(value).is_integer()):
-        raise ApexCheckpointError(f"apex scaler attribute {name!r} is {value!r}, not a count")
     try:
-        return kind(value)
-    except OverflowError:  # an int past a float's range: infinite, which the load refuses
-        return math.inf if value > 0 else -math.inf
+        return as_number(value, kind)
+    except TypeError:
+        raise ApexCheckpointError(
+            f"apex scaler attribute {name!r} is {value!r}, not a number"
+        ) from None
+    except ValueError:
+        raise ApexCheckpointError(
+            f"apex scaler attribute {name!r} is {value!r}, not a count"
+        ) from None
 
 
 def apex_scaler_to_dict(obj: object) -> dict[str, Any]:

@@ -10,6 +10,8 @@ leaves through :func:`canonical`. Everything here only reads: a dict that does n
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -33,6 +35,24 @@ FORMAT = "fp16fx.state/1"
 def precision_dict(precision: Precision) -> dict[str, Any]:
     """Returns a state's :class:`~fp16fx.precision.Precision` as primitives."""
     return dataclasses.asdict(precision)
+
+
+def as_number(value: Any, kind: type[int] | type[float]) -> int | float:
+    """Returns ``value``, a real number of a saved loss scaler (numpy's too; not a bool), as
+    a Python ``kind``: a count only if it is whole (an int of any size, never through a
+    float), a float as it is (inf, NaN and an int past a float's range, as inf, are left for
+    the caller's checks to refuse by name). Raises TypeError for anything that is not a
+    number, ValueError for a count that is not whole."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{value!r} is not a number")
+    if kind is int:
+        if not (isinstance(value, numbers.Integral) or float(value).is_integer()):
+            raise ValueError(f"{value!r} is not a whole number")
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 class StateDictError(ValueError):

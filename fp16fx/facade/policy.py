@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fp16fx.consensus import Consensus
+from fp16fx.saved_format import as_number
 from fp16fx.scaling import (
     DynamicLossScale,
     LossScaleState,
@@ -195,16 +196,12 @@ def _get(d: Mapping[str, Any], key: str, kind: type) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"loss_scaler[{key!r}] must be a bool, got {value!r}")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"loss_scaler[{key!r}] must be a number, got {value!r}")
-    if kind is int:  # (an int of any size is one: no float conversion, which would overflow)
-        if not (isinstance(value, int) or value.is_integer()):
-            raise ValueError(f"loss_scaler[{key!r}] must be an integer, got {value!r}")
-        return int(value)
     try:
-        return float(value)
-    except OverflowError:  # an int past a float's range: infinite, which the checks refuse
-        return math.inf if value > 0 else -math.inf
+        return as_number(value, kind)
+    except TypeError:
+        raise ValueError(f"loss_scaler[{key!r}] must be a number, got {value!r}") from None
+    except ValueError:
+        raise ValueError(f"loss_scaler[{key!r}] must be an integer, got {value!r}") from None
 
 
 def _count(d: Mapping[str, Any], key: str) -> int:
