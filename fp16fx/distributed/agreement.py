@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from fp16fx.consensus import refuse_non_member
 from fp16fx.saved_format import StateDictError
 
 Kind = Literal["load", "init"]
@@ -130,13 +131,13 @@ def initializing_together(group: Any) -> contextlib.AbstractContextManager[None]
     every rank raises (the others ValueError, naming its rank in the group)
     (:func:`_together`). An init always has a group: None is the world here (torch's
     ValueError where torch.distributed is not initialized), not "this process alone" as
-    for :func:`loading_together`."""
-    if dist.get_rank(group) < 0:  # torch's -1 for a process outside the group
-        raise ValueError(
-            "this process is not a member of the process group given: build the state on "
-            "the group's processes only"
-        )
-    return _together(dist.group.WORLD if group is None else group, "init")
+    for :func:`loading_together`; a group this process is not in is refused
+    (:func:`~fp16fx.consensus.refuse_non_member`)."""
+    refuse_non_member(group)
+    if group is None:
+        dist.get_world_size()  # torch's ValueError where torch.distributed is not initialized
+        group = dist.group.WORLD
+    return _together(group, "init")
 
 
 def checks_passed(facts: Any = None) -> list[Any] | None:
