@@ -202,14 +202,22 @@ def _check_values(sd: Mapping[str, Any]) -> None:
 
 def value_fault(value: torch.Tensor, non_negative: bool = False) -> str | None:
     """Returns why no run saves the floating-point ``value`` -- it holds inf or NaN, or, where
-    it is ``non_negative`` (Adam's second moment), negative values -- or None (one sync:
-    loading is rare; meta tensors, a layout without values, are passed)."""
+    it is ``non_negative`` (Adam's second moment), NaN or negative values -- or None (one
+    sync: loading is rare; meta tensors, a layout without values, are passed).
+
+    A ``non_negative`` moment may hold +inf: a finite gradient past 1.8e19 (BF16 holds
+    them) squares past FP32's range, and Adam's second moment then stays inf and its value
+    stops moving, in torch.optim as in fp16fx; such a run saves it and must resume."""
     if value.is_meta or not value.is_floating_point():
+        return None
+    if non_negative:
+        if bool(value.isnan().any()):
+            return "holds NaN (saved from a run that diverged?)"
+        if bool((value < 0).any()):
+            return "holds negative values, which this moment never takes"
         return None
     if not bool(torch.isfinite(value).all()):
         return "holds inf or NaN (saved from a run that diverged?)"
-    if non_negative and bool((value < 0).any()):
-        return "holds negative values, which this moment never takes"
     return None
 
 

@@ -839,6 +839,38 @@ def test_an_overflowed_moment_leaves_its_blocks_other_values_finite(non_negative
         assert (y[[0, 1, 3]] < 1e36).all()
 
 
+@pytest.mark.parametrize(("master", "moments"), [("fp32", "fp32"), ("compensated", "bf16")])
+def test_a_second_moment_that_overflowed_to_inf_saves_and_resumes_bitwise(master, moments):
+    """A BF16 gradient of 1e22 squares past FP32's range: Adam's second moment is inf and its
+    value stops moving, as in torch.optim. Such a run's dict was once refused on load ("holds
+    inf or NaN"); it resumes now, and NaN is still refused."""
+    params = {"w": torch.ones(300, dtype=torch.bfloat16)}
+    state = fp16fx.init(params, fp16fx.adam(1e-3), buckets=True, master=master, moments=moments)
+    huge = torch.full((300,), 1e-3, dtype=torch.bfloat16)
+    huge[0] = 1e22
+    state, info = fp16fx.step(state, {"w": huge})
+    assert bool(info["finite"])
+    saved = save_and_load(fp16fx.state_dict(state))
+    assert math.isinf(saved["params"]["w"]["opt[1].nu"][0])
+    again = fp16fx.init(
+        {"w": torch.zeros(300, dtype=torch.bfloat16)},
+        fp16fx.adam(1e-3),
+        buckets=True,
+        master=master,
+        moments=moments,
+    )
+    fp16fx.load_state_dict(again, saved)
+    grads = {"w": torch.full((300,), 1e-3, dtype=torch.bfloat16)}
+    for _ in range(2):
+        state, _ = fp16fx.step(state, {"w": grads["w"].clone()})
+        again, _ = fp16fx.step(again, {"w": grads["w"].clone()})
+    assert all(map(same_bits, optree.tree_leaves(state), optree.tree_leaves(again)))
+    assert state.params["w"][0] == 1 and (state.params["w"][1:] < 1).all()
+    saved["params"]["w"]["opt[1].nu"][0] = math.nan
+    with pytest.raises(StateDictError, match=r"\['opt\[1\].nu'\] holds NaN"):
+        fp16fx.load_state_dict(again, saved)
+
+
 def test_second_moments_of_a_subnormal_block_decode_within_the_bound_and_non_zero():
     """Second moments decay by 0.999 a step; an unused row's reach FP32's subnormals after
     ~50,000 steps. The block's scale is then the smallest normal value, divided by and
