@@ -125,10 +125,11 @@ def _run_region(
 class StepFunction:
     """``fp16fx.step``, compiled or eager, pure or in place (stateful: its buffers).
 
-    Call it as ``state, info = step_fn(state, grads)``. In place, it keeps one flat buffer per
-    bucket into which grads that are not already laid out like the buckets are packed, so a
-    step allocates nothing of the model's size. ``compile_options``: ``torch.compile``'s
-    arguments, or None to run the core eagerly.
+    Call it as ``state, info = step_fn(state, grads)``. In place, it keeps flat buffers
+    (:data:`~fp16fx.prepare.Scratch`): one per bucket into which grads that are not already
+    laid out like the buckets are packed, and one per segment whose params are not one flat
+    tensor, so a step allocates nothing of the model's size. ``compile_options``:
+    ``torch.compile``'s arguments, or None to run the core eagerly.
     """
 
     def __init__(

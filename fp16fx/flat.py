@@ -142,19 +142,19 @@ class Layout:
 
     def marks(self) -> list[int]:
         """Returns, per flat leaf, the index in :attr:`segments` of the segment that holds it
-        (-1: in no bucket); ``recut(marks(), keep=False)`` is this layout."""
+        (-1: in no bucket): ``recut(marks())`` is this layout."""
         marks = [-1] * self.num_leaves
         for k, seg in enumerate(self.segments):
             for i in self.buckets[seg.bucket].indices[seg.lo : seg.hi]:
                 marks[i] = k
         return marks
 
-    def recut(self, marks: Sequence[Hashable], *, keep: bool = True) -> Layout:
+    def recut(self, marks: Sequence[Hashable]) -> Layout:
         """Returns this layout with a segment boundary wherever ``marks[i]`` (one per flat
-        leaf) changes within a bucket; ``keep=False`` drops the boundaries it had."""
+        leaf) changes within a bucket, beside the boundaries it had."""
         cuts = []
         for bucket, cut in zip(self.buckets, self.cuts):
-            at = {0, len(bucket)} | (set(cut) if keep else set())
+            at = {0, len(bucket), *cut}
             at |= {
                 k
                 for k in range(1, len(bucket))
@@ -196,6 +196,21 @@ def views(
     rest = flat.numel() - (bucket.offsets[hi] - bucket.offsets[lo])
     parts = flat.split([*sizes, rest]) if rest else flat.split(sizes)
     return list(map(torch.Tensor.view, parts[: hi - lo], bucket.shapes[lo:hi]))
+
+
+def new_buffer(
+    bucket: Bucket, device: torch.device, segment: Segment | None = None, *, zeroed: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Returns a new flat buffer of ``bucket``'s dtype on ``device``, and its leaves' views:
+    the whole bucket, padding included (recorded as fp16fx's own: :func:`own_buffer`), or the
+    leaves of one ``segment`` of it; filled with zeros where ``zeroed``, else left for a copy
+    to fill."""
+    make = torch.zeros if zeroed else torch.empty
+    if segment is None:
+        buffer = own_buffer(make(bucket.padded, dtype=bucket.dtype, device=device))
+        return buffer, views(bucket, buffer)
+    buffer = make(segment.numel, dtype=bucket.dtype, device=device)
+    return buffer, views(bucket, buffer, segment.lo, segment.hi)
 
 
 def pack(
@@ -429,10 +444,12 @@ class FlatParams:
         self.layout = plan(leaves, treedef, labels, multiple)
         with torch.no_grad():
             self.param_buffers = adopt(self.layout, self.params)
-            self.grad_buffers = [own_buffer(torch.zeros_like(b)) for b in self.param_buffers]
+        self.grad_buffers = []
         self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        for bucket, flat in zip(self.layout.buckets, self.grad_buffers):
-            for i, view in zip(bucket.indices, views(bucket, flat)):
+        for bucket, param_buffer in zip(self.layout.buckets, self.param_buffers):
+            grad_buffer, grad_views = new_buffer(bucket, param_buffer.device, zeroed=True)
+            self.grad_buffers.append(grad_buffer)
+            for i, view in zip(bucket.indices, grad_views):
                 self.grad_views[i] = view
         for p, view in zip(self.params, self.grad_views):
             if p.grad is not None:

@@ -447,3 +447,25 @@ def map_moments(fn: Callable[[Any, bool, int], Any], state: Any) -> Any:
         return node
 
     return visit(state, False)
+
+
+def encode_moments(opt_state: Any, precision: Precision) -> Any:
+    """Returns an optimizer state's FP32 moments stored as ``precision.moments`` (rounded to
+    nearest; the step itself rounds stochastically)."""
+    if precision.moments == "fp32":
+        return opt_state
+    return map_moments(
+        lambda x, non_negative, k: encode_moment(
+            x, precision.moments, non_negative, precision.block, None
+        ),
+        opt_state,
+    )
+
+
+def decode_moments(opt_state: Any, precision: Precision) -> Any:
+    """Returns an optimizer state with every stored moment decoded to FP32."""
+    if precision.moments == "fp32":
+        return opt_state
+    return map_moments(
+        lambda x, non_negative, k: decode_moment(x, non_negative, precision.block), opt_state
+    )

@@ -24,9 +24,9 @@ from fp16fx.segments import Segments, merge, select
 from fp16fx.state import MixedPrecisionState, check_state, recut
 from fp16fx.transforms import GradientTransformation
 
-#: Flat buffers reused every step, with their views: per (bucket, device), one that grads
-#: are packed into; per (bucket, segment, device) whose params are not one flat tensor, one
-#: they are packed into.
+#: Flat buffers (``flat.new_buffer``'s) reused every step, with their views: per (bucket,
+#: device), one that grads are packed into; per (bucket, segment, device) whose params are
+#: not one flat tensor, one they are packed into.
 Scratch = dict[Hashable, tuple[torch.Tensor, list[torch.Tensor]]]
 
 
@@ -106,7 +106,7 @@ class Prepared(NamedTuple):
         )
 
 
-def prepare(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = None) -> Prepared:
+def prepare(state: MixedPrecisionState, grads: Any) -> Prepared:
     """Returns the step's inputs after checking ``grads`` against ``state``'s params
     (:func:`gathered` of :func:`checked`).
 
@@ -114,7 +114,7 @@ def prepare(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = No
       TypeError: ``state`` is no MixedPrecisionState; ValueError, TypeError: the grads do
         not fit the params (named). Nothing is changed.
     """
-    return gathered(checked(state, grads, scratch), scratch)
+    return gathered(checked(state, grads))
 
 
 def checked(state: MixedPrecisionState, grads: Any, scratch: Scratch | None = None) -> Prepared:
@@ -206,15 +206,13 @@ def _core_params(
         fp32 = bucket.dtype == torch.float32
         if target is None and gather:
             if scratch is None:  # pure: a new flat tensor
-                target = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
-                views = flat.views(bucket, target, seg.lo, seg.hi)
+                target, views = flat.new_buffer(bucket, master.device, seg)
             elif fp32:  # in place: into their own master
                 target, views = master, flat.views(bucket, master, seg.lo, seg.hi)
             else:
                 key = (bucket, seg, master.device)  # a Segment alone names no dtype
                 if key not in scratch:
-                    buffer = torch.empty(seg.numel, dtype=bucket.dtype, device=master.device)
-                    scratch[key] = (buffer, flat.views(bucket, buffer, seg.lo, seg.hi))
+                    scratch[key] = flat.new_buffer(bucket, master.device, seg)
                 target, views = scratch[key]
             with torch.no_grad():
                 flat.copy_all(views, given)
@@ -299,8 +297,7 @@ def _pack(
     device = next(leaves[i] for i in bucket.indices if leaves[i] is not None).device
     key = (bucket, device)  # one step function may step states of one layout on two devices
     if key not in scratch:
-        buffer = torch.empty(bucket.padded, dtype=bucket.dtype, device=device)
-        scratch[key] = (buffer, flat.views(bucket, buffer))
+        scratch[key] = flat.new_buffer(bucket, device)
     buffer, views = scratch[key]
     return flat.pack(bucket, leaves, out=buffer, out_views=views)
 

@@ -1,8 +1,9 @@
-"""The training state: ``MixedPrecisionState`` and ``init``.
+"""The training state: ``MixedPrecisionState``, ``init``, ``recut`` and ``grad_buffers``.
 
 Layer: ``step`` (docs/design.md). The state is a pytree of tensors; the optimizer, the
-loss-scale policy, the consensus and the :class:`~fp16fx.flat.Layout` are static pytree
-metadata, so they travel with it and never become graph inputs.
+loss-scale policy, the consensus, the :class:`~fp16fx.flat.Layout`, the precision and the
+buckets' starts are static pytree metadata, so they travel with it and never become graph
+inputs. ``init``'s arguments are checked first, in :mod:`fp16fx.init_arguments`.
 
 Whatever the tree of params, the state keeps the FP32 masters and the optimizer's moments in
 flat buffers, one per *segment* of the layout (a run of leaves of one dtype and label; one per
@@ -15,25 +16,23 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 
-from fp16fx import dtensors, flat, tree
+from fp16fx import flat, tree
 from fp16fx.consensus import Consensus
 from fp16fx.flat import Layout
+from fp16fx.init_arguments import checked_arguments, mesh_consensus
 from fp16fx.precision import (
     Precision,
     correction_dtype,
     decode_master,
-    decode_moment,
-    encode_moment,
-    map_moments,
+    decode_moments,
+    encode_moments,
 )
-from fp16fx.scaling import DynamicLossScale, LossScalePolicy, LossScaleState, NoLossScale
+from fp16fx.scaling import LossScalePolicy, LossScaleState
 from fp16fx.segments import Segments, split
 from fp16fx.transforms import GradientTransformation
 from fp16fx.transforms.base import check_kept
@@ -203,13 +202,6 @@ def check_state(state: Any, caller: str) -> None:
         )
 
 
-def default_policy(params: Sequence[torch.Tensor | None]) -> LossScalePolicy:
-    """Returns ``DynamicLossScale()`` when any param is FP16, else ``NoLossScale()``."""
-    if any(p is not None and p.dtype == torch.float16 for p in params):
-        return DynamicLossScale()
-    return NoLossScale()
-
-
 def init(
     params: Any,
     optimizer: GradientTransformation,
@@ -264,7 +256,7 @@ def init(
     )
     leaves, precision, layout = args.leaves, args.precision, args.layout
     if args.mesh is not None:
-        consensus = _mesh_consensus(consensus, args.mesh, args.group, buckets)
+        consensus = mesh_consensus(consensus, args.mesh, args.group, buckets)
     device = next(p.device for p in leaves if p is not None)
     with torch.no_grad():
         if buckets:
@@ -286,7 +278,7 @@ def init(
             if own is not None and bucket.dtype == torch.float32:
                 masters.append(own)  # an FP32 param is its own master
             elif precision.compensated:  # the param is its master: nothing to correct yet
-                assert own is not None  # check_compensable
+                assert own is not None  # check_compensable_layout
                 masters.append(torch.zeros_like(own, dtype=correction_dtype(bucket.dtype)))
             else:
                 if seg.bucket not in packed:
@@ -313,134 +305,6 @@ def init(
         # tensor the caller later puts into its dict is not one the state steps.
         state._views["params"] = tree.unflatten(args.treedef, leaves)
     return state
-
-
-class Arguments(NamedTuple):
-    """:func:`init`'s arguments, checked, and the layout it plans for them."""
-
-    params: Any  #: as given; DTensors' local shards
-    mesh: Any  #: DTensor params' mesh, else None
-    group: Any  #: that mesh's process group
-    leaves: list[Any]
-    treedef: Any
-    labels: Any  #: the optimizer's label per leaf, or None
-    policy: LossScalePolicy
-    precision: Precision
-    layout: Layout
-
-
-def checked_arguments(
-    params: Any,
-    optimizer: GradientTransformation,
-    loss_scale: LossScalePolicy | None,
-    *,
-    buckets: bool,
-    master: str,
-    moments: str,
-) -> Arguments:
-    """Returns :func:`init`'s arguments checked and its layout planned, before anything
-    changes (also what every rank checks before a broadcast:
-    :func:`fp16fx.distributed.init_checks.check_on_every_rank`). Raises as :func:`init` does."""
-    check_optimizer(optimizer)
-    precision = Precision(master, moments)
-    params, mesh, group = dtensors.local_shards(params)
-    leaves, treedef = tree.check_params(params)
-    policy = checked_policy(loss_scale, leaves)
-    labels = None if optimizer.param_labels is None else optimizer.param_labels(params)
-    # Buckets of whole int8 blocks (each scale a broadcast): moved into padded buffers, or
-    # already in them (FlatParams(..., multiple)); else the params as given.
-    layout = flat.plan(leaves, treedef, labels, precision.multiple)
-    if not buckets and any(flat.flat_view(b, leaves) is None for b in _padded(layout)):
-        layout = flat.plan(leaves, treedef, labels)
-    if mesh is not None:
-        layout = layout.recut(range(len(leaves)))  # each shard steps where FSDP keeps it
-    if precision.compensated:
-        check_compensable(layout, leaves, buckets)
-    return Arguments(params, mesh, group, leaves, treedef, labels, policy, precision, layout)
-
-
-def _padded(layout: Layout) -> list[flat.Bucket]:
-    return [b for b in layout.buckets if b.padded != b.numel]
-
-
-def check_optimizer(optimizer: Any) -> None:
-    """Raises TypeError unless ``optimizer`` is an fp16fx transform."""
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(
-            f"optimizer must be an fp16fx transform such as fp16fx.adam(), got {optimizer!r}"
-        )
-
-
-def checked_policy(loss_scale: Any, leaves: list[Any]) -> LossScalePolicy:
-    """Returns the loss-scale policy of :func:`init`'s ``loss_scale`` (its default for
-    ``leaves`` if None); raises TypeError unless it is one."""
-    policy = default_policy(leaves) if loss_scale is None else loss_scale
-    if isinstance(policy, type) or not callable(getattr(policy, "adjust", None)):
-        raise TypeError(
-            f"loss_scale must be a loss-scale policy such as fp16fx.DynamicLossScale() (an "
-            f"instance), got {policy!r}"
-        )
-    return policy
-
-
-def check_compensable(layout: Layout, leaves: list[Any], buckets: bool) -> None:
-    """Raises ValueError unless a compensated state can hold ``leaves``: FP16/BF16 params (an
-    FP32 param is its own master), one flat tensor per segment (the fused pass writes it; an
-    FP32 one is then its own master too, the state keeps no FP32 copy of any param)."""
-    low = [s for s in layout.segments if layout.buckets[s.bucket].dtype != torch.float32]
-    if not low:
-        raise ValueError(
-            "master='compensated' carries FP16/BF16 params' masters in a short correction; "
-            "these params are all FP32, their own masters: use master='fp32'"
-        )
-    if not buckets and any(
-        flat.flat_view(layout.buckets[s.bucket], leaves, s.lo, s.hi) is None
-        for s in layout.segments
-    ):
-        raise ValueError(
-            "master='compensated' keeps no FP32 copy, so the step must write the params in "
-            "its fused pass: pass buckets=True (or params that are views of one flat buffer "
-            "per dtype, FP32 ones included)"
-        )
-
-
-def encode_moments(opt_state: Any, precision: Precision) -> Any:
-    """Returns an optimizer state's FP32 moments stored as ``precision.moments`` (rounded to
-    nearest; the step itself rounds stochastically)."""
-    if precision.moments == "fp32":
-        return opt_state
-    return map_moments(
-        lambda x, non_negative, k: encode_moment(
-            x, precision.moments, non_negative, precision.block, None
-        ),
-        opt_state,
-    )
-
-
-def decode_moments(opt_state: Any, precision: Precision) -> Any:
-    """Returns an optimizer state with every stored moment decoded to FP32."""
-    if precision.moments == "fp32":
-        return opt_state
-    return map_moments(
-        lambda x, non_negative, k: decode_moment(x, non_negative, precision.block), opt_state
-    )
-
-
-def _mesh_consensus(consensus: Consensus | None, mesh: Any, group: Any, buckets: bool) -> Consensus:
-    """Returns the sharded consensus for DTensor params on ``mesh``: over its ``group``, or
-    the given one's group (e.g. one with a shorter timeout) if it spans as many processes."""
-    if buckets:
-        raise ValueError(
-            "buckets=True would move DTensor params out of FSDP's storage; pass buckets=False"
-        )
-    if consensus is None:
-        return Consensus(group=group, sharded=True)
-    if not consensus.sharded or dist.get_world_size(consensus.group) != mesh.size():
-        raise ValueError(
-            f"the params are DTensor shards on {mesh}: the step agrees over a group of its "
-            f"{mesh.size()} processes with Consensus(sharded=True); got {consensus}"
-        )
-    return consensus
 
 
 def recut(state: MixedPrecisionState, layout: Layout) -> MixedPrecisionState:
@@ -510,7 +374,7 @@ def grad_buffers(state: MixedPrecisionState) -> Any:
     leaves: list[torch.Tensor | None] = [None] * layout.num_leaves
     device = state.count.device
     for bucket in layout.buckets:
-        buffer = flat.own_buffer(torch.zeros(bucket.padded, dtype=bucket.dtype, device=device))
-        for i, view in zip(bucket.indices, flat.views(bucket, buffer)):
+        _, bucket_views = flat.new_buffer(bucket, device, zeroed=True)
+        for i, view in zip(bucket.indices, bucket_views):
             leaves[i] = view
     return tree.unflatten(layout.treedef, leaves)

@@ -30,6 +30,7 @@ from fp16fx.precision import (
     Quantized,
     as_rows,
     decode_master,
+    decode_moments,
     hash_bits,
     map_moments,
     master_noise,
@@ -41,7 +42,7 @@ from fp16fx.precision import (
 from fp16fx.prepare import Trained, finish, prepare
 from fp16fx.scaling import CheckedGrads, GradCheck, LossScalePolicy, unscale_and_check
 from fp16fx.segments import Segments
-from fp16fx.state import MixedPrecisionState, check_state, decode_moments
+from fp16fx.state import MixedPrecisionState, check_state
 from fp16fx.transforms import (
     GradientTransformation,
     Hyperparams,

@@ -19,8 +19,8 @@ import fp16fx.distributed as fdist
 from fp16fx import saved_format
 from fp16fx.compile import StepFunction
 from fp16fx.distributed.agreement import checks_passed, loading_together
+from fp16fx.precision import decode_moments
 from fp16fx.segments import named_segments
-from fp16fx.state import decode_moments
 from fp16fx.transforms import GradientTransformation
 from tests.test_distributed import assert_nearly_bitwise, results, spawn
 from tests.test_step import same_bits

@@ -136,7 +136,7 @@ def test_a_layouts_segment_marks_rebuild_its_cuts(params, labels):
     layout = layout.recut(cut_marks)
     marks = layout.marks()
     assert [m == -1 for m in marks] == [leaf is None for leaf in leaves]
-    assert layout.recut(marks, keep=False) == layout
+    assert layout.recut(marks) == layout
     assert sorted(set(marks) - {-1}) == list(range(len(layout.segments)))
 
 

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from fp16fx import checkpoint, dtensors, tree
 from fp16fx.distributed.agreement import checks_passed, initializing_together
-from fp16fx.state import Arguments, MixedPrecisionState, checked_arguments, init
+from fp16fx.init_arguments import Arguments, checked_arguments
+from fp16fx.state import MixedPrecisionState, init
 from fp16fx.step import step
 from fp16fx.transforms import GradientTransformation
 

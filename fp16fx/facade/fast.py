@@ -43,10 +43,10 @@ from fp16fx.facade.policy import Scaler
 from fp16fx.facade.takeover import NOT_SHARDED, read_optimizer, refuse_shared
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams, put_back_on_failure
-from fp16fx.precision import Precision
+from fp16fx.precision import Precision, encode_moments
 from fp16fx.scaling import GradCheck, LossScaleState, all_finite
 from fp16fx.segments import Segments
-from fp16fx.state import FP32, MixedPrecisionState, encode_moments, init, recut
+from fp16fx.state import FP32, MixedPrecisionState, init, recut
 from fp16fx.step import StepInfo, adopt_written_, was_written
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
 
@@ -752,4 +752,4 @@ def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch
     return [(p, m) for p, m in pairs if p is not None and p.dtype != torch.float32]
 
 
-__all__ = ["NOT_SHARDED", "FastEngine"]
+__all__ = ["FastEngine"]
