@@ -286,6 +286,13 @@ def all_finite(grads: Iterable[torch.Tensor]) -> bool:
     return not largest or bool(torch.isfinite(torch.stack(largest)).all())
 
 
+def unscale(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> list[torch.Tensor]:
+    """Returns ``grads`` divided by the loss scale ``scale`` in FP32: multiplied by
+    ``1 / scale``, exact when the scale is a power of two."""
+    inv_scale = torch.reciprocal(scale)
+    return [g.float() * inv_scale for g in grads]
+
+
 def unscale_and_check(grads: Iterable[torch.Tensor], scale: torch.Tensor) -> CheckedGrads:
     """Returns the grads divided by ``scale`` in FP32, whether all are finite, and their norm.
 
@@ -302,8 +309,7 @@ def unscale_and_check(grads: Iterable[torch.Tensor], scale: torch.Tensor) -> Che
     strays = [i for i, g in enumerate(grads) if not isinstance(g, torch.Tensor)]
     if strays:
         raise TypeError(f"grads[{strays[0]}] is {grads[strays[0]]!r}, not a tensor")
-    inv_scale = torch.reciprocal(scale)
-    unscaled = [g.float() * inv_scale for g in grads]
+    unscaled = unscale(grads, scale)
     if not unscaled:
         zero = scale.new_zeros(())
         return CheckedGrads(unscaled, torch.isfinite(zero), zero)

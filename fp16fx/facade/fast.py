@@ -44,7 +44,7 @@ from fp16fx.facade.takeover import NOT_SHARDED, read_optimizer, refuse_shared
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams, put_back_on_failure
 from fp16fx.precision import Precision, encode_moments
-from fp16fx.scaling import GradCheck, LossScaleState, all_finite
+from fp16fx.scaling import GradCheck, LossScaleState, all_finite, unscale
 from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, init, recut
 from fp16fx.step import StepInfo, adopt_written_, was_written
@@ -715,15 +715,14 @@ class FastEngine:
         clipped as the next step clips them if ``clip_master_grads`` asked for it."""
         self._require_unsharded("inspect_master_grad_data()")
         made_at = self.grad_facts.made_at()
-        inv_scale = torch.reciprocal(self.scaler.state.scale if made_at is None else made_at)
-        coef, max_norm = torch.ones((), device=inv_scale.device), self.grad_facts.clip_norm()
+        scale = self.scaler.state.scale if made_at is None else made_at
+        pairs = [(p, g) for p, g in zip(self.flat.params, self.grads()) if g is not None]
+        unscaled = unscale([g for _, g in pairs], scale)
+        max_norm = self.grad_facts.clip_norm()
         if max_norm != NO_CLIP:  # as the step will clip them
             coef = clip_coefficient(max_norm, self.agreed().norm).float()
-        return {
-            self.entry(p): g.float() * inv_scale * coef
-            for p, g in zip(self.flat.params, self.grads())
-            if g is not None
-        }
+            unscaled = [u * coef for u in unscaled]
+        return {self.entry(p): u for (p, _), u in zip(pairs, unscaled)}
 
     def check_params(self) -> None:
         """Raises RuntimeError if a model param was moved out of its flat buffer."""

@@ -23,7 +23,7 @@ from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, GradCheck, all_finite, unscale_and_check
 from fp16fx.step import adopt_written_
-from fp16fx.transforms.primitives import CLIP_EPS
+from fp16fx.transforms.primitives import clip_coefficient
 
 
 class GenericEngine:
@@ -239,7 +239,7 @@ class GenericEngine:
         else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
             # by clip_grad_norm_'s own rule, in its FP32, as the branch above does
             assert self._local is not None  # (unscaled before any clip)
-            coef = torch.clamp(max_norm / (self._norm + CLIP_EPS), max=1.0)
+            coef = clip_coefficient(max_norm, self._norm, torch.float32)
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)

@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor
 from fp16fx import dtensors
 from fp16fx.facade.groups import NO_CLIP
 from fp16fx.scaling import GradCheck
-from fp16fx.transforms import clip_coefficient
-from fp16fx.transforms.primitives import CLIP_EPS
+from fp16fx.transforms.primitives import clip_coefficient, clip_limit
 
 T = TypeVar("T")
 
@@ -126,8 +125,7 @@ class GradFacts:
             first = clip_coefficient(clipped_to, norm)
             clipped = norm * first
             both = first * clip_coefficient(limit, clipped)
-            # the limit whose clip_coefficient at ``norm`` is ``both``: the rule solved for it
-            limit = float(both * (norm.double() + CLIP_EPS)) if both < 1 else NO_CLIP
+            limit = clip_limit(both, norm) if both < 1 else NO_CLIP
             norm = clipped
         self._clip.remember(limit, self._stamp())
         return norm

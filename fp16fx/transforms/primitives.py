@@ -90,11 +90,20 @@ _TINY = torch.finfo(torch.float32).tiny
 CLIP_EPS = 1e-6
 
 
-def clip_coefficient(max_norm: float | torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d float64 tensor: the factor
+def clip_coefficient(
+    max_norm: float | torch.Tensor, norm: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d tensor of ``dtype``: the factor
     :func:`clip_by_global_norm` scales updates by when the gradients' global norm is ``norm``
-    (``torch.nn.utils.clip_grad_norm_``'s rule, computed in float64)."""
-    return torch.clamp(max_norm / (norm.double() + CLIP_EPS), max=1.0)
+    (``torch.nn.utils.clip_grad_norm_``'s rule; that function computes it in the norm's
+    FP32, :func:`clip_by_global_norm` in float64)."""
+    return torch.clamp(max_norm / (norm.to(dtype) + CLIP_EPS), max=1.0)
+
+
+def clip_limit(coefficient: torch.Tensor, norm: torch.Tensor) -> float:
+    """Returns the ``max_norm`` whose :func:`clip_coefficient` at ``norm`` is
+    ``coefficient`` (< 1): the rule solved for it (two clips in a row as one)."""
+    return float(coefficient * (norm.double() + CLIP_EPS))
 
 
 class TraceState(NamedTuple):
