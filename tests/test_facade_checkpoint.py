@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import io
 import math
+import operator
+import re
 
 import optree
 import pytest
@@ -410,6 +412,69 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(path, nam
     assert_same_fingerprint(fingerprint(model, opt), before)
     assert run(model, opt, range(2, 4)) == run(twin, twin_opt, range(2, 4))  # still works
     opt.load_state_dict(good)  # and a good dict still loads
+
+
+#: torch.optim.Adam states for a param that no run holds, each with the fault named: the fast
+#: path's takeover of a wrapped optimizer's state checked them by rules of its own, and took
+#: a fractional step (rounded down), a key Adam does not keep, an integer moment and an unused
+#: maximum of another shape, and refused a negative step by the core's keys, after the check
+#: by name, and one past int64 with int()'s OverflowError; a saved dict holding them was refused.
+HELD_MISFITS = {
+    "a fractional step": (
+        {"step": torch.tensor(2.5)},
+        "['step'] is tensor(2.5000), not a step count",
+    ),
+    "a negative step": ({"step": -1}, "['step'] is -1, not a step count"),
+    "a step past int64": ({"step": 1e30}, "['step'] is 1e+30, not a step count"),
+    "two steps": ({"step": torch.ones(2)}, "['step'] is tensor([1., 1.]), not a step count"),
+    "a key Adam does not keep": (
+        {"momentum_buffer": torch.zeros(8, 5)},
+        " has ['momentum_buffer'], which torch.optim.Adam does not keep",
+    ),
+    "an integer moment": (
+        {"exp_avg": torch.zeros(8, 5, dtype=torch.int64)},
+        "['exp_avg'] has dtype torch.int64, expected a floating-point tensor",
+    ),
+    "a maximum of another shape": (
+        {"max_exp_avg_sq": torch.zeros(7)},
+        "['max_exp_avg_sq'] has shape (7,), its param (8, 5)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HELD_MISFITS)
+def test_the_takeover_and_the_load_refuse_a_torch_state_alike_changing_nothing(name):
+    """What torch.optim's per-param state may hold is defined once: a state the takeover
+    accepted could fail to load, and the reverse. Both refuse it by the same fault -- the
+    takeover naming the param, the load the dict's entry -- leaving everything as it was."""
+    changes, fault = HELD_MISFITS[name]
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = model[0].weight
+    zeros = torch.zeros(8, 5)
+    held = {"step": torch.tensor(3.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone(), **changes}
+    inner.state[first] = held
+    given = inner.param_groups, inner.param_groups[0], inner.state, dict(held)
+    where = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    holds = "the state the optimizer given holds for param_groups[0]['params'][0]: state"
+    with pytest.raises(ValueError, match=re.escape(holds + fault)):
+        FP16_Optimizer(inner, path="fast", compiled=False, verbose=False)
+    assert (inner.param_groups, inner.param_groups[0], inner.state) == given[:3]
+    assert all(map(operator.is_, inner.param_groups[0]["params"], model.parameters()))
+    assert list(inner.state) == [first] and inner.state[first] is held
+    assert held.keys() == given[3].keys() and all(held[k] is v for k, v in given[3].items())
+    for p, (ptr, value) in zip(model.parameters(), where, strict=True):
+        assert p.data_ptr() == ptr and torch.equal(p, value)
+
+    opt = wrap(model, "fast")
+    run(model, opt, range(2))
+    sd = save_and_load(opt.state_dict())
+    sd["optimizer_state_dict"]["state"][0].update(changes)
+    before = fingerprint(model, opt)
+    entry = "the state dict does not fit this FP16_Optimizer: optimizer_state_dict['state'][0]"
+    with pytest.raises(ValueError, match=re.escape(entry + fault)):
+        opt.load_state_dict(sd)
+    assert_same_fingerprint(fingerprint(model, opt), before)
 
 
 def test_a_dict_saved_after_amsgrad_was_switched_on_resumes_bitwise():

@@ -354,7 +354,7 @@ ALONE = {
     "process_group": ({"process_group": None}, "leave process_group='auto'"),
     "meta param": ({}, "is on the meta device"),
     "lr": ({}, "'lr' must be >= 0"),
-    "saved state": ({}, "the saved 'exp_avg' of a param of shape (3,) is (7,)"),
+    "saved state": ({}, "state['exp_avg'] has shape (7,), its param (3,)"),
     "step counts": ({}, "keeps one step count per param group and dtype"),
 }
 

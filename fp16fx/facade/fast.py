@@ -273,10 +273,15 @@ class FastEngine:
         block = self.state.precision.block
         return [None if leaf is None else saved_format.canonical(leaf, block) for leaf in leaves]
 
-    def check_state(self, per_param: PerParamState, specs: Sequence[GroupSpec]) -> None:
-        """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it."""
-        for label, entry in zip(self.labels, self._entries_in_order()):
-            torch_state.check(specs[label], entry, per_param.get(entry, {}))
+    def check_state(self, per_param: PerParamState) -> None:
+        """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it
+        (:func:`torch_state.check`: its form; its values are checked where it is read)."""
+        for p, entry in zip(self.flat.params, self._entries_in_order()):
+            try:
+                torch_state.check(self.kind, entry, per_param.get(entry, {}), "state")
+            except ValueError as err:
+                name = self.names.get(id(p), "a param")
+                raise ValueError(f"the torch-format state of {name}: {err}") from None
 
     def load(
         self,
@@ -301,7 +306,7 @@ class FastEngine:
         """
         self._require_whole("loading torch.optim-format state")
         specs = self.specs if specs is None else specs
-        self.check_state(per_param, specs)
+        self.check_state(per_param)
         kept = (self.state, self.specs, self._written, self._clip_written)
         try:
             self._set_specs(specs)
@@ -405,7 +410,7 @@ class FastEngine:
         if self.sharded is not None:
             self.check_structure(specs)
             return
-        self.check_state(per_param, specs)
+        self.check_state(per_param)
         masters = self.fp32_masters(self.saved_state())  # written weights' in copies
         self.load(per_param, masters, self.state.policy, self.segment_marks(), specs)
 

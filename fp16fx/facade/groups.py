@@ -6,14 +6,15 @@ group], labels))`` from :mod:`fp16fx.transforms`, the one definition of each opt
 A group's *structure* (:class:`GroupSpec`: momentum on/off, nesterov, amsgrad, decoupled decay)
 is fixed when the transform is built; its *numbers* (lr, betas, eps, weight decay, momentum,
 dampening) and the clipping threshold are tensors in the state, rewritten from
-``param_groups`` each step.
+``param_groups`` each step. A saved param group is checked here for the keys its class steps
+with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -139,3 +140,52 @@ def build_transform(
         except (ValueError, TypeError) as err:
             raise type(err)(f"param group {k}: {err}") from None
     return chain(clip_by_global_norm(NO_CLIP), multi_transform(named, labels))
+
+
+def check_saved_numbers(optimizer: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:
+    """Raises ValueError unless saved param group ``k`` has the hyperparameters ``optimizer``'s
+    class (SGD, Adam, AdamW) steps with: a group saved from another optimizer would load
+    (torch keeps the saved group whole) and the next step fail on the missing key."""
+    kind = fast_kind(optimizer)
+    missing = sorted(SAVED_NUMBERS[kind] - set(saved)) if kind else []
+    if missing:
+        raise ValueError(
+            f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
+            f"another optimizer than torch.optim.{type(optimizer).__name__}"
+        )
+
+
+#: The keys torch.optim's LR schedulers add to a param group (``lr_scheduler``, ``swa_utils``).
+_SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
+
+
+def check_loaded_group_keys(
+    optimizer: torch.optim.Optimizer,
+    before: Sequence[Mapping[str, Any]],
+    saved: Sequence[Mapping[str, Any]],
+) -> None:
+    """Raises ValueError where a param group torch loaded was saved from another optimizer
+    class: it lacks hyperparameters (keys of the class's defaults) the group had ``before``
+    the load, even once torch filled in the keys the class gained since (``__setstate__``),
+    and has keys neither the group nor the class's defaults have. The check for any class (the
+    fast path's are checked by name, before loading): torch keeps a saved group whole, so a
+    dict of another class loaded and the next step failed on the key it lacks (``KeyError:
+    'alpha'``). Either alone is allowed: a dict of an older or newer version of the class
+    (LBFGS reads a ``maximize`` it lacks as False), or keys of a scheduler (``initial_lr``,
+    ``max_lr``) or the user's on one side only. torch's schedulers' keys are never foreign:
+    an older dict of the class, saved under a scheduler, has both otherwise."""
+    hyperparams = set(optimizer.defaults)
+    known = {"params", "param_names", *hyperparams, *_SCHEDULER_KEYS}
+    for k, (mine, loaded, theirs) in enumerate(zip(before, optimizer.param_groups, saved)):
+        missing = sorted((hyperparams & set(mine)) - set(loaded))
+        foreign = sorted(set(theirs) - set(mine) - known)
+        if missing and foreign:
+            cls = type(optimizer)
+            name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
+                    else f"{cls.__module__}.{cls.__qualname__}")  # fmt: skip
+            raise ValueError(
+                f"optimizer_state_dict['param_groups'][{k}] lacks {missing} and has {foreign}: "
+                f"it was saved from another optimizer than {name}"
+            )

@@ -5,7 +5,9 @@ Loading accepts that dict, apex's own dicts as :func:`fp16fx.load_apex_checkpoin
 (scaler formats ``apex.amp``, ``apex.fp16_utils.dynamic``, ``apex.fp16_utils.static``), and
 apex dicts still holding scaler objects (``apex_scaler_to_dict`` converts them). Everything is
 checked first; only then is anything written, so a dict that does not fit raises an error naming
-the entry and leaves the optimizer exactly as it was.
+the entry and leaves the optimizer exactly as it was. Its ``optimizer_state_dict`` is checked by
+:func:`torch_state.check_state_dict`, the param groups torch loads by
+:func:`~fp16fx.facade.groups.check_loaded_group_keys`.
 """
 
 from __future__ import annotations
@@ -30,29 +32,18 @@ from fp16fx.facade.checkpoint import (
 from fp16fx.facade.engines import Engine
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.groups import (
-    SAVED_NUMBERS,
     GroupSpec,
     Unsupported,
     build_transform,
-    fast_kind,
+    check_loaded_group_keys,
     group_spec,
 )
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
 from fp16fx.saved_format import past_range, value_fault
 from fp16fx.scaling import DynamicLossScale
-from fp16fx.tree import is_finite
 
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
-#: Per-param state keys of the optimizers whose states are checked entry by entry.
-_STATE_KEYS: dict[type, tuple[str, ...]] = {
-    torch.optim.SGD: ("momentum_buffer",),
-    torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    torch.optim.AdamW: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
-
-#: The state entries torch keeps as None: a buffer not made yet (the maximum: amsgrad off).
-_MAY_BE_NONE = ("momentum_buffer", "max_exp_avg_sq")
 
 
 def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: Any) -> None:
@@ -151,29 +142,6 @@ def _fail(message: str) -> ValueError:
     return ValueError(f"the state dict does not fit this FP16_Optimizer: {message}")
 
 
-def _check_tensor(
-    name: str,
-    value: Any,
-    like: torch.Tensor,
-    dtype: torch.dtype | None,
-    non_negative: bool = False,
-) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise _fail(f"{name} is a {type(value).__name__}, not a tensor")
-    if value.is_meta or value.layout != torch.strided:
-        raise _fail(f"{name} is a {'meta' if value.is_meta else value.layout} tensor, not one "
-                    "holding its values")  # fmt: skip
-    if value.shape != like.shape:
-        raise _fail(f"{name} has shape {tuple(value.shape)}, its param {tuple(like.shape)}")
-    if dtype is not None and value.dtype != dtype:
-        raise _fail(f"{name} has dtype {value.dtype}, expected {dtype}")
-    if not value.is_floating_point():
-        raise _fail(f"{name} has dtype {value.dtype}, expected a floating-point tensor")
-    why = value_fault(value, non_negative)
-    if why is not None:
-        raise _fail(f"{name} {why}")
-
-
 def _parse_scaler(sd: Mapping[str, Any]) -> tuple[FacadePolicy, ScaleValues]:
     scaler = sd["loss_scaler"]
     if not isinstance(scaler, Mapping):
@@ -217,138 +185,6 @@ def _check_flags(sd: Mapping[str, Any], *, required: bool) -> None:
             raise _fail(f"{key} must be a bool, got {sd[key]!r}")
 
 
-def _parse_optimizer(inner: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
-    """Checks ``optimizer_state_dict``; returns the param groups as they will be after loading.
-
-    An AMSGrad group's state may lack ``max_exp_avg_sq`` here: the fast path starts it at
-    zero, as when amsgrad is switched on (a dict saved then lacks it). Where torch's own step
-    will run the groups, :func:`_require_amsgrad_maximum` refuses that."""
-    if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
-        raise _fail("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
-    saved_groups, groups = osd["param_groups"], inner.param_groups
-    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
-        n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
-        raise _fail(f"optimizer_state_dict has {n} param group(s), this optimizer {len(groups)}")
-    entries: dict[Any, torch.Tensor] = {}
-    merged = []
-    for k, (saved, group) in enumerate(zip(saved_groups, groups)):
-        ids = saved.get("params") if isinstance(saved, Mapping) else None
-        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
-            n = len(ids) if isinstance(ids, (list, tuple)) else ids
-            raise _fail(
-                f"param group {k} has {n} params in optimizer_state_dict, "
-                f"{len(group['params'])} in this optimizer"
-            )
-        _check_group_keys(inner, k, saved)
-        entries.update(zip(ids, group["params"]))
-        merged.append({**group, **saved, "params": group["params"]})
-    state = osd["state"]
-    if not isinstance(state, Mapping):
-        raise _fail("optimizer_state_dict['state'] must be a dict")
-    known = _STATE_KEYS.get(type(inner))
-    adam = type(inner) in (torch.optim.Adam, torch.optim.AdamW)
-    for key, value in state.items():
-        if key not in entries:
-            raise _fail(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
-        if not isinstance(value, Mapping):
-            raise _fail(f"optimizer_state_dict['state'][{key!r}] is not a dict")
-        if known is None:
-            continue
-        name = type(inner).__name__
-        extra = sorted(set(value) - set(known))
-        if extra:
-            raise _fail(
-                f"optimizer_state_dict['state'][{key!r}] has {extra}, which torch.optim.{name} "
-                "does not keep (was it saved from another optimizer?)"
-            )
-        if adam and value:  # a param that stepped has them all: torch's step reads them
-            missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(value))
-            if missing:
-                raise _fail(f"optimizer_state_dict['state'][{key!r}] lacks {missing}")
-        for field, tensor in value.items():
-            where = f"optimizer_state_dict['state'][{key!r}][{field!r}]"
-            if field == "step":
-                if not _is_count(tensor):
-                    raise _fail(f"{where} is {tensor!r}, not a step count")
-            elif tensor is not None:
-                _check_tensor(where, tensor, entries[key], None, field.endswith("exp_avg_sq"))
-            elif field not in _MAY_BE_NONE:  # torch's step reads it
-                raise _fail(f"{where} is None, not a tensor")
-    return merged
-
-
-def _require_amsgrad_maximum(
-    inner: torch.optim.Optimizer, osd: Mapping[str, Any], groups: list[dict[str, Any]]
-) -> None:
-    """Raises unless each param that stepped in an AMSGrad group has its ``max_exp_avg_sq``:
-    torch's own step reads it (a checked ``optimizer_state_dict``; ``groups`` merged)."""
-    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
-        return
-    amsgrad = [(bool(g.get("amsgrad")), s["params"]) for s, g in zip(osd["param_groups"], groups)]
-    lacking = torch_state.lacking_amsgrad_maximum(amsgrad, osd["state"])
-    if lacking:
-        raise _fail(f"optimizer_state_dict['state'][{lacking[0]!r}] lacks ['max_exp_avg_sq']")
-
-
-def _check_group_keys(inner: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:
-    """Raises unless saved param group ``k`` has the hyperparameters ``inner``'s class steps
-    with: a group saved from another optimizer would load (torch keeps the saved group whole)
-    and the next step fail on the missing key."""
-    kind = fast_kind(inner)
-    missing = sorted(SAVED_NUMBERS[kind] - set(saved)) if kind else []
-    if missing:
-        raise _fail(
-            f"optimizer_state_dict['param_groups'][{k}] lacks {missing}: it was saved from "
-            f"another optimizer than torch.optim.{type(inner).__name__}"
-        )
-
-
-#: The keys torch.optim's LR schedulers add to a param group (``lr_scheduler``, ``swa_utils``).
-_SCHEDULER_KEYS = frozenset(
-    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
-)
-
-
-def _check_loaded_group_keys(
-    inner: torch.optim.Optimizer,
-    before: Sequence[Mapping[str, Any]],
-    saved: Sequence[Mapping[str, Any]],
-) -> None:
-    """Raises where a param group torch loaded was saved from another optimizer class: it
-    lacks hyperparameters (keys of the class's defaults) the group had ``before`` the load,
-    even once torch filled in the keys the class gained since (``__setstate__``), and has
-    keys neither the group nor the class's defaults have. The check for any class (the fast
-    path's are checked by name, before loading): torch keeps a saved group whole, so a dict
-    of another class loaded and the next step failed on the key it lacks (``KeyError:
-    'alpha'``). Either alone is allowed: a dict of an older or newer version of the class
-    (LBFGS reads a ``maximize`` it lacks as False), or keys of a scheduler (``initial_lr``,
-    ``max_lr``) or the user's on one side only. torch's schedulers' keys are never foreign:
-    an older dict of the class, saved under a scheduler, has both otherwise."""
-    hyperparams = set(inner.defaults)
-    known = {"params", "param_names", *hyperparams, *_SCHEDULER_KEYS}
-    for k, (mine, loaded, theirs) in enumerate(zip(before, inner.param_groups, saved)):
-        missing = sorted((hyperparams & set(mine)) - set(loaded))
-        foreign = sorted(set(theirs) - set(mine) - known)
-        if missing and foreign:
-            cls = type(inner)
-            name = (f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls
-                    else f"{cls.__module__}.{cls.__qualname__}")  # fmt: skip
-            raise _fail(
-                f"optimizer_state_dict['param_groups'][{k}] lacks {missing} and has {foreign}: "
-                f"it was saved from another optimizer than {name}"
-            )
-
-
-def _is_count(value: Any) -> bool:
-    """Whether ``value`` (a number or a one-element tensor) is a whole number >= 0 that the
-    core's int64 counts hold."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return is_finite(value) and 0 <= value < 2**63 and value == int(value)
-
-
 def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     current = [[p for p in ps if p.dtype != torch.float32] for ps in params.trainable]
     if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
@@ -364,7 +200,9 @@ def _parse_masters(params: ParamSet, saved: Any) -> list[tuple[torch.Tensor, tor
             )
         for i, (param, value) in enumerate(zip(mine, theirs)):
             name = f"fp32_from_fp16[{k}][{i}]"
-            _check_tensor(name, value, param, torch.float32)
+            why = torch_state.tensor_fault(value, param, torch.float32) or value_fault(value)
+            if why is not None:
+                raise _fail(f"{name} {why}")
             why = past_range(value, param.dtype)
             if why is not None:
                 raise _fail(f"{name} {why}, which its param cannot take")
@@ -414,7 +252,10 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
     if unknown:
         raise _fail(f"it has unknown entries {unknown}")
     policy, values = _parse_scaler(sd)
-    groups = _parse_optimizer(inner, sd["optimizer_state_dict"])
+    try:
+        groups = torch_state.check_state_dict(inner, sd["optimizer_state_dict"])
+    except ValueError as err:
+        raise _fail(str(err)) from None
     if "trainable" in sd:  # fp16fx's; an apex dict loads by position, as apex loaded it
         _check_trained(inner, params, sd["trainable"])
     masters = _parse_masters(params, sd["fp32_from_fp16"])
@@ -434,7 +275,10 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
                 )
             engine.check_structure(specs, loading=True)
     if specs is None:  # the wrapped optimizer will step the groups
-        _require_amsgrad_maximum(inner, sd["optimizer_state_dict"], groups)
+        try:
+            torch_state.require_amsgrad_maximum(inner, sd["optimizer_state_dict"], groups)
+        except ValueError as err:
+            raise _fail(str(err)) from None
     trained = sum(len(ps) for ps in params.trainable)
     return Plan(
         policy, values, sd["optimizer_state_dict"], groups, masters, specs,
@@ -472,7 +316,10 @@ def load(
                 group.update(loaded)
         else:
             inner.load_state_dict(plan.osd)  # torch casts the state to the masters' dtype/device
-            _check_loaded_group_keys(inner, group_contents, plan.osd["param_groups"])
+            try:
+                check_loaded_group_keys(inner, group_contents, plan.osd["param_groups"])
+            except ValueError as err:
+                raise _fail(str(err)) from None
             trained = [m for masters in params.masters for m in masters]
             per_param = {m: inner.state.pop(m) for m in trained if m in inner.state}
         scaler.policy = plan.policy

@@ -86,8 +86,8 @@ def read_optimizer(
         fsdp = dtensors.has_dtensors(params)  # FSDP2's shards: stepped where they are
         if not fsdp and shard is NOT_SHARDED and consensus is None:  # one shared model
             refuse_shared(params, names)
-        for label, p in zip(labels, params):
-            held = optimizer.state.get(p)
+        for p in params:
+            held = optimizer.state.get(p, {})
             if held and fsdp:
                 raise ValueError(
                     f"{names[id(p)]} has state in the optimizer given: an FSDP2 model's "
@@ -96,8 +96,8 @@ def read_optimizer(
                     "(FP16_Optimizer.state_dict(), through DCP: docs/distributed.md)"
                 )
             try:
-                torch_state.check(specs[label], p, held or {})
-                torch_state.check_values(specs[label], held or {})
+                torch_state.check(kind, p, held, "state")
+                torch_state.check_values(kind, held, "state")
             except ValueError as err:
                 raise ValueError(
                     f"the state the optimizer given holds for {names[id(p)]}: {err}"

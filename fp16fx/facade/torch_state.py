@@ -1,4 +1,4 @@
-"""The core's per-param state <-> torch.optim's per-param state dicts.
+"""The core's per-param state <-> torch.optim's per-param state dicts, and what they may hold.
 
 Layer: ``facade`` (docs/design.md). Bookkeeping only: which entry of a param's part of the
 core's state (:func:`fp16fx.checkpoint.per_leaf`: ``opt[...].mu``, ``opt[...].count``...)
@@ -6,6 +6,11 @@ torch.optim calls ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_bu
 ``step``. torch keeps no state for a param before its first step, and SGD without momentum
 keeps none at all. Loading goes through the core's own state dict in FP32 terms
 (:func:`core_entries`), so that the core's checks and encodings apply unchanged.
+
+What SGD's, Adam's and AdamW's per-param state may hold is defined once (:data:`STATE_KEYS`,
+:func:`check`, :func:`check_values`): a loaded ``optimizer_state_dict``
+(:func:`check_state_dict`) and the state a wrapped optimizer already holds when the fast path
+takes it over (:mod:`fp16fx.facade.takeover`) are checked by it alike.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 import torch
 
 from fp16fx import saved_format
-from fp16fx.facade.groups import GroupSpec
+from fp16fx.facade.groups import GroupSpec, check_saved_numbers, describe, fast_kind
+from fp16fx.tree import is_finite
 
 #: torch.optim's per-param state, keyed by the tensor its param group holds.
 PerParamState = dict[torch.Tensor, dict[str, Any]]
@@ -40,7 +46,14 @@ def count_key(leaf: Mapping[str, Any]) -> str | None:
     return next((key for key in leaf if field(key) == "count"), None)
 
 
-#: torch.optim's per-param tensors that are never negative (Adam's second moments).
+#: What torch.optim's SGD, Adam and AdamW keep per param, by kind (:func:`fast_kind`).
+_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": _ADAM_KEYS, "adamw": _ADAM_KEYS}
+#: The buffers torch starts lazily, which a state may lack or hold as None: SGD's momentum
+#: (none before a step with momentum), AMSGrad's maximum (none while amsgrad is off). A state
+#: that is not empty holds every other key of its kind: torch's step reads them.
+LAZY = frozenset({"momentum_buffer", "max_exp_avg_sq"})
+#: The tensors that are never negative (Adam's second moments).
 _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 
 
@@ -135,38 +148,93 @@ def from_torch(
     return out
 
 
-def check(spec: GroupSpec, entry: torch.Tensor, saved: Mapping[str, Any]) -> None:
-    """Raises ValueError if ``saved`` cannot be the torch state of ``entry`` under ``spec``."""
-    if not saved:
+def check(kind: str | None, like: torch.Tensor, state: Any, where: str) -> None:
+    """Raises ValueError, naming the entry as ``where[key]``, unless ``state`` has the form of
+    the per-param state torch.optim's ``kind`` optimizer keeps for a param shaped like
+    ``like``: a dict of its :data:`STATE_KEYS` only; once not empty, each but the
+    :data:`LAZY` buffers, which may be None; a ``step`` that is a number or a one-element
+    tensor; the others floating-point tensors of the param's shape, holding their values (not
+    meta, not sparse). ``kind`` None: a class whose state fp16fx does not know (a dict, loaded
+    as torch loads it). Reads no values: :func:`check_values` does."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where} is not a dict")
+    if kind is None or not state:
         return
-    if spec.optimizer != "sgd" and "step" not in saved:
-        raise ValueError(f"the saved state of a param of shape {tuple(entry.shape)} has no 'step'")
-    step = saved.get("step")
-    number = isinstance(step, (int, float)) and not isinstance(step, bool)
-    if "step" in saved and not (number or (isinstance(step, torch.Tensor) and step.numel() == 1)):
+    extra = sorted(set(state) - set(STATE_KEYS[kind]))
+    if extra:
         raise ValueError(
-            f"the saved 'step' of a param of shape {tuple(entry.shape)} is {step!r}, not a "
-            "number or a one-element tensor"
+            f"{where} has {extra}, which torch.optim.{describe(GroupSpec(kind))} does not "
+            "keep (was it saved from another optimizer?)"
         )
-    for key in keys(spec):
-        value = saved.get(key)
-        if value is None and (spec.optimizer == "sgd" or key == "max_exp_avg_sq"):
-            continue  # torch starts these lazily
-        if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-            raise ValueError(f"the saved {key!r} of a param of shape {tuple(entry.shape)} is {got}")
+    missing = sorted(set(STATE_KEYS[kind]) - LAZY - set(state))
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    for key, value in state.items():
+        if key == "step":
+            if not _one_number(value):
+                raise ValueError(f"{where}['step'] is {value!r}, not a step count")
+        elif value is None:
+            if key not in LAZY:
+                raise ValueError(f"{where}[{key!r}] is None, not a tensor")
+        else:
+            why = tensor_fault(value, like)
+            if why is not None:
+                raise ValueError(f"{where}[{key!r}] {why}")
 
 
-def check_values(spec: GroupSpec, saved: Mapping[str, Any]) -> None:
-    """Raises ValueError where a tensor of ``saved``, a torch state :func:`check` passed, holds
-    values no run keeps (inf or NaN; negative second moments): for a state that comes with no
-    checks of its own, the one a wrapped optimizer holds (a loaded dict's values are checked
-    where it is read, one sync per tensor)."""
-    for key in keys(spec):
-        value = saved.get(key)
-        why = None if value is None else saved_format.value_fault(value, key in _NON_NEGATIVE)
-        if why is not None:
-            raise ValueError(f"the saved {key!r} of a param of shape {tuple(value.shape)} {why}")
+def check_values(kind: str | None, state: Mapping[str, Any], where: str) -> None:
+    """Raises ValueError, naming the entry as ``where[key]``, where ``state`` (one
+    :func:`check` passed) holds values no run keeps: a ``step`` that is no step count
+    (:func:`is_step_count`), inf or NaN in a moment, NaN or negative values in a second moment
+    (:func:`~fp16fx.saved_format.value_fault`). ``kind`` None: nothing is checked (see
+    :func:`check`). One sync per tensor."""
+    if kind is None:
+        return
+    for key, value in state.items():
+        if key == "step":
+            if not is_step_count(value):
+                raise ValueError(f"{where}['step'] is {value!r}, not a step count")
+        elif value is not None:
+            why = saved_format.value_fault(value, key in _NON_NEGATIVE)
+            if why is not None:
+                raise ValueError(f"{where}[{key!r}] {why}")
+
+
+def _one_number(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool) or a one-element tensor holding one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_meta
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_step_count(value: Any) -> bool:
+    """Whether ``value`` (a number or a one-element tensor: one sync) is a step count as
+    torch.optim keeps one: a whole number >= 0 that the core's int64 counts hold."""
+    if not _one_number(value):
+        return False
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # a tensor's bool, complex
+        return False
+    return is_finite(value) and 0 <= value < 2**63 and value == int(value)
+
+
+def tensor_fault(value: Any, like: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """Returns why ``value`` cannot stand for a floating-point tensor (of ``dtype``, if given)
+    of ``like``'s shape -- it is no tensor, a meta or sparse one, or has another shape or
+    dtype -- or None where it can. Reads no values."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if value.is_meta or value.layout != torch.strided:
+        what = "meta" if value.is_meta else value.layout
+        return f"is a {what} tensor, not one holding its values"
+    if value.shape != like.shape:
+        return f"has shape {tuple(value.shape)}, its param {tuple(like.shape)}"
+    if dtype is not None and value.dtype != dtype:
+        return f"has dtype {value.dtype}, expected {dtype}"
+    if not value.is_floating_point():
+        return f"has dtype {value.dtype}, expected a floating-point tensor"
+    return None
 
 
 def check_one_count_per_bucket(
@@ -266,3 +334,64 @@ def unused(
         if dormant:
             out[id(p)] = dormant
     return out
+
+
+# -- a torch.optim state dict loaded into an FP16_Optimizer -----------------------------------
+
+
+def check_state_dict(optimizer: torch.optim.Optimizer, osd: Any) -> list[dict[str, Any]]:
+    """Returns ``optimizer``'s param groups as they will be after loading ``osd`` (the
+    ``optimizer_state_dict`` of an FP16_Optimizer dict); raises ValueError naming the first
+    entry that does not fit: the number of groups and of params per group, the numbers
+    ``optimizer``'s class steps with (SGD, Adam, AdamW), and each param's state (:func:`check`,
+    :func:`check_values`; any other class's: a dict).
+
+    An AMSGrad group's state may lack ``max_exp_avg_sq`` here: the fast path starts it at
+    zero, as when amsgrad is switched on (a dict saved then lacks it). Where torch's own step
+    will run the groups, :func:`require_amsgrad_maximum` refuses that."""
+    if not (isinstance(osd, Mapping) and {"state", "param_groups"} <= set(osd)):
+        raise ValueError("optimizer_state_dict must be a dict with 'state' and 'param_groups'")
+    saved_groups, groups = osd["param_groups"], optimizer.param_groups
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
+        n = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else saved_groups
+        raise ValueError(
+            f"optimizer_state_dict has {n} param group(s), this optimizer {len(groups)}"
+        )
+    entries: dict[Any, torch.Tensor] = {}
+    merged = []
+    for k, (saved, group) in enumerate(zip(saved_groups, groups)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
+            n = len(ids) if isinstance(ids, (list, tuple)) else ids
+            raise ValueError(
+                f"param group {k} has {n} params in optimizer_state_dict, "
+                f"{len(group['params'])} in this optimizer"
+            )
+        check_saved_numbers(optimizer, k, saved)
+        entries.update(zip(ids, group["params"]))
+        merged.append({**group, **saved, "params": group["params"]})
+    state = osd["state"]
+    if not isinstance(state, Mapping):
+        raise ValueError("optimizer_state_dict['state'] must be a dict")
+    kind = fast_kind(optimizer)
+    for key, value in state.items():
+        if key not in entries:
+            raise ValueError(f"optimizer_state_dict['state'] has an entry {key!r} for no param")
+        where = f"optimizer_state_dict['state'][{key!r}]"
+        check(kind, entries[key], value, where)
+        check_values(kind, value, where)
+    return merged
+
+
+def require_amsgrad_maximum(
+    optimizer: torch.optim.Optimizer, osd: Mapping[str, Any], groups: list[dict[str, Any]]
+) -> None:
+    """Raises ValueError unless each param that stepped in an AMSGrad group has its
+    ``max_exp_avg_sq``: torch's own step reads it (``osd`` one :func:`check_state_dict`
+    passed; ``groups`` the groups it returned)."""
+    if fast_kind(optimizer) not in ("adam", "adamw"):
+        return
+    amsgrad = [(bool(g.get("amsgrad")), s["params"]) for s, g in zip(osd["param_groups"], groups)]
+    lacking = lacking_amsgrad_maximum(amsgrad, osd["state"])
+    if lacking:
+        raise ValueError(f"optimizer_state_dict['state'][{lacking[0]!r}] lacks ['max_exp_avg_sq']")
