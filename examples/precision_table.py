@@ -57,8 +57,8 @@ from torch.func import functional_call, grad
 
 import fp16fx
 from fp16fx.precision import MASTERS, MOMENTS
+from fp16fx.train import TrainConfig, train
 from fp16fx.train.data import load_dataset
-from fp16fx.train.session import TrainConfig, train
 from fp16fx.train.steppers import DEFAULT_PRECISION
 
 #: The modes measured by default: the baseline first.

@@ -128,7 +128,7 @@ def test_functional_compiled_run_never_recompiles_as_the_lr_changes(capsys) -> N
 
 
 def test_progress_bar_shows_loss_scale_and_skipped_steps(capsys) -> None:
-    from fp16fx.train.session import TrainConfig, train
+    from fp16fx.train import TrainConfig, train
 
     train(TrainConfig(api="functional", epochs=1, limit=320, progress=True))
     err = capsys.readouterr().err

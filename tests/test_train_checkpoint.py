@@ -18,6 +18,7 @@ import torch
 from fp16fx import cli
 from fp16fx.train import checkpoint, command, loop, session
 from fp16fx.train.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from fp16fx.train.config import TrainConfig
 from fp16fx.train.models import build_model, to_half
 
 APIS = ["functional", "facade"]
@@ -284,7 +285,7 @@ def test_save_refuses_a_file_it_would_replace_before_anything_loads(
     assert {path: path.read_bytes() for path in (ck, notes, other)} == before
     # The checkpoint the run resumes is the one file it replaces, also through a link, and
     # an empty file (mktemp's) holds nothing to lose.
-    run = session.TrainConfig().identity()
+    run = TrainConfig().identity()
     checkpoint.check_new(str(ck), str(ck), run, 3)
     checkpoint.check_new(str(link), str(tmp_path / "." / "ck1.pt"), run, 3)
     checkpoint.check_new(str(hard), str(ck), run, 3)

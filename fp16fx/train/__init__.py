@@ -14,6 +14,7 @@ Run it as ``fp16fx train`` (or ``python -m fp16fx.train``); data-parallel as
 """
 
 from fp16fx.train.command import add_parser, main
-from fp16fx.train.session import TrainConfig, TrainResult, train
+from fp16fx.train.config import TrainConfig
+from fp16fx.train.session import TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "add_parser", "main", "train"]

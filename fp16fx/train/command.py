@@ -20,19 +20,13 @@ from fp16fx import cli
 from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.scaling import check_scale
 from fp16fx.train.checkpoint import CheckpointError
+from fp16fx.train.config import SetupError, TrainConfig, check_processes, resolve_device
 from fp16fx.train.data import DATASETS, DataError
 from fp16fx.train.loop import SCHEDULES
 from fp16fx.train.models import MODELS, ModelError
 from fp16fx.train.parallel import Processes, WorkerError, launch, process_group
 from fp16fx.train.report import PlotError, format_summary, save_plot
-from fp16fx.train.session import (
-    SetupError,
-    TrainConfig,
-    check_processes,
-    preflight,
-    resolve_device,
-    train,
-)
+from fp16fx.train.session import preflight, train
 from fp16fx.train.steppers import APIS, LossScale, StateMismatchError
 
 __all__ = [

@@ -16,115 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import torch
 
-from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.train import checkpoint, outputs
-from fp16fx.train.data import DATASETS, DataError, ImageBatches, TrainTestData, load_dataset
+from fp16fx.train.config import SetupError, TrainConfig, check_batch, check_config, resolve_device
+from fp16fx.train.data import ImageBatches, TrainTestData, load_dataset
 from fp16fx.train.fsdp import FSDPStepper
 from fp16fx.train.loop import History, fit
-from fp16fx.train.models import MODELS, ModelError, build_model, to_half
+from fp16fx.train.models import build_model, to_half
 from fp16fx.train.parallel import Processes
-from fp16fx.train.report import PlotError, RunSummary, check_plotting
-from fp16fx.train.steppers import (
-    DEFAULT_PRECISION,
-    LossScale,
-    Stepper,
-    TorchStepper,
-    make_stepper,
-)
-from fp16fx.transforms import check_hyperparam
+from fp16fx.train.report import PlotError, RunSummary
+from fp16fx.train.steppers import DEFAULT_PRECISION, Stepper, TorchStepper, make_stepper
 
-__all__ = [
-    "SetupError",
-    "TrainConfig",
-    "TrainResult",
-    "check_processes",
-    "preflight",
-    "resolve_device",
-    "train",
-]
+__all__ = ["TrainResult", "preflight", "train"]
 
 logger = logging.getLogger("fp16fx")
-
-
-class SetupError(ValueError):
-    """The settings cannot work (e.g. CUDA asked for but absent); the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The settings of one session; ``None`` means "the data set's default" (see DATASETS).
-
-    Attributes mirror the ``fp16fx train`` flags: ``model``, ``dataset``, ``data_dir``,
-    ``api`` (``"facade"`` or ``"functional"``), ``device`` (None: CUDA when available),
-    ``epochs``, ``batch_size``, ``lr``, ``lr_schedule``, ``seed``, ``loss_scale``
-    (``"dynamic"`` or a number), ``master`` and ``moments`` (the optimizer state's precision,
-    docs/precision.md; None: ``"fp32"`` in a new run, the checkpoint's in a resumed one, which
-    a value given converts), ``compile`` (the facade's compiled path or ``compile_step``; None: on
-    CUDA only), ``limit`` (use only the first N train and test images), ``compare_fp32``,
-    ``save`` and ``resume`` (checkpoint paths), ``progress`` (tqdm bars), ``plot`` and ``fsdp``
-    (shard the FP32 model with FSDP2; several processes, facade only).
-    """
-
-    model: str = "cnn"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    api: str = "facade"
-    device: str | None = None
-    epochs: int | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    lr_schedule: str = "cosine"
-    seed: int = 0
-    loss_scale: LossScale = "dynamic"
-    master: str | None = None
-    moments: str | None = None
-    compile: bool | None = None
-    limit: int | None = None
-    compare_fp32: bool = False
-    save: str | None = None
-    resume: str | None = None
-    progress: bool = False
-    plot: str | None = None
-    fsdp: bool = False
-
-    def identity(self) -> dict[str, Any]:
-        """Returns the settings a checkpoint must share with this session to be resumed.
-
-        The seed is one: a resumed run continues the checkpoint's random streams (batch order,
-        augmentation), so a different ``--seed`` would be printed but not used; ``fsdp`` is one,
-        since the optimizer's state dict has another form under FSDP2. The precision (``master``,
-        ``moments``) is not: a checkpoint resumes in its own (those left None) or in another one
-        given, its optimizer state converted (docs/precision.md, "Checkpoints"), under FSDP2 too,
-        where the masters decide the model's dtype (FP32 shards are their own masters, compensated
-        ones FP16). Nor is the number of processes. The loss scale is one: the checkpoint's
-        loss-scale state continues, so another ``--loss-scale`` would be printed but not used. So
-        are the batch size (per process), the learning rate and its schedule, and ``--limit``: with
-        others the resumed run would quietly differ from the one it continues (its batches, or the
-        learning rate of every step). ``--epochs`` may change (the cosine schedule is recomputed
-        over the new total), and so may the number of processes, as said (each process then takes
-        ``batch_size`` examples a step)."""
-        return {
-            "model": self.model,
-            "dataset": self.dataset,
-            "api": self.api,
-            "seed": self.seed,
-            "fsdp": self.fsdp,
-            "loss_scale": self.loss_scale,
-            "batch_size": _batch_size(self),
-            "lr": _lr(self),
-            "lr_schedule": self.lr_schedule,
-            "limit": self.limit,
-        }
-
-    def precision(self) -> dict[str, str | None]:
-        """Returns the precision flags, recorded in a checkpoint beside :meth:`identity` (once
-        :func:`train` has decided those left None)."""
-        return {"master": self.master, "moments": self.moments}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,67 +43,15 @@ class TrainResult:
     runs: list[RunSummary]
 
 
-def resolve_device(name: str | None) -> torch.device:
-    """Returns the torch device for ``--device`` (None: ``cuda`` when available, else ``cpu``)."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise SetupError(f"unknown device {name!r} (use cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SetupError("--device cuda: CUDA is not available here (use --device cpu)")
-    if device.type not in ("cpu", "cuda"):
-        raise SetupError(f"unsupported device {name!r} (use cpu or cuda)")
-    return device
-
-
-def check_processes(nproc: int, device: torch.device) -> None:
-    """Returns None when ``nproc`` processes per machine can train on ``device``.
-
-    Raises:
-      SetupError: fewer than one process, a GPU named by index (each process takes
-        ``cuda:LOCAL_RANK``), or more processes than visible GPUs.
-    """
-    if nproc < 1:
-        raise SetupError(f"--nproc-per-node must be >= 1, got {nproc}")
-    if device.type != "cuda" or nproc == 1:
-        return
-    if device.index is not None:
-        raise SetupError(
-            f"--device {device} names one GPU, but each of the {nproc} processes uses its own "
-            "(cuda:LOCAL_RANK): give --device cuda"
-        )
-    visible = torch.cuda.device_count()
-    if nproc > visible:
-        raise SetupError(
-            f"--nproc-per-node {nproc} needs {nproc} GPUs (one per process), {visible} visible; "
-            "use --device cpu for CPU processes"
-        )
-
-
 def preflight(config: TrainConfig, processes: int = 1) -> None:
     """Returns None when ``config``'s names, device, files and batch size (over ``processes``
     processes) pass the checks :func:`train` makes first; raises what it would. Lets a
     launcher fail in one line before starting any process."""
-    _check(config)
+    check_config(config)
     resolve_device(config.device)
     _resumed(config)
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
-    _check_batch(config, len(data.train), processes)
-
-
-def _check_batch(config: TrainConfig, images: int, processes: int) -> None:
-    """Raises SetupError where the global batch exceeds the ``images`` of the training split."""
-    batch_size = _batch_size(config)
-    if batch_size * processes > images:
-        default = " (the default)" if config.batch_size is None else ""
-        per_process = f" x {processes} processes" if processes > 1 else ""
-        limited = f" (--limit {config.limit})" if config.limit is not None else ""
-        raise SetupError(
-            f"--batch-size {batch_size}{default}{per_process} exceeds the {images} "
-            f"training images{limited}"
-        )
+    check_batch(config, len(data.train), processes)
 
 
 def _resumed(config: TrainConfig) -> dict[str, Any] | None:
@@ -204,10 +60,10 @@ def _resumed(config: TrainConfig) -> dict[str, Any] | None:
     if config.resume is None:
         return None
     ckpt = checkpoint.load_checkpoint(config.resume, config.identity())
-    if ckpt["epoch"] >= _epochs(config):
+    if ckpt["epoch"] >= config.epochs_or_default():
         raise SetupError(
             f"checkpoint {config.resume} has {ckpt['epoch']} epochs done: --epochs "
-            f"{_epochs(config)} leaves none to train (give more)"
+            f"{config.epochs_or_default()} leaves none to train (give more)"
         )
     return ckpt
 
@@ -253,72 +109,18 @@ def _fp16_stepper(
 ) -> Stepper:
     model = build_model(config.model, data.in_channels, data.num_classes).to(device)
     compile_step = device.type == "cuda" if config.compile is None else config.compile
-    precision = {"master": config.master, "moments": config.moments}
+    lr, precision = config.lr_or_default(), {"master": config.master, "moments": config.moments}
     if config.fsdp:  # FSDP2 shards the FP32 model, or the FP16 one it makes
-        return FSDPStepper(model, _lr(config), config.loss_scale, compile_step, **precision)
+        return FSDPStepper(model, lr, config.loss_scale, compile_step, **precision)
     return make_stepper(
         config.api,
         to_half(model),
-        lr=_lr(config),
+        lr=lr,
         loss_scale=config.loss_scale,
         compile=compile_step,
         distributed=distributed,
         **precision,
     )
-
-
-def _epochs(config: TrainConfig) -> int:
-    return DATASETS[config.dataset].epochs if config.epochs is None else config.epochs
-
-
-def _batch_size(config: TrainConfig) -> int:
-    return DATASETS[config.dataset].batch_size if config.batch_size is None else config.batch_size
-
-
-def _lr(config: TrainConfig) -> float:
-    return DATASETS[config.dataset].lr if config.lr is None else config.lr
-
-
-def _check(config: TrainConfig) -> None:
-    if config.model not in MODELS:
-        raise ModelError(f"unknown model {config.model!r} (choose from: {', '.join(MODELS)})")
-    if config.dataset not in DATASETS:
-        raise DataError(f"unknown dataset {config.dataset!r} (choose from: {', '.join(DATASETS)})")
-    if config.data_dir is not None and not DATASETS[config.dataset].local_copy:
-        raise SetupError(
-            f"--data-dir is where a local copy of cifar10 lives; --dataset {config.dataset} "
-            "reads none (drop --data-dir, or add --dataset cifar10)"
-        )
-    for name in ("epochs", "batch_size", "limit"):
-        value = getattr(config, name)
-        if value is not None and value < 1:
-            raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    batch_size, fewest = _batch_size(config), MODELS[config.model].min_batch
-    if batch_size < fewest:
-        raise SetupError(
-            f"--batch-size {batch_size} is too small for --model {config.model}: its "
-            f"BatchNorm layers need at least {fewest} images per process"
-        )
-    if config.master is not None and config.master not in MASTERS:
-        raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
-    if config.moments is not None and config.moments not in MOMENTS:
-        raise SetupError(f"unknown moments {config.moments!r} (choose from: {', '.join(MOMENTS)})")
-    if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
-        raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
-    if config.lr is not None:
-        try:
-            check_hyperparam("lr", config.lr)  # the optimizer's own check, before any data
-        except ValueError as err:
-            raise SetupError(f"--lr {config.lr}: {err}") from None
-    if config.fsdp and config.api != "facade":
-        raise SetupError("--fsdp trains with FP16_Optimizer: use --api facade")
-    if config.plot is not None:
-        for flag, other in (("--save", config.save), ("--resume", config.resume)):
-            if other is not None and outputs.same_file(config.plot, other):
-                raise SetupError(f"--plot and {flag} name the same file, {config.plot}")
-        check_plotting(config.plot)
-    if config.save is not None:  # a file it would replace: before anything loads
-        checkpoint.check_new(config.save, config.resume, config.identity(), _epochs(config))
 
 
 def _check_outputs(config: TrainConfig) -> None:
@@ -366,7 +168,7 @@ def _run(
     ``check_outputs``: check ``--save`` and ``--plot`` then (:func:`_check_outputs`).
     """
     generator = torch.Generator().manual_seed(config.seed)
-    batch_size = _batch_size(config)
+    batch_size = config.batch_size_or_default()
     train_batches = ImageBatches(data.train, data, batch_size, device, generator, processes)
     test_batches = ImageBatches(data.test, data, batch_size, device, processes=processes)
     history = History()
@@ -410,8 +212,8 @@ def _run(
         stepper,
         train_batches,
         test_batches,
-        epochs=_epochs(config),
-        lr=_lr(config),
+        epochs=config.epochs_or_default(),
+        lr=config.lr_or_default(),
         schedule=config.lr_schedule,
         history=history,
         progress=config.progress and processes.is_main,
@@ -432,14 +234,15 @@ def train(config: TrainConfig) -> TrainResult:
       SetupError, DataError, ModelError, CheckpointError, PlotError, StateMismatchError: bad
         settings or files, each with a one-line message naming the problem.
     """
-    _check(config)
+    check_config(config)
     device = resolve_device(config.device)
     processes = Processes.current()
     ckpt = _resumed(config)
     config = _with_precision(config, ckpt)
     data = _limited(load_dataset(config.dataset, config.data_dir), config.limit)
-    epochs, batch_size, lr = _epochs(config), _batch_size(config), _lr(config)
-    _check_batch(config, len(data.train), processes.size)
+    epochs, batch_size = config.epochs_or_default(), config.batch_size_or_default()
+    lr = config.lr_or_default()
+    check_batch(config, len(data.train), processes.size)
     global_batch = batch_size * processes.size
     distributed = processes.size > 1
     if config.fsdp and not distributed:
