@@ -275,7 +275,8 @@ class FastEngine:
 
     def check_state(self, per_param: PerParamState) -> None:
         """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it
-        (:func:`torch_state.check`: its form; its values are checked where it is read)."""
+        (its form, :func:`torch_state.check`: a load or a takeover checked its values first,
+        :func:`torch_state.check_values`, and the engine's own export holds valid ones)."""
         for p, entry in zip(self.flat.params, self._entries_in_order()):
             try:
                 torch_state.check(self.kind, entry, per_param.get(entry, {}), "state")

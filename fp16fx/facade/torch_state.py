@@ -1,11 +1,11 @@
 """The core's per-param state <-> torch.optim's per-param state dicts, and what they may hold.
 
-Layer: ``facade`` (docs/design.md). Bookkeeping only: which entry of a param's part of the
-core's state (:func:`fp16fx.checkpoint.per_leaf`: ``opt[...].mu``, ``opt[...].count``...)
-torch.optim calls ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer`` and
-``step``. torch keeps no state for a param before its first step, and SGD without momentum
-keeps none at all. Loading goes through the core's own state dict in FP32 terms
-(:func:`core_entries`), so that the core's checks and encodings apply unchanged.
+Layer: ``facade`` (docs/design.md). Which entry of a param's part of the core's state
+(:func:`fp16fx.checkpoint.per_leaf`: ``opt[...].mu``, ``opt[...].count``...) torch.optim
+calls ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer`` and ``step``.
+torch keeps no state for a param before its first step, and SGD without momentum keeps none
+at all. Loading goes through the core's own state dict in FP32 terms (:func:`core_entries`),
+so that the core's checks and encodings apply unchanged.
 
 What SGD's, Adam's and AdamW's per-param state may hold is defined once (:data:`STATE_KEYS`,
 :func:`check`, :func:`check_values`): a loaded ``optimizer_state_dict``
@@ -164,7 +164,7 @@ def check(kind: str | None, like: torch.Tensor, state: Any, where: str) -> None:
     if extra:
         raise ValueError(
             f"{where} has {extra}, which torch.optim.{describe(GroupSpec(kind))} does not "
-            "keep (was it saved from another optimizer?)"
+            "keep (from another optimizer's state?)"
         )
     missing = sorted(set(STATE_KEYS[kind]) - LAZY - set(state))
     if missing:
