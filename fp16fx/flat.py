@@ -130,7 +130,13 @@ class Layout:
         several times a step)."""
         return tuple(
             Segment(
-                b, lo, hi, bucket.offsets[lo], bucket.offsets[hi], bucket.stop(hi), bucket.label
+                bucket=b,
+                lo=lo,
+                hi=hi,
+                start=bucket.offsets[lo],
+                end=bucket.offsets[hi],
+                stop=bucket.stop(hi),
+                label=bucket.label,
             )
             for b, (bucket, cut) in enumerate(zip(self.buckets, self.cuts))
             for lo, hi in itertools.pairwise(cut)
@@ -181,7 +187,16 @@ def plan(
         shapes = tuple(tuple(leaves[i].shape) for i in indices)
         offsets = (0, *itertools.accumulate(math.prod(s) for s in shapes))
         padded = math.ceil(offsets[-1] / multiple) * multiple
-        buckets.append(Bucket(dtype, label, tuple(indices), offsets, shapes, padded))
+        buckets.append(
+            Bucket(
+                dtype=dtype,
+                label=label,
+                indices=tuple(indices),
+                offsets=offsets,
+                shapes=shapes,
+                padded=padded,
+            )
+        )
     cuts = tuple((0, len(b)) for b in buckets)
     return Layout(treedef, tuple(buckets), cuts)
 

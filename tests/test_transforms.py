@@ -129,7 +129,9 @@ def test_adam_family_matches_torch(name, lr, beta1, beta2, eps, weight_decay, am
 def test_adam_at_eps_zero_leaves_values_without_gradient_alone(amsgrad):
     """At eps = 0, torch's Adam divides 0 by 0 where a value has had only zero gradients (NaN);
     fp16fx's update is 0 there (eps counts as at least 2**-126), and everywhere else it is
-    torch's at eps = 0, bitwise."""
+    torch's at eps = 0: the same math in fp16fx's order (reciprocals where torch divides),
+    so close as the other Adam comparisons here, not bitwise (bitwise on an AMD EPYC by
+    chance; on an AVX-512 Intel Xeon, 2 of 48 values a float32 rounding apart)."""
     hp = dict(lr=1e-2, eps=0.0, amsgrad=amsgrad)
     params = {"w": torch.randn(64)}
     state = fp16fx.init(params, fp16fx.adam(**hp), fp16fx.NoLossScale())
@@ -145,7 +147,7 @@ def test_adam_at_eps_zero_leaves_values_without_gradient_alone(amsgrad):
     ours, theirs = state.master["w"], reference.detach()
     assert theirs[silent].isnan().all()  # what fp16fx does not do
     assert torch.equal(ours[silent], params["w"][silent])
-    assert torch.equal(ours[~silent], theirs[~silent])
+    torch.testing.assert_close(ours[~silent], theirs[~silent], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

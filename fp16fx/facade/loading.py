@@ -281,10 +281,17 @@ def parse(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd: An
             raise _fail(str(err)) from None
     trained = sum(len(ps) for ps in params.trainable)
     return Plan(
-        policy, values, sd["optimizer_state_dict"], groups, masters, specs,
-        sd.get("overflow"), sd.get("first_closure_call_this_step", True),
-        _parse_integers(sd, "applied_steps", ()), _parse_integers(sd, "param_segments", (trained,)),
-    )  # fmt: skip
+        policy=policy,
+        values=values,
+        osd=sd["optimizer_state_dict"],
+        groups=groups,
+        masters=masters,
+        specs=specs,
+        overflow=sd.get("overflow"),
+        first_closure_call=sd.get("first_closure_call_this_step", True),
+        applied_steps=_parse_integers(sd, "applied_steps", ()),
+        param_segments=_parse_integers(sd, "param_segments", (trained,)),
+    )
 
 
 def load(

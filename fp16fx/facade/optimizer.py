@@ -189,7 +189,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
         sizes = [len(group["params"]) for group in groups]
-        self._params = ParamSet(trainable, masters, frozen, names, sizes)
+        self._params = ParamSet(
+            trainable=trainable, masters=masters, frozen=frozen, names=names, sizes=sizes
+        )
         self._engine: Engine = engine
         self._phase = Phase()
 

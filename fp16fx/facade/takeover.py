@@ -111,7 +111,15 @@ def read_optimizer(
                 (f"the state its optimizer holds for {names[id(p)]}", summary)
                 for p, summary in zip(params, summaries, strict=True)
             ]
-    return Takeover(kind, specs, labels, transform, params, fsdp, agreed)
+    return Takeover(
+        kind=kind,
+        specs=specs,
+        labels=labels,
+        transform=transform,
+        params=params,
+        fsdp=fsdp,
+        agreed=agreed,
+    )
 
 
 def refuse_shared(params: Sequence[torch.Tensor], names: Mapping[int, str]) -> None:
