@@ -281,7 +281,9 @@ def test_a_run_thaws_the_objects_it_froze_out_of_garbage_collection(monkeypatch)
         before = gc.get_freeze_count()
         with pytest.raises(KeyboardInterrupt):
             _tiny_run(["torch-fused"])
-        assert frozen[1] == gc.get_freeze_count() == before
+        # Neither frozen again (the run's own objects would join) nor thawed (0); a frozen
+        # object that dies leaves the count, so it may end a little lower.
+        assert 0 < gc.get_freeze_count() <= frozen[1] <= before
     finally:
         gc.unfreeze()
 
