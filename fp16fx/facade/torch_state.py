@@ -185,14 +185,14 @@ def check(kind: str | None, like: torch.Tensor, state: Any, where: str) -> None:
 def check_values(kind: str | None, state: Mapping[str, Any], where: str) -> None:
     """Raises ValueError, naming the entry as ``where[key]``, where ``state`` (one
     :func:`check` passed) holds values no run keeps: a ``step`` that is no step count
-    (:func:`is_step_count`), inf or NaN in a moment, NaN or negative values in a second moment
+    (:func:`is_torch_step_count`), inf or NaN in a moment, NaN or negative values in a second moment
     (:func:`~fp16fx.saved_format.value_fault`). ``kind`` None: nothing is checked (see
     :func:`check`). One sync per tensor."""
     if kind is None:
         return
     for key, value in state.items():
         if key == "step":
-            if not is_step_count(value):
+            if not is_torch_step_count(value):
                 raise ValueError(f"{where}['step'] is {value!r}, not a step count")
         elif value is not None:
             why = saved_format.value_fault(value, key in _NON_NEGATIVE)
@@ -207,7 +207,7 @@ def _one_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_step_count(value: Any) -> bool:
+def is_torch_step_count(value: Any) -> bool:
     """Whether ``value`` (a number or a one-element tensor: one sync) is a step count as
     torch.optim keeps one: a whole number >= 0 that the core's int64 counts hold."""
     if not _one_number(value):
