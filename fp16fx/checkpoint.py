@@ -220,12 +220,15 @@ def in_dtype_of(path: str, entry: dict[str, Any], like: Mapping[str, Any] | None
     return out
 
 
-def _same_layout(template: Mapping[str, Any], sd: Mapping[str, Any]) -> bool:
+def _same_layout(
+    template: Mapping[str, Any], sd: Mapping[str, Any], non_negative: frozenset[str]
+) -> bool:
     """Whether ``sd`` holds exactly the stored tensors ``template`` does, shape for shape --
     an int8 moment's blocks where the state's sit, each block's scale saved alike by every
-    leaf in it -- so a raw copy is exact."""
+    leaf in it -- so a raw copy is exact (``non_negative``: as for :func:`check_fits`, which
+    a second moment's +inf passes)."""
     try:
-        check_fits(template, {**sd, "precision": template["precision"]})
+        check_fits(template, {**sd, "precision": template["precision"]}, non_negative)
     except (StateDictError, TypeError):
         return False
     return _shared_scales_agree(template, sd) and all(
@@ -279,9 +282,10 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype or kind, int8 scales that do not count the blocks or that no
-        encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, a
-        negative count or second moment), a master past the range of a param's new dtype or,
-        into a compensated state, of its dtype (a pair at the midpoint to inf) --
+        encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, but
+        a second moment may be +inf; a negative count or second moment), a master past the
+        range of a param's new dtype or, into a compensated state, of its dtype (a pair at
+        the midpoint to inf) --
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing
         is changed.
     """
@@ -315,7 +319,8 @@ def prepare_load(
             for path, entry in their_params.items()
         },
     }
-    check_fits(mine, theirs, non_negative_keys(signs))
+    non_negative = non_negative_keys(signs)
+    check_fits(mine, theirs, non_negative)
     if state.precision.compensated:
         check_compensable(theirs["params"])
     paths = leaf_paths(state)
@@ -328,7 +333,7 @@ def prepare_load(
         saved_entries = [sd["params"].get(path) for path in paths]
         layout = layout.recut(_block_restarts(layout, saved_entries, saved.block))
     state = recut(state, layout)
-    exact = saved == state.precision and _same_layout(state_dict(state), sd)
+    exact = saved == state.precision and _same_layout(state_dict(state), sd, non_negative)
 
     def write() -> MixedPrecisionState:
         with torch.no_grad():

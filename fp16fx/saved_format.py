@@ -99,7 +99,8 @@ def check_fits(
     """Raises naming the first entry of ``sd`` that does not fit ``template`` (a state dict of
     the state it is to be loaded into: its keys, and tensors of the right shape and dtype,
     holding values a run can save: finite, ``>= 0`` counts and, under the leaf keys named in
-    ``non_negative``, the state's moments that are never negative).
+    ``non_negative``, the state's moments that are never negative, no NaN and no negative
+    values, +inf allowed: :func:`value_fault`).
 
     Raises:
       TypeError: ``sd`` is not a dict; StateDictError: anything else that does not fit.
@@ -222,9 +223,9 @@ def value_fault(value: torch.Tensor, non_negative: bool = False) -> str | None:
 
 
 def _check_leaf_value(where: str, key: str, value: torch.Tensor, non_negative: bool) -> None:
-    """Raises StateDictError unless a leaf's saved ``value`` is one no run saves into NaN: a
-    finite param, master and moment, a step count >= 0, a ``non_negative`` moment (Adam's
-    second) without negative values (:func:`value_fault`)."""
+    """Raises StateDictError unless a leaf's saved ``value`` is one a run saves: a finite
+    param, master and moment, a step count >= 0, a ``non_negative`` moment (Adam's second)
+    without NaN or negative values (:func:`value_fault`)."""
     why = value_fault(value, non_negative)
     if why is not None:
         raise misfit(f"{where} {why}")

@@ -505,7 +505,10 @@ def test_checkpoint_saved_at_2_loads_at_4_and_unsharded(runs_4):
     expected = train(model, opt, range(STEPS), "same", 1)["params"]
     for world in (2, 4):
         for r in runs[world]:
-            for a, b in zip(r["checkpoint"]["params"], expected):
+            for a, b, first in zip(
+                r["checkpoint"]["params"], expected, runs[world][0]["checkpoint"]["params"]
+            ):
+                assert torch.equal(a, first)  # every rank holds the same params
                 assert_nearly_bitwise(a, b)
     # Unsharded: every rank's dict, consolidated into apex's format (weights_only both ways).
     shards = [torch.load(runs["dir"] / f"opt_rank{r}.pt", weights_only=True) for r in (0, 1)]

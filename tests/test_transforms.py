@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from typing import Any, NamedTuple
 
 import optree
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import fp16fx
 from fp16fx.segments import Segments
 from fp16fx.transforms import with_grad_norm
+from fp16fx.transforms.primitives import NO_CLIP, clip_coefficient
 from tests.test_step import same_bits
 
 STEPS = 20
@@ -180,6 +182,20 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm(size):
         torch.testing.assert_close(o, h.grad, rtol=1e-6, atol=0)
     if size < 1:
         assert all(torch.equal(o, g) for o, g in zip(out, reference))
+
+
+def test_a_norm_that_overflowed_is_clipped_to_zero_unless_no_clip_was_asked():
+    """Finite grads past 1.8e19 make the FP32 norm inf: torch's rule then scales them by 0,
+    as ``clip_grad_norm_`` does; NO_CLIP (which FP16_Optimizer's chain holds until a clip is
+    asked for) once did too, and froze every param of such a step."""
+    inf = torch.tensor(math.inf)
+    assert clip_coefficient(1.0, inf) == 0
+    assert clip_coefficient(sys.float_info.max / 2, inf) == 0
+    assert clip_coefficient(NO_CLIP, inf) == 1 and clip_coefficient(NO_CLIP, torch.tensor(3.0)) == 1
+    clip = fp16fx.clip_by_global_norm(NO_CLIP)
+    grads = [torch.full((3,), 1e20)]
+    out, _ = clip.update(grads, with_grad_norm(clip.init(grads), inf), grads)
+    assert torch.equal(out[0], grads[0])
 
 
 def test_chain_and_multi_transform_apply_each_group_its_own_hyperparameters():

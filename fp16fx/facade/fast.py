@@ -31,7 +31,6 @@ from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import torch_state
 from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.groups import (
-    NO_CLIP,
     GroupSpec,
     Unsupported,
     build_transform,
@@ -49,6 +48,7 @@ from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, init, recut
 from fp16fx.step import StepInfo, adopt_written_, was_written
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
+from fp16fx.transforms.primitives import NO_CLIP
 
 logger = logging.getLogger("fp16fx")
 

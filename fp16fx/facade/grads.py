@@ -19,9 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.facade.groups import NO_CLIP
 from fp16fx.scaling import GradCheck
-from fp16fx.transforms.primitives import clip_coefficient, clip_limit
+from fp16fx.transforms.primitives import NO_CLIP, clip_coefficient, clip_limit
 
 T = TypeVar("T")
 

@@ -13,7 +13,6 @@ with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,9 +28,8 @@ from fp16fx.transforms import (
     multi_transform,
     sgd,
 )
+from fp16fx.transforms.primitives import NO_CLIP
 
-#: ``max_norm`` meaning "do not clip": the clip coefficient is then exactly 1.
-NO_CLIP = sys.float_info.max
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 #: Per kind, the numbers a saved param group must hold: those torch.optim does not fill in
 #: when it loads a group saved by an older version (it does amsgrad, nesterov, maximize...).

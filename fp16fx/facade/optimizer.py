@@ -24,7 +24,7 @@ from fp16fx.facade import checkpoint, closure, loading
 from fp16fx.facade.engines import Engine, build_engine, check_path, handover, shard_group
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
-from fp16fx.facade.groups import NO_CLIP, Unsupported
+from fp16fx.facade.groups import Unsupported
 from fp16fx.facade.params import (
     ParamSet,
     check_trainable,
@@ -41,6 +41,7 @@ from fp16fx.precision import Precision
 from fp16fx.scaling import DynamicLossScale, check_scale
 from fp16fx.step import StepInfo
 from fp16fx.transforms import check_hyperparam
+from fp16fx.transforms.primitives import NO_CLIP
 
 logger = logging.getLogger("fp16fx")
 Path = Literal["auto", "fast", "generic"]

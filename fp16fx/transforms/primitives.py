@@ -8,6 +8,7 @@ entry per segment: a step count per segment (0-d) and moments per element.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import optree
@@ -90,14 +91,23 @@ _TINY = torch.finfo(torch.float32).tiny
 CLIP_EPS = 1e-6
 
 
+#: A ``max_norm`` that clips nothing: its :func:`clip_coefficient` is 1 whatever the norm,
+#: also where the norm overflowed to inf (finite grads past 1.8e19), where the rule gives 0.
+#: (``FP16_Optimizer`` keeps ``clip_by_global_norm(NO_CLIP)`` in its chain, so that a clip
+#: asked for later changes a hyperparameter, not the compiled step.)
+NO_CLIP = sys.float_info.max
+
+
 def clip_coefficient(
     max_norm: float | torch.Tensor, norm: torch.Tensor, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
-    """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d tensor of ``dtype``: the factor
-    :func:`clip_by_global_norm` scales updates by when the gradients' global norm is ``norm``
-    (``torch.nn.utils.clip_grad_norm_``'s rule; that function computes it in the norm's
-    FP32, :func:`clip_by_global_norm` in float64)."""
-    return torch.clamp(max_norm / (norm.to(dtype) + CLIP_EPS), max=1.0)
+    """Returns ``min(1, max_norm / (norm + 1e-6))`` as a 0-d tensor of ``dtype`` (1 for
+    :data:`NO_CLIP`): the factor :func:`clip_by_global_norm` scales updates by when the
+    gradients' global norm is ``norm`` (``torch.nn.utils.clip_grad_norm_``'s rule; that
+    function computes it in the norm's FP32, :func:`clip_by_global_norm` in float64)."""
+    coefficient = torch.clamp(max_norm / (norm.to(dtype) + CLIP_EPS), max=1.0)
+    no_clip = torch.as_tensor(max_norm, dtype=torch.float64) == NO_CLIP  # FP32 would say inf
+    return torch.where(no_clip, 1.0, coefficient)
 
 
 def clip_limit(coefficient: torch.Tensor, norm: torch.Tensor) -> float:
