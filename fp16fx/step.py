@@ -61,7 +61,8 @@ class StepInfo(NamedTuple):
     Attributes:
       finite: False when the step was skipped (some gradient held inf or NaN).
       loss_scale: the scale these gradients carried (the state holds the next one).
-      grad_norm: the global L2 norm of the unscaled gradients (inf/NaN when not finite).
+      grad_norm: the global L2 norm of the unscaled gradients (inf/NaN when not finite;
+        inf also for finite ones past ~1.8e19, whose squares overflow FP32).
       loss_scale_floored: an overflow found the scale already at its minimum.
     """
 

@@ -31,24 +31,31 @@ from fp16fx.fp16_utils import FP16_Optimizer
 
 
 def test_a_grad_norm_past_fp32s_range_steps_the_fast_path_as_the_generic_one():
-    """A finite BF16 gradient of 1e20 squares past FP32's range: the global norm is inf. With
-    no clip asked for, the fast path's chain once scaled every update by 0 (its "no clip"
-    max_norm over inf): nothing moved, the step counted, and nothing said so."""
-    weights = {}
-    for path in ("fast", "generic"):
-        torch.manual_seed(0)
-        model = nn.Linear(300, 1, bias=False).bfloat16()
-        inner = torch.optim.Adam(model.parameters(), lr=1e-3)
-        opt = FP16_Optimizer(inner, path=path, compiled=False, verbose=False)
-        before = model.weight.detach().clone()
-        opt.zero_grad()
-        opt.backward(model(torch.ones(1, 300, dtype=torch.bfloat16)).float().sum())
-        model.weight.grad[0, 0] = 1e20
-        opt.step()
-        assert not opt.overflow
-        weights[path] = model.weight.detach()
-        assert (weights[path] != before).all(), path
-    assert torch.equal(weights["fast"], weights["generic"])
+    """An input of 1e20 gives its weight a finite BF16 gradient whose square overflows FP32: the
+    global norm is inf. With no clip asked for, the fast path's chain once scaled every update
+    by 0 (its "no clip" max_norm over inf): nothing moved, the step counted, and nothing said
+    so. Clipped twice, it once stepped unclipped (the first clip's norm, inf * 0, was NaN)
+    where torch's clip_grad_norm_ leaves zeros."""
+    x = torch.ones(1, 300, dtype=torch.bfloat16)
+    x[0, 0] = 1e20
+    for clips in (0, 1, 2):
+        weights, norms = {}, {}
+        for path in ("fast", "generic"):
+            torch.manual_seed(0)
+            model = nn.Linear(300, 1, bias=False).bfloat16()
+            inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+            opt = FP16_Optimizer(inner, path=path, compiled=False, verbose=False)
+            before = model.weight.detach().clone()
+            opt.zero_grad()
+            opt.backward(model(x).float().sum())
+            norms[path] = [opt.clip_master_grads(1.0) for _ in range(clips)]
+            opt.step()
+            assert not opt.overflow
+            weights[path] = model.weight.detach()
+            moved = weights[path] != before
+            assert moved[0, 1:].all() if clips == 0 else not moved.any(), (path, clips)
+        assert torch.equal(weights["fast"], weights["generic"]), clips
+        assert norms["fast"] == norms["generic"] == [math.inf, 0.0][:clips], clips
 
 
 INNER = {

@@ -243,8 +243,12 @@ class GenericEngine:
             with torch.no_grad():
                 torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
             norm = float(self._norm)
-            self._norm = self._norm * coef  # the clipped grads' norm: a second clip reads it
-            self._local = self._local._replace(norm=self._local.norm * coef)  # and agrees
+            # The clipped grads' norm, which a second clip reads (and agrees): 0 where an inf
+            # norm clipped them to zeros, which inf * 0 would make NaN.
+            self._norm = torch.where(coef > 0, self._norm * coef, 0.0)
+            self._local = self._local._replace(
+                norm=torch.where(coef > 0, self._local.norm * coef, 0.0)
+            )
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
 

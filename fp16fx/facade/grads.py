@@ -122,6 +122,8 @@ class GradFacts:
         limit, clipped_to = max_norm, self.clip_norm()
         if clipped_to != NO_CLIP:
             first = clip_coefficient(clipped_to, norm)
+            if first == 0:  # an inf norm: the first clip zeroed the grads (inf * 0 is no norm)
+                return torch.zeros_like(norm)  # and this one keeps them so, its step too
             clipped = norm * first
             both = first * clip_coefficient(limit, clipped)
             limit = clip_limit(both, norm) if both < 1 else NO_CLIP

@@ -463,7 +463,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         second call sees the grads the first clipped and returns their norm, as apex's did.
         A ``norm_type`` other than 2 moves the optimizer to the generic path (a sharded or
         FSDP2 one, which has none, raises ValueError). ``max_norm`` may
-        be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes.
+        be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes;
+        the largest float (``sys.float_info.max``) means no clip, even where the norm is inf.
         """
         try:  # the rule of clip_by_global_norm's max_norm
             max_norm = check_hyperparam("max_norm", max_norm)
