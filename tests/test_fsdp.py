@@ -382,7 +382,28 @@ def generic_clip(rank: int, world: int) -> dict[str, Any]:
         moved[clips] = [p - s for p, s in zip(shards(model), start, strict=True)]
     # atol: an FP32 ulp of the params (<= 1), whose moves are ~1e-5 here.
     same = [torch.allclose(a, b, rtol=1e-3, atol=2e-7) for a, b in zip(moved[1], moved[2])]
-    return {"norms": norms, "path": opt.path, "same_step": all(same)}
+    # Finite grads whose norm overflows FP32: the first clip zeroes them, as clip_grad_norm_
+    # does, and the second sees zeros (its norm, inf * 0, was once NaN: NaN grads and masters).
+    model = sharded()
+    start = shards(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = facade(model, sgd, compiled=False, path="generic")
+    opt.zero_grad()
+    opt.backward(loss_of(model, 0, rank, world), update_master_grads=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            dtensors.local(p.grad).fill_(1e30)  # / INIT_SCALE, squared: past FP32's range
+    opt.update_master_grads()
+    overflowed = [opt.clip_master_grads(CLIP) for _ in range(2)]
+    opt.step()
+    unmoved = all(map(torch.equal, shards(model), start))
+    return {
+        "norms": norms,
+        "path": opt.path,
+        "same_step": all(same),
+        "overflowed_norms": overflowed,
+        "overflowed_unmoved": unmoved,
+    }
 
 
 def accumulation(rank: int, world: int) -> dict[str, Any]:
@@ -848,6 +869,7 @@ def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):
         assert r["path"] == "generic" and once == first > CLIP / 100
         assert second == pytest.approx(CLIP / 100, rel=1e-4)
         assert r["same_step"]
+        assert r["overflowed_norms"] == [math.inf, 0.0] and r["overflowed_unmoved"]
 
 
 def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs):
