@@ -363,46 +363,47 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
     return out
 
 
-def generic_clip(rank: int, world: int) -> dict[str, Any]:
-    """The generic path's clip_master_grads called twice, as ``clip_grad_norm_`` twice: the
-    second sees the clipped grads (their norm ``CLIP``) and leaves them alone (it once
-    reused the first norm and scaled them again, by 1/100 here), so one step moves the params
-    as one clip (but for the second's factor max_norm / (max_norm + 1e-6), torch's too)."""
-    moved, norms = {}, []
-    for clips in (1, 2):
-        model = sharded()
-        start = shards(model)
-        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt = facade(model, sgd, compiled=False, path="generic")
-        opt.zero_grad()
-        opt.backward(loss_of(model, 0, rank, world), update_master_grads=False)
-        opt.update_master_grads()
-        norms.append([opt.clip_master_grads(CLIP / 100) for _ in range(clips)])
-        opt.step()
-        moved[clips] = [p - s for p, s in zip(shards(model), start, strict=True)]
-    # atol: an FP32 ulp of the params (<= 1), whose moves are ~1e-5 here.
-    same = [torch.allclose(a, b, rtol=1e-3, atol=2e-7) for a, b in zip(moved[1], moved[2])]
-    # Finite grads whose norm overflows FP32: the first clip zeroes them, as clip_grad_norm_
-    # does, and the second sees zeros (its norm, inf * 0, was once NaN: NaN grads and masters).
+def generic_clipped_step(
+    rank: int, world: int, max_norm: float, clips: int, grad: float | None = None
+) -> tuple[list[float], list[torch.Tensor], str]:
+    """One generic-path SGD step of the sharded model, its grads (each value ``grad``, where
+    given) clipped ``clips`` times to ``max_norm``: the norms the clips returned, how far
+    each param's shard moved, and the path the optimizer took."""
     model = sharded()
     start = shards(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = facade(model, sgd, compiled=False, path="generic")
     opt.zero_grad()
     opt.backward(loss_of(model, 0, rank, world), update_master_grads=False)
-    with torch.no_grad():
-        for p in model.parameters():
-            dtensors.local(p.grad).fill_(1e30)  # / INIT_SCALE, squared: past FP32's range
+    if grad is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                dtensors.local(p.grad).fill_(grad)
     opt.update_master_grads()
-    overflowed = [opt.clip_master_grads(CLIP) for _ in range(2)]
+    norms = [opt.clip_master_grads(max_norm) for _ in range(clips)]
     opt.step()
-    unmoved = all(map(torch.equal, shards(model), start))
+    return norms, [p - s for p, s in zip(shards(model), start, strict=True)], opt.path
+
+
+def generic_clip(rank: int, world: int) -> dict[str, Any]:
+    """The generic path's clip_master_grads called twice, as ``clip_grad_norm_`` twice: the
+    second sees the clipped grads (their norm ``CLIP``) and leaves them alone (it once
+    reused the first norm and scaled them again, by 1/100 here), so one step moves the params
+    as one clip (but for the second's factor max_norm / (max_norm + 1e-6), torch's too)."""
+    once, moved_once, _ = generic_clipped_step(rank, world, CLIP / 100, 1)
+    twice, moved_twice, path = generic_clipped_step(rank, world, CLIP / 100, 2)
+    # atol: an FP32 ulp of the params (<= 1), whose moves are ~1e-5 here.
+    same = [torch.allclose(a, b, rtol=1e-3, atol=2e-7) for a, b in zip(moved_once, moved_twice)]
+    # Finite grads whose norm overflows FP32 (1e30 / INIT_SCALE, squared): the first clip
+    # zeroes them, as clip_grad_norm_ does, and the second sees zeros (its norm, inf * 0, was
+    # once NaN: NaN grads and masters).
+    overflowed, moved, _ = generic_clipped_step(rank, world, CLIP, 2, grad=1e30)
     return {
-        "norms": norms,
-        "path": opt.path,
+        "norms": [once, twice],
+        "path": path,
         "same_step": all(same),
         "overflowed_norms": overflowed,
-        "overflowed_unmoved": unmoved,
+        "overflowed_unmoved": not any(m.any() for m in moved),
     }
 
 
