@@ -7,6 +7,7 @@ that is the promise of the README's first command, so it is tested as it ships.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch
 
 from fp16fx import cli
 from fp16fx.train import command, session
+from fp16fx.train.config import SetupError, TrainConfig
 from fp16fx.train.models import build_model
 
 
@@ -191,6 +193,25 @@ def test_limit_and_data_dir_are_checked_before_the_data_loads(capsys, monkeypatc
     assert_one_line_error(code, err, "--limit must be >= 1, got 0")
     code, _, err = train_cli(capsys, "--dataset", "fake", "--data-dir", "/tmp")
     assert_one_line_error(code, err, "--dataset fake reads none")
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"api": "jax"}, "unknown api 'jax' (choose from: facade, functional)"),
+        ({"lr_schedule": "linear"}, "unknown lr schedule 'linear' (choose from: cosine, constant)"),
+        ({"loss_scale": "big"}, "a static --loss-scale must be a finite number > 0"),
+        ({"loss_scale": 0.0}, "a static --loss-scale must be a finite number > 0"),
+    ],
+)
+def test_a_python_config_argparse_would_refuse_fails_before_the_data_loads(
+    monkeypatch, setting, message
+) -> None:
+    """A TrainConfig built in Python skips argparse's choices and types: train() checks what
+    they check, before the data loads."""
+    monkeypatch.setattr(session, "load_dataset", lambda *args: pytest.fail("the data loaded"))
+    with pytest.raises(SetupError, match=re.escape(message)):
+        session.train(TrainConfig(**setting))
 
 
 def test_a_global_batch_the_data_cannot_hold_fails_before_any_process_starts(

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from fp16fx.precision import MASTERS, MOMENTS
+from fp16fx.scaling import check_scale
 from fp16fx.train import checkpoint, outputs
 from fp16fx.train.data import DATASETS, DataError
+from fp16fx.train.loop import SCHEDULES
 from fp16fx.train.models import MODELS, ModelError
 from fp16fx.train.report import check_plotting
-from fp16fx.train.steppers import LossScale
+from fp16fx.train.steppers import APIS, LossScale
 from fp16fx.transforms import check_hyperparam
 
 __all__ = [
@@ -201,6 +203,17 @@ def check_config(config: TrainConfig) -> None:
             f"--batch-size {batch_size} is too small for --model {config.model}: its "
             f"BatchNorm layers need at least {fewest} images per process"
         )
+    if config.api not in APIS:
+        raise SetupError(f"unknown api {config.api!r} (choose from: {', '.join(APIS)})")
+    if config.lr_schedule not in SCHEDULES:
+        raise SetupError(
+            f"unknown lr schedule {config.lr_schedule!r} (choose from: {', '.join(SCHEDULES)})"
+        )
+    if config.loss_scale != "dynamic":
+        try:
+            check_scale("a static --loss-scale", config.loss_scale)
+        except ValueError as err:
+            raise SetupError(str(err)) from None
     if config.master is not None and config.master not in MASTERS:
         raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
     if config.moments is not None and config.moments not in MOMENTS:
