@@ -555,6 +555,44 @@ def test_a_group_changed_behind_the_optimizers_back_is_refused_before_a_step(pat
     opt.param_groups[0]["params"].append(removed)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("change", ["groups reordered", "params swapped", "param replaced"])
+def test_a_group_reordered_or_a_param_swapped_behind_its_back_is_refused_before_a_step(
+    path, change
+):
+    """The groups keep their sizes, so only the tensors in their places tell: the fast path
+    reads each group's numbers by its place, and stepped a reordered group's params with
+    the other group's lr (a replaced param: the old one stepped, the new one left). The step
+    names the place, nothing stepped; put back, the optimizer steps as if nothing happened."""
+    model = make_model()
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    inner = torch.optim.SGD([{"params": first, "lr": 0.0}, {"params": second, "lr": 0.5}])
+    opt = wrap(model, path, inner)
+    groups = opt.param_groups
+    kept = [list(group["params"]) for group in groups]
+    if change == "groups reordered":
+        groups.reverse()
+        place = r"param_groups\[0\]\['params'\]\[0\]"
+    elif change == "params swapped":
+        groups[0]["params"], groups[1]["params"] = groups[1]["params"], groups[0]["params"]
+        place = r"param_groups\[0\]\['params'\]\[0\]"
+    else:
+        groups[1]["params"][1] = torch.zeros_like(groups[1]["params"][1])
+        place = r"param_groups\[1\]\['params'\]\[1\]"
+    opt.backward(loss_of(model, 0))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=place + " holds another tensor than the one it put"):
+        opt.step()
+    assert all(map(torch.equal, before, model.parameters()))
+    if change == "groups reordered":
+        groups.reverse()
+    for group, params in zip(groups, kept):
+        group["params"] = params
+    opt.step()
+    assert all(map(torch.equal, before[:2], model[0].parameters()))  # lr 0: unmoved
+    assert not any(map(torch.equal, before[2:], model[2].parameters()))
+
+
 def test_an_in_place_step_given_the_params_as_grads_is_refused_before_compiling():
     params = {"w": torch.randn(4).half()}
     state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0), buckets=True)

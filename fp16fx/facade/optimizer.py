@@ -189,9 +189,9 @@ class FP16_Optimizer(torch.optim.Optimizer):
                     path=path, compiled=compiled, shard=group, names=names, precision=precision,
                 )  # fmt: skip
         frozen = [p for g in groups for p in g["params"] if not p.requires_grad]
-        sizes = [len(group["params"]) for group in groups]
+        held = [list(group["params"]) for group in groups]
         self._params = ParamSet(
-            trainable=trainable, masters=masters, frozen=frozen, names=names, sizes=sizes
+            trainable=trainable, masters=masters, frozen=frozen, names=names, held=held
         )
         self._engine: Engine = engine
         self._phase = Phase()
@@ -577,7 +577,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             raise
         for old_group in self.param_groups[:n]:
             old_group["params"] = [moved.get(id(e), e) for e in old_group["params"]]
-        self._params.masters = [[moved.get(id(e), e) for e in ms] for ms in self._params.masters]
+        self._params.move_masters(moved)
         replace_params(self.optimizer, group, params, masters)
         self._params.add(params, masters, group, names)
         if self._phase.grads == "stale" and any(p.grad is not None for p in params):

@@ -6,6 +6,7 @@ Layer: ``facade`` (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,7 +80,8 @@ class ParamSet:
         FP16/BF16 param, the param itself for an FP32 one).
       frozen: the params that had ``requires_grad=False`` when it was built (never trained).
       names: ``{id(param): readable name}``, for errors.
-      sizes: per param group, how many params it holds, trained or frozen.
+      held: per param group, the tensors its ``'params'`` list holds, trained or frozen, as
+        the FP16_Optimizer left it (masters in place of the params they stand for).
       kinds: per trained param (groups in order), its dtype, shape and device when it was
         added: what :meth:`check_data` compares.
     """
@@ -88,7 +90,7 @@ class ParamSet:
     masters: list[list[torch.Tensor]]
     frozen: list[torch.Tensor]
     names: dict[int, str]
-    sizes: list[int]
+    held: list[list[torch.Tensor]]
     kinds: list[tuple[torch.dtype, torch.Size, torch.device]] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +113,12 @@ class ParamSet:
         self.masters.append(masters)
         self.frozen.extend(p for p in group["params"] if not p.requires_grad)
         self.names.update(names)
-        self.sizes.append(len(group["params"]))
+        self.held.append(list(group["params"]))
+
+    def move_masters(self, moved: dict[int, torch.Tensor]) -> None:
+        """Records that the groups now hold ``moved[id(old)]`` wherever they held ``old``."""
+        self.masters = [[moved.get(id(m), m) for m in ms] for ms in self.masters]
+        self.held = [[moved.get(id(t), t) for t in ts] for ts in self.held]
 
     def master_of(self) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): its master}`` over every group."""
@@ -121,16 +128,28 @@ class ParamSet:
         """Raises before a step, if the optimizer would not step some params as it steps the
         others: ValueError if ``groups`` (its param groups) gained or lost a group or a param
         other than by ``add_param_group`` (a group appended by hand: the fast path never
-        stepped it, the generic one stepped it without a master, its grads still scaled);
-        RuntimeError, naming it, if a param frozen when it was built has a gradient now (it
-        was unfrozen since: it would not be trained)."""
-        sizes = [len(group["params"]) for group in groups]
-        if sizes != self.sizes:
+        stepped it, the generic one stepped it without a master, its grads still scaled), or
+        if a group's ``'params'`` hold another tensor in some place (groups reordered, params
+        swapped or replaced: the fast path reads each group's numbers by its place and would
+        step a param with another group's lr); RuntimeError, naming it, if a param frozen
+        when it was built has a gradient now (it was unfrozen since: it would not be
+        trained)."""
+        sizes, held_sizes = [len(group["params"]) for group in groups], list(map(len, self.held))
+        if sizes != held_sizes:
             raise ValueError(
                 f"the param groups changed after the FP16_Optimizer was built: its groups held "
-                f"{self.sizes} params, they now hold {sizes}. Add a group with add_param_group "
+                f"{held_sizes} params, they now hold {sizes}. Add a group with add_param_group "
                 "and leave each group's 'params' as they are (or build a new FP16_Optimizer)"
             )
+        for k, (group, held) in enumerate(zip(groups, self.held)):
+            if any(map(operator.is_not, group["params"], held)):
+                i = next(i for i, (t, h) in enumerate(zip(group["params"], held)) if t is not h)
+                raise ValueError(
+                    f"the param groups changed after the FP16_Optimizer was built: "
+                    f"param_groups[{k}]['params'][{i}] holds another tensor than the one it "
+                    "put there (groups reordered, or params swapped or replaced). Leave each "
+                    "group's 'params' as they are (or build a new FP16_Optimizer)"
+                )
         for p in self.frozen:
             if p.requires_grad and p.grad is not None:
                 raise RuntimeError(
