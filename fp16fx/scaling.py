@@ -202,6 +202,12 @@ class DynamicLossScale:
         start = min(max(self.init_scale, self.min_scale), self.max_scale)
         return _state(start, device)
 
+    def holds(self, scale: float) -> bool:
+        """Returns whether ``scale`` lies within ``[min_scale, max_scale]``: a scale this
+        policy can hold. (``init`` clamps ``init_scale`` into them; ``adjust`` never moves a
+        scale out of them, but lifts one below ``min_scale`` to it at an overflow.)"""
+        return self.min_scale <= scale <= self.max_scale
+
     def counter_fault(self, good_steps: int, overflows: int) -> str | None:
         """Returns why no run under this policy holds these counters (a loaded state's), or
         None: the rule resets each when it reaches its bound. (Loaded at 2**31 - 1, the next

@@ -433,6 +433,31 @@ def test_loss_scale_can_be_set_and_update_is_step(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_dynamic_loss_scale_is_set_within_its_bounds_only(path):
+    """The setter once took a scale below min_loss_scale, which the next overflow then
+    *raised* to the floor (and one above max_loss_scale, which a growth then lowered)."""
+    a = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    args = {"init_scale": 64.0, "min_loss_scale": 16.0, "max_loss_scale": 128.0}
+    opt = wrap(a, path, torch.optim.SGD([a], lr=0.0), dynamic_loss_scale=True,
+               dynamic_loss_args=args)  # fmt: skip
+    for bad in (4.0, 8.0, 256.0, torch.tensor(4.0)):
+        with pytest.raises(ValueError, match=r"bounds, min_loss_scale 16 to max_loss_scale 128"):
+            opt.loss_scale = bad
+        assert opt.loss_scale == 64.0
+    for good in (16.0, 128.0, 100.0):  # the bounds themselves, and any value between
+        opt.loss_scale = good
+        assert opt.loss_scale == good
+    opt.loss_scale = 16.0
+    opt.zero_grad()
+    opt.backward(a.float().sum() * math.inf)
+    opt.step()
+    assert opt.overflow and opt.loss_scale == 16.0  # at the floor, never moved up to it
+    static = wrap(a, path, torch.optim.SGD([a], lr=0.0), static_loss_scale=8.0)
+    static.loss_scale = 2.0**30  # a static scale has no bounds (but FP32's)
+    assert static.loss_scale == 2.0**30
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_step_hooks_run_and_schedulers_accept_it(path):
     model = TwoHeads()
     opt = wrap(model, path)

@@ -290,6 +290,49 @@ def test_lbfgs_with_closure_reruns_the_closure_on_overflow_like_apex():
     assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters))
 
 
+def lbfgs(params):
+    return torch.optim.LBFGS(params, lr=0.5, max_iter=4)
+
+
+@pytest.mark.parametrize(
+    ("path", "inner"),
+    [("fast", adam), ("generic", adam), ("generic", lbfgs)],
+    ids=["fast-adam", "generic-adam", "generic-lbfgs"],
+)
+def test_a_closure_step_moves_the_scale_once_however_often_the_closure_runs(path, inner):
+    """The generic path once moved the scale at every finite closure call: LBFGS, which
+    calls it several times a step, counted each as a clean step, and with a window of 3
+    the scale grew within the first step. An overflow inside a closure backs the scale off
+    (the re-run then helps, as in apex); the step then counts one clean step."""
+    data = make_data(1)[0]
+    model, calls = make_model(), []
+    args = {"init_scale": 2.0**10, "scale_window": 3}
+    opt = wrap(model, inner, path, dynamic_loss_scale=True, dynamic_loss_args=args)
+    hook = Poison(model)
+
+    def closure():
+        calls.append(opt.loss_scale)
+        opt.zero_grad()
+        hook.on = len(calls) == 1  # the very first gradient overflows
+        loss = loss_fn(model, *data)
+        opt.backward(loss)
+        return loss
+
+    scales, per_step = [], []
+    for _ in range(4):
+        before = len(calls)
+        opt.step(closure)
+        per_step.append(len(calls) - before)
+        scales.append(opt.loss_scale)
+    assert per_step[0] >= 2 and calls[:2] == [2.0**10, 2.0**9]  # the overflow, the re-run
+    if inner is lbfgs:
+        assert min(per_step[1:]) > 1  # LBFGS calls the closure several times a step
+    # Step 1 backs off once and counts one clean step; the third clean step grows the scale.
+    assert scales == [2.0**9, 2.0**9, 2.0**10, 2.0**10]
+    assert opt.state_dict()["loss_scaler"]["good_steps"] == 1
+    assert not opt.overflow and opt.skipped_steps == 1
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_closure_that_can_never_be_finite_raises_and_changes_nothing(path):
     model = make_model()

@@ -85,11 +85,18 @@ def generic_step(
 
     The wrapped optimizer gets a closure that refreshes the FP16 params from the masters
     before every call but the first and re-runs ``closure`` until its gradients are finite
-    (moving the scale after each overflow), as apex's ``_step_with_closure`` did. ``check()``
-    runs on each call's grads, before they are used (it raises to refuse them).
+    (backing the scale off after each overflow), as apex's ``_step_with_closure`` did.
+    ``check()`` runs on each call's grads, before they are used (it raises to refuse them).
     ``first_loss``: a closure call already made (at a handover), whose grads are in place.
+
+    The scale moves once per step, as on the fast path and in a step without a closure: each
+    overflow backs it off (so that the re-run can help), and the step, once the wrapped
+    optimizer returns, counts one finite step however many times it called the closure
+    (LBFGS: up to ``max_eval``). A step that raises, or whose optimizer never called the
+    closure, counts none.
     """
     pending = [] if first_loss is NOT_RUN else [first_loss]
+    finished = []  # a closure call returned finite grads
 
     def wrapped_closure() -> Any:
         if phase.first_closure_call:
@@ -102,15 +109,17 @@ def generic_step(
             if phase.grads != "unscaled":
                 engine.update_master_grads()
             engine.agree()
-            floored = engine.adjust_scale()
             if engine.finite():
+                finished.append(True)
                 return loss
-            _overflowed(scaler, bool(floored))
+            _overflowed(scaler, bool(engine.adjust_scale()))
 
     try:
         result = engine.optimizer.step(wrapped_closure)
     finally:  # a closure that raised ends the step too: the next one starts afresh
         phase.first_closure_call = True
+    if finished:  # the last call's grads, finite: the step's one good step
+        engine.adjust_scale()
     engine.masters_to_model()
     return result
 

@@ -256,6 +256,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         they are unscaled by the scale they were made with, as apex unscaled them at backward
         (not on a sharded optimizer, whose step unscales its reduce-scattered grads by the
         current scale).
+
+        A dynamic scale must be set within its bounds, ``[min_loss_scale, max_loss_scale]``:
+        a value outside raises ValueError, the scale unchanged (only ``init_scale`` is
+        clamped into them, as apex clamped it). A static scale takes any value > 0 that FP32
+        holds as a normal number.
         """
         return float(self._scaler.state.scale)
 
@@ -264,6 +269,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # as clip_master_grads takes
             value = value.item()
         check_scale("loss_scale", value)
+        policy = self._scaler.policy
+        if isinstance(policy, DynamicLossScale) and not policy.holds(value):
+            raise ValueError(
+                f"loss_scale must lie within the dynamic loss scale's bounds, min_loss_scale "
+                f"{policy.min_scale:g} to max_loss_scale {policy.max_scale:g}, got {value!r}"
+            )
         self._engine.keep_scale_of_the_grads()  # in any phase: grads outlive a step or a load
         self._scaler.state.scale.fill_(float(value))
 
@@ -373,8 +384,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         With a ``closure`` (which must call ``zero_grad()`` and ``optimizer.backward(loss)``
         and return the loss) the closure is re-run until its gradients are finite, as in apex;
         when they cannot become finite (static scale, or scale at its minimum) it raises
-        FloatingPointError. Grads produced without ``backward`` (e.g. ``loss.backward()``) are
-        taken as grads of the scaled loss.
+        FloatingPointError. Each overflow backs the scale off before the re-run; the step
+        then counts once toward the scale window, however many times the wrapped optimizer
+        (LBFGS) called the closure. Grads produced without ``backward`` (e.g.
+        ``loss.backward()``) are taken as grads of the scaled loss.
         """
         if closure is not None:
             before = self._engine.grad_stamp()
