@@ -200,8 +200,8 @@ def test_limit_and_data_dir_are_checked_before_the_data_loads(capsys, monkeypatc
     [
         ({"api": "jax"}, "unknown api 'jax' (choose from: facade, functional)"),
         ({"lr_schedule": "linear"}, "unknown lr schedule 'linear' (choose from: cosine, constant)"),
-        ({"loss_scale": "big"}, "a static --loss-scale must be a finite number > 0"),
-        ({"loss_scale": 0.0}, "a static --loss-scale must be a finite number > 0"),
+        ({"loss_scale": "big"}, "--loss-scale: a static loss scale must be a finite number"),
+        ({"loss_scale": 0.0}, "--loss-scale: a static loss scale must be a finite number"),
     ],
 )
 def test_a_python_config_argparse_would_refuse_fails_before_the_data_loads(

@@ -96,9 +96,10 @@ def generic_step(
     closure, counts none.
     """
     pending = [] if first_loss is NOT_RUN else [first_loss]
-    finished = []  # a closure call returned finite grads
+    finished = False  # a closure call returned finite grads
 
     def wrapped_closure() -> Any:
+        nonlocal finished
         if phase.first_closure_call:
             phase.first_closure_call = False
         else:  # the wrapped optimizer may have moved the masters since the last call
@@ -110,7 +111,7 @@ def generic_step(
                 engine.update_master_grads()
             engine.agree()
             if engine.finite():
-                finished.append(True)
+                finished = True
                 return loss
             _overflowed(scaler, bool(engine.adjust_scale()))
 

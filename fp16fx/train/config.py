@@ -211,9 +211,9 @@ def check_config(config: TrainConfig) -> None:
         )
     if config.loss_scale != "dynamic":
         try:
-            check_scale("a static --loss-scale", config.loss_scale)
+            check_scale("a static loss scale", config.loss_scale)
         except ValueError as err:
-            raise SetupError(str(err)) from None
+            raise SetupError(f"--loss-scale: {err}") from None
     if config.master is not None and config.master not in MASTERS:
         raise SetupError(f"unknown master {config.master!r} (choose from: {', '.join(MASTERS)})")
     if config.moments is not None and config.moments not in MOMENTS:
