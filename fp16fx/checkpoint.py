@@ -63,10 +63,12 @@ from fp16fx.saved_format import (
     check_fits,
     full_param,
     leaf_scalars,
+    master_of,
     misfit,
     past_range,
     precision_dict,
     precision_of,
+    value_fault,
 )
 from fp16fx.segments import MASKED, named_segments
 from fp16fx.state import MixedPrecisionState, check_state, recut
@@ -200,12 +202,24 @@ def state_dict_copy(state: MixedPrecisionState) -> dict[str, Any]:
     )
 
 
-def in_dtype_of(path: str, entry: dict[str, Any], like: Mapping[str, Any] | None) -> dict[str, Any]:
+def in_dtype_of(
+    path: str, entry: dict[str, Any], like: Mapping[str, Any] | None, *, compensated: bool
+) -> dict[str, Any]:
     """Returns a saved leaf's FP32-terms ``entry`` (at ``path``) for a param of ``like``'s
-    dtype, where the model's dtype has changed since (FP16, BF16, FP32): its master -- the
-    saved one, or an FP32 param, its own -- stays, and the param is that master rounded to
+    dtype in a state with ``compensated`` masters or not. Where the master is encoded again
+    -- into a compensated state, or over a param whose dtype changed since (FP16, BF16,
+    FP32) -- an FP16/BF16 param's master is :func:`~fp16fx.saved_format.master_of` its saved
+    param and master (a param written since is its master); with the dtype changed, that
+    master -- or an FP32 param, its own -- stays, and the param is the master rounded to
     nearest. Raises StateDictError if the master is past the new dtype's range."""
-    if like is None or entry["param"].dtype == like["param"].dtype:
+    dtype_changed = like is not None and entry["param"].dtype != like["param"].dtype
+    # Into FP32 masters over the same dtype, param and master load as saved, and the next
+    # step adopts a written param as the saving run's would (its weight decay reads the old
+    # master). An inf or NaN master stays as saved, for the checks to refuse by name.
+    encoded_again = compensated or dtype_changed
+    if encoded_again and "master" in entry and value_fault(entry["master"]) is None:
+        entry = {**entry, "master": master_of(entry["param"], entry["master"])}
+    if not dtype_changed:
         return entry
     master = entry.get("master", entry["param"]).float()
     out = {key: value for key, value in entry.items() if key not in ("param", "master")}
@@ -276,7 +290,9 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     each param as :func:`fp16fx.saved_format.full_param` gives it). So is one saved over
     params of another float dtype
     (FP16, BF16 or FP32: the model's dtype changed): each param's FP32 master (an FP32
-    param is its own) is kept, and the param becomes that master rounded to nearest.
+    param is its own) is kept, and the param becomes that master rounded to nearest. Either
+    way a param written since the save's last step is its master, as the step adopts it
+    (:func:`fp16fx.saved_format.master_of`).
 
     Raises:
       StateDictError: a missing or extra key, a wrong shape or dtype, another optimizer or
@@ -315,7 +331,9 @@ def prepare_load(
         **sd,
         "precision": template["precision"],
         "params": {
-            path: in_dtype_of(path, entry, mine["params"].get(path))
+            path: in_dtype_of(
+                path, entry, mine["params"].get(path), compensated=state.precision.compensated
+            )
             for path, entry in their_params.items()
         },
     }

@@ -205,11 +205,8 @@ def split_master(
     not round to ``p``)."""
     top = 2 ** (_CORRECTION[dtype][1] - 1)
     p = master.to(dtype)
-    if param is not None:  # a correction holds -top .. top - 1 units
-        rest = master - param.float()
-        unit_of_param = _unit(param)[0]
-        reach = (rest >= -top * unit_of_param) & (rest <= (top - 1) * unit_of_param)
-        p = torch.where(reach, param.to(dtype), p)
+    if param is not None:
+        p = torch.where(reaches(param, master), param.to(dtype), p)
     unit, per_unit = _unit(p)
     p32 = p.float()
     rest = (master - p32) * per_unit
@@ -228,6 +225,14 @@ def split_master(
     # correction stops a unit short there, as it does below the midpoint to +inf at +max.
     lowest = torch.where(p32 == -torch.finfo(dtype).max, 1.0 - top, float(-top))
     return p32, torch.clamp(torch.maximum(c, lowest), max=top - 1)
+
+
+def reaches(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Returns where a correction can carry FP16/BF16 ``param`` to FP32 ``master``: it holds
+    ``-2**(k-1)`` to ``2**(k-1) - 1`` units of ``param``'s (:func:`split_master`)."""
+    top = 2 ** (_CORRECTION[param.dtype][1] - 1)
+    rest, unit = master - param.float(), _unit(param)[0]
+    return (rest >= -top * unit) & (rest <= (top - 1) * unit)
 
 
 def require_rounding_casts() -> None:

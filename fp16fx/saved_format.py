@@ -25,8 +25,10 @@ from fp16fx.precision import (
     correction_dtype,
     decode_master,
     decode_moment,
+    reaches,
 )
 from fp16fx.scaling import DynamicLossScale, check_scale
+from fp16fx.step import adopt_written
 from fp16fx.transforms import check_hyperparam
 
 FORMAT = "fp16fx.state/1"
@@ -306,6 +308,21 @@ def full_param(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     rounded = master.to(param.dtype)
     tie = (master - param.float()).abs() == (master - rounded.float()).abs()
     return torch.where(tie & (rounded != param), rounded, param)
+
+
+def master_of(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Returns the FP32 master that a saved FP16/BF16 ``param`` and FP32 ``master`` (FP32
+    terms) stand for: ``master``, but where no correction reaches it from the param and the
+    param was written since the save's last step (a clamp), the written param
+    (``step.adopt_written``). A state of FP32 masters adopts it at its next step; a conversion
+    that encodes the master again (into a compensated state, over params of another dtype)
+    would otherwise undo the write.
+
+    Within a correction's reach the master stays: a compensated pair's param need not be its
+    master rounded (a midpoint, a param written over its old correction), and FP32 terms
+    (FSDP2's DCP dicts) cannot tell it from a written one. So a write within half an ulp of
+    the old master keeps that master, as a compensated state keeps it."""
+    return torch.where(reaches(param, master), master, adopt_written(param, master))
 
 
 class _NotStored(ValueError):

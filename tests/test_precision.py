@@ -1588,13 +1588,90 @@ def test_a_master_past_the_new_dtypes_range_is_refused_by_name(saved_in, key):
     """A BF16 or FP32 master that FP16 cannot hold was once refused as "inf or NaN (saved from
     a run that diverged?)": the param it would round to is inf."""
     sd = save_and_load(fp16fx.state_dict(_state_over(saved_in, "fp32", "fp32")))
-    sd["params"]["w"][key] = sd["params"]["w"][key] + 1e5
+    entry = sd["params"]["w"]
+    entry[key] = entry[key] + 1e5
+    # The BF16 param its master rounded, as a run saves it (else it was written since, and
+    # is the master: saved_format.master_of).
+    entry["param"] = entry[key].to(saved_in)
     state = _state_over(torch.float16, "fp32", "fp32")
     before = stored(state)
     message = rf"\['params'\]\['w'\]\['{key}'\] holds values past torch.float16's largest"
     with pytest.raises(StateDictError, match=message):
         fp16fx.load_state_dict(state, sd)
     assert differing(before, stored(state)) == []
+
+
+def _clamped_state(master: str):
+    """An FP16 state whose masters every format holds exactly (each param plus -63 to 63
+    units of its correction: FP32 masters, compensated pairs, over BF16 params too), its
+    params since clamped to [-0.5, 0.5] as a WGAN's critic is: ``(state, where written,
+    the master its next step takes)`` -- the written value where a state of FP32 masters
+    wrote, the written param over its old correction where a compensated one did."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(1000, generator=gen).half()
+    c = torch.randint(-63, 64, (1000,), generator=gen)
+    state = fp16fx.init({"w": p}, fp16fx.sgd(1e-2), POLICY, buckets=True, master=master)
+    with torch.no_grad():
+        if master == "compensated":
+            fp16fx.state_dict(state)["params"]["w"]["correction"].copy_(c)
+        else:
+            state.master["w"].copy_(decode_master(p, c))
+        written = state.params["w"].abs() > 0.5
+        state.params["w"].clamp_(-0.5, 0.5)
+    if master == "compensated":
+        return state, written, decode_master(state.params["w"], c)
+    return state, written, torch.where(written, state.params["w"].float(), state.master["w"])
+
+
+@pytest.mark.parametrize(
+    ("saved_in", "loaded_in", "dtype"),
+    [
+        (saved_in, loaded_in, dtype)
+        for saved_in in MASTERS
+        for loaded_in in MASTERS
+        for dtype in (torch.float16, torch.bfloat16, torch.float32)
+        if not (loaded_in == "compensated" and dtype == torch.float32)
+    ],
+    ids=lambda v: str(v).removeprefix("torch."),
+)
+def test_a_param_written_since_the_last_step_loads_as_written_in_every_conversion(
+    saved_in, loaded_in, dtype
+):
+    """A param written since the last step (a clamp) is its master (``step.adopt_written``):
+    loaded into any precision, over params of any dtype, it is the param, and the master
+    the next step takes is the one the saving run's would take, exactly. From FP32 masters
+    into a compensated state, or over params of another dtype, the load encoded the old
+    master and dropped the write."""
+    source, written, truth = _clamped_state(saved_in)
+    sd = save_and_load(fp16fx.state_dict(source))
+    target = fp16fx.init(
+        {"w": torch.zeros(1000, dtype=dtype)},
+        fp16fx.sgd(1e-2),
+        POLICY,
+        buckets=True,
+        master=loaded_in,
+    )
+    target = fp16fx.load_state_dict(target, sd)
+    assert same_bits(target.params["w"][written], truth[written].to(dtype))
+    target, _ = fp16fx.step(target, {"w": torch.zeros(1000, dtype=dtype)})  # moves nothing
+    assert same_bits(target.params["w"][written], truth[written].to(dtype))
+    master = target.params["w"] if dtype == torch.float32 else target.master["w"]
+    assert same_bits(master, truth)
+
+
+@pytest.mark.parametrize("loaded_in", MASTERS)
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_an_inf_or_nan_master_is_refused_not_taken_for_a_written_params(loaded_in, value):
+    """No param rounds to an inf or NaN master: converted, it was taken for a written one
+    and replaced by the param, loading a dict no run saves (FSDP2's DCP dicts convert)."""
+    source, _, _ = _clamped_state("fp32")
+    sd = save_and_load(fp16fx.state_dict(source))
+    sd["params"]["w"]["master"][7] = value
+    target = _clamped_state(loaded_in)[0]
+    before = stored(target)
+    with pytest.raises(StateDictError, match=r"\['params'\]\['w'\]\['master'\] holds inf or NaN"):
+        fp16fx.load_state_dict(target, sd)
+    assert differing(before, stored(target)) == []
 
 
 # -- 9. memory -------------------------------------------------------------------------------

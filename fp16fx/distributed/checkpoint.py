@@ -273,7 +273,12 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
     else:
         in_fp32_terms = template(state, canonical=True)
         entries = {
-            path: checkpoint.in_dtype_of(path, entry, in_fp32_terms["params"].get(path))
+            path: checkpoint.in_dtype_of(
+                path,
+                entry,
+                in_fp32_terms["params"].get(path),
+                compensated=precision.compensated,
+            )
             for path, entry in saved_format.canonical_params(sd["params"], saved.block).items()
         }
         converted = {**sd, "precision": saved_format.precision_dict(precision), "params": entries}

@@ -22,6 +22,7 @@ import torch
 
 from fp16fx import saved_format
 from fp16fx.facade.groups import GroupSpec, check_saved_numbers, describe, fast_kind
+from fp16fx.precision import reaches
 from fp16fx.tree import is_finite
 
 #: torch.optim's per-param state, keyed by the tensor its param group holds.
@@ -304,12 +305,15 @@ def core_entries(
         master = masters.get(id(p))
         if master is None:
             master = mine.get("master", p) if template_holds_masters else p
-        keep = keep_compensated and p.dtype != torch.float32
-        leaf["param"] = (p.detach().clone() if keep else master.detach().to(p.dtype)).reshape(
-            p.shape
-        )
+        master = master.detach().reshape(p.shape)
+        leaf["param"] = master.to(p.dtype)
+        if keep_compensated and p.dtype != torch.float32:
+            # Not where no correction reaches the master: the load would take the model's
+            # param there for one written since the save (saved_format.master_of).
+            kept = p.detach().to(master.device)
+            leaf["param"] = torch.where(reaches(kept, master), kept, leaf["param"])
         if "master" in mine:
-            leaf["master"] = master.detach().float().reshape(p.shape)
+            leaf["master"] = master.float()
         out[path] = leaf
     return out
 
