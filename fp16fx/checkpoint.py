@@ -299,7 +299,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
         loss-scale policy, a stored tensor its format does not store (a correction or int8
         codes of another dtype or kind, int8 scales that do not count the blocks or that no
         encoding gives), a meta or sparse tensor, a value no run saves (inf or NaN, but
-        a second moment may be +inf; a negative count or second moment), a master past the
+        a second moment may be +inf; a negative count or second moment; a loss scale or
+        counter no run under the policy holds), a master past the
         range of a param's new dtype or, into a compensated state, of its dtype (a pair at
         the midpoint to inf) --
         named; TypeError: ``state`` is no MixedPrecisionState, or ``sd`` not a dict. Nothing

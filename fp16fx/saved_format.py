@@ -27,7 +27,13 @@ from fp16fx.precision import (
     decode_moment,
     reaches,
 )
-from fp16fx.scaling import DynamicLossScale, check_scale
+from fp16fx.scaling import (
+    DynamicLossScale,
+    NoLossScale,
+    StaticLossScale,
+    check_scale,
+    scale_fault,
+)
 from fp16fx.step import adopt_written
 from fp16fx.transforms import check_hyperparam
 
@@ -175,7 +181,9 @@ def _check_values(sd: Mapping[str, Any]) -> None:
     """Raises StateDictError naming the first of ``sd``'s loss scale, hyperparameters and
     counts whose value the state cannot take: what the loss-scale policies and
     ``set_hyperparams`` refuse (a scale FP32 cannot hold, a NaN or negative lr), a negative
-    count. (Meta tensors, a layout without values, are skipped.)"""
+    count, a scale or counter no run under the saved policy holds
+    (:func:`~fp16fx.scaling.scale_fault`, ``counter_fault``). (Meta tensors, a layout without
+    values, are skipped.)"""
     scale = sd["loss_scale"]["scale"]
     if not scale.is_meta:
         try:
@@ -194,13 +202,25 @@ def _check_values(sd: Mapping[str, Any]) -> None:
     for where, count in counts.items():
         if not count.is_meta and int(count) < 0:
             raise misfit(f"{where} is {int(count)}, a count below 0")
-    policy, scale_state = sd["policy"], sd["loss_scale"]
-    if policy.get("type") == DynamicLossScale.__name__ and not scale_state["good_steps"].is_meta:
-        fields = {k: v for k, v in policy.items() if k != "type"}
+    policy, scale_state = _policy(sd["policy"]), sd["loss_scale"]
+    if not scale.is_meta and (fault := scale_fault(policy, float(scale))) is not None:
+        raise misfit(f"['loss_scale']['scale']: {fault}")
+    if isinstance(policy, DynamicLossScale) and not scale_state["good_steps"].is_meta:
         counters = (int(scale_state["good_steps"]), int(scale_state["overflows"]))
-        fault = DynamicLossScale(**fields).counter_fault(*counters)
+        fault = policy.counter_fault(*counters)
         if fault is not None:
             raise misfit(f"['loss_scale']: {fault}")
+
+
+#: The built-in loss-scale policies, by the type name a state dict saves them under.
+_POLICIES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
+
+
+def _policy(saved: Mapping[str, Any]) -> Any:
+    """Returns the built-in policy a state dict's ``policy`` entry names (equal to the loading
+    state's, :func:`check_fits` has checked), or None for a policy of one's own."""
+    cls = _POLICIES.get(saved.get("type"))
+    return None if cls is None else cls(**{k: v for k, v in saved.items() if k != "type"})
 
 
 def value_fault(value: torch.Tensor, non_negative: bool = False) -> str | None:

@@ -77,6 +77,25 @@ def check_scale(name: str, value: float) -> None:
         )
 
 
+def scale_fault(policy: Any, scale: float) -> str | None:
+    """Returns why no run under loss-scale ``policy`` holds the loss scale ``scale`` (a loaded
+    state's) -- it lies outside the range the policy's ``scale_range()`` gives -- or None (also
+    for a policy of one's own, which has no ``scale_range``: its rule is unknown here).
+
+    Outside the range, a fixed scale is not the policy's at all (NoLossScale at 2**24 skips
+    every step for ever), and a dynamic one below its ``min_scale`` is raised to it by the
+    next overflow, which reports the scale floored."""
+    scale_range = getattr(policy, "scale_range", None)
+    if scale_range is None:
+        return None
+    low, high = scale_range()
+    if low <= scale <= high:
+        return None
+    # 9 digits tell FP32 values apart (a static scale of 1000.1 is held as 1000.09998)
+    holds = f"only {low:.9g}" if low == high else f"scales from {low:.9g} to {high:.9g} only"
+    return f"it is {scale:.9g}, but a run under {type(policy).__name__} holds {holds}"
+
+
 def _check_finite(finite: Any) -> None:
     """Raises TypeError unless ``finite`` is what ``adjust`` takes: a 0-d bool tensor (a
     longer one would broadcast the scale state to its shape)."""
@@ -101,6 +120,10 @@ class NoLossScale(_FixedLossScale):
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         return _state(1.0, device)
 
+    def scale_range(self) -> tuple[float, float]:
+        """Returns the lowest and highest loss scale a run under this policy holds: 1."""
+        return 1.0, 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(_FixedLossScale):
@@ -119,6 +142,12 @@ class StaticLossScale(_FixedLossScale):
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         return _state(float(self.scale), device)
+
+    def scale_range(self) -> tuple[float, float]:
+        """Returns the lowest and highest loss scale a run under this policy holds: its
+        ``scale``, as the state's FP32 tensor holds it."""
+        held = float(torch.tensor(self.scale, dtype=torch.float32))
+        return held, held
 
 
 #: The largest count ``LossScaleState``'s int32 counters hold.
@@ -202,11 +231,11 @@ class DynamicLossScale:
         start = min(max(self.init_scale, self.min_scale), self.max_scale)
         return _state(start, device)
 
-    def holds(self, scale: float) -> bool:
-        """Returns whether ``scale`` lies within ``[min_scale, max_scale]``: a scale this
-        policy can hold. (``init`` clamps ``init_scale`` into them; ``adjust`` never moves a
-        scale out of them, but lifts one below ``min_scale`` to it at an overflow.)"""
-        return self.min_scale <= scale <= self.max_scale
+    def scale_range(self) -> tuple[float, float]:
+        """Returns the lowest and highest loss scale a run under this policy holds:
+        ``min_scale`` and ``max_scale``, each included (``init`` clamps ``init_scale`` into
+        them, and ``adjust`` clamps every move)."""
+        return self.min_scale, self.max_scale
 
     def counter_fault(self, good_steps: int, overflows: int) -> str | None:
         """Returns why no run under this policy holds these counters (a loaded state's), or

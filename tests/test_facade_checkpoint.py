@@ -251,6 +251,24 @@ def test_a_checkpoint_moves_between_the_fast_and_the_generic_path():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_static_scale_set_by_hand_saves_and_loads(path):
+    """apex's loss_scale setter takes any scale FP32 holds for a static optimizer, one its
+    policy (StaticLossScale(128)) never reaches, which a core state dict may not hold: the
+    optimizer keeps it through a group added and through its own checkpoint, loaded into a
+    dynamic optimizer at another scale."""
+    static = {"dynamic_loss_scale": False, "dynamic_loss_args": None, "static_loss_scale": 128.0}
+    opt = wrap(make_model(), path, **static)
+    opt.loss_scale = 3.0
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3).half())]})
+    assert opt.loss_scale == 3.0
+    saved = save_and_load(opt.state_dict())
+    other_opt = wrap(make_model(seed=2), path)
+    other_opt.add_param_group({"params": [nn.Parameter(torch.ones(3).half())]})
+    other_opt.load_state_dict(saved)
+    assert other_opt.loss_scale == 3.0 and not other_opt.dynamic_loss_scale
+
+
 def _set(path, value):
     def corrupt(sd):
         *parents, last = path

@@ -360,6 +360,18 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
         opt.step()
         twins.append(shards(model))
     out["load_keeps_the_grads_scale"] = all(map(torch.equal, *twins))
+
+    # A static optimizer's scale set by hand (apex's setter takes any) is not its policy's:
+    # its checkpoint loads back, where the core's own load refuses a scale no run holds.
+    model = sharded(half=True)
+    static = fp16fx.FP16_Optimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR), static_loss_scale=128.0, verbose=False
+    )
+    static.loss_scale = 3.0
+    hand_set = static.state_dict()
+    static.loss_scale = 128.0
+    static.load_state_dict(hand_set)
+    out["hand_set_scale_loaded"] = static.loss_scale
     return out
 
 
@@ -853,6 +865,7 @@ def test_a_dcp_checkpoint_saves_written_weights_and_a_misfit_changes_nothing(job
         assert "['params']['0']['master'] holds inf or NaN" in r["one_rank"]
         assert r["refusals_unchanged"]
         assert r["load_keeps_the_grads_scale"]
+        assert r["hand_set_scale_loaded"] == 3.0
     refusals = [r["one_rank"] for r in ranks(jobs, 2, "checkpoint_care")]
     assert not refusals[0].startswith("rank 0 refused")  # its own refusal, and rank 1 names it
     assert refusals[1].startswith("rank 0 refused the dict: the state dict does not fit")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import math
+import re
 
 import optree
 import pytest
@@ -594,6 +595,61 @@ def test_loss_scale_counters_no_run_holds_are_refused(counter, value, bound):
     assert all(torch.equal(a, b) for a, b in zip(target.loss_scale, before))
     sd["loss_scale"][counter] = torch.tensor(1, dtype=torch.int32)  # one a run holds
     assert getattr(fp16fx.load_state_dict(target, sd).loss_scale, counter).item() == 1
+
+
+_FP32 = torch.finfo(torch.float32)
+_FP32_NORMAL = st.floats(_FP32.tiny, _FP32.max, width=32)
+_POWERS = st.integers(-126, 127).map(lambda k: 2.0**k)
+_POLICIES = st.one_of(
+    st.just(fp16fx.NoLossScale()),
+    _FP32_NORMAL.map(fp16fx.StaticLossScale),
+    st.tuples(_POWERS, _POWERS).map(
+        lambda b: fp16fx.DynamicLossScale(min_scale=min(b), max_scale=max(b))
+    ),
+)
+
+
+def _held_scales(policy) -> tuple[float, float]:
+    """The lowest and highest loss scale a run under ``policy`` holds, in FP32: its one
+    scale, or a dynamic one's bounds (each reached: the rule clamps into them)."""
+    if isinstance(policy, fp16fx.DynamicLossScale):
+        return policy.min_scale, policy.max_scale
+    fixed = policy.scale if isinstance(policy, fp16fx.StaticLossScale) else 1.0
+    return (torch.tensor(fixed).item(),) * 2
+
+
+def _fp32_neighbours(x: float) -> list[float]:
+    """The FP32 values next to ``x`` that are FP32 normals (a scale the state could hold)."""
+    t = torch.tensor(x)
+    near = [torch.nextafter(t, torch.tensor(end)).item() for end in (0.0, math.inf)]
+    return [v for v in near if _FP32.tiny <= v <= _FP32.max]
+
+
+@given(policy=_POLICIES, data=st.data())
+def test_a_loaded_loss_scale_outside_its_policys_range_is_refused(policy, data):
+    """A run holds only the scales its policy reaches; loaded outside them, NoLossScale at
+    2**24 skipped every step for ever, and a dynamic scale below min_scale was raised to it by
+    the next overflow, reported as floored. Both bounds are held, and load."""
+    low, high = _held_scales(policy)
+    edges = [low, high, *_fp32_neighbours(low), *_fp32_neighbours(high)]
+    scale = data.draw(st.sampled_from(edges) | st.floats(low, high, width=32) | _FP32_NORMAL)
+
+    def state(value: float) -> fp16fx.MixedPrecisionState:
+        return fp16fx.init({"w": torch.full((4,), value).half()}, fp16fx.sgd(0.1), policy)
+
+    sd = fp16fx.state_dict(state(2.0))
+    sd["loss_scale"] = {**sd["loss_scale"], "scale": torch.tensor(scale)}
+    target = state(1.0)
+    if low <= scale <= high:
+        assert fp16fx.load_state_dict(target, sd).loss_scale.scale.item() == scale
+        return
+    before = snapshot((target.params, target.master, target.loss_scale))
+    bounds = f"only {low:.9g}" if low == high else f"from {low:.9g} to {high:.9g}"
+    name = type(policy).__name__
+    message = rf"it is {re.escape(f'{scale:.9g}')}, .*{name}.*{re.escape(bounds)}"
+    with pytest.raises(fp16fx.StateDictError, match=message):
+        fp16fx.load_state_dict(target, sd)
+    assert bitwise_equal((target.params, target.master, target.loss_scale), before)
 
 
 def test_saved_segments_apply_only_to_a_state_laid_out_alike():

@@ -322,16 +322,23 @@ class FastEngine:
                 per_param, self.flat.params, self._entries_in_order(), self._param_specs()
             )
 
-    def load_fsdp(self, saved: Mapping[str, Any], policy: Any) -> None:
+    def load_fsdp(self, saved: Mapping[str, Any], policy: Any, scale: torch.Tensor | None) -> None:
         """Loads an FSDP2 optimizer's core state ``saved`` (``FP16_Optimizer.state_dict()``'s
         ``"state"``: :func:`fp16fx.distributed.fsdp.state_dict`'s form) under loss-scale
-        ``policy``. Raises, before changing anything, where it does not fit."""
+        ``policy``, with its loss scale ``scale``, which the caller checked (None: the core's
+        load names what ``saved`` holds there). Raises, before changing anything, where it
+        does not fit."""
+        if scale is not None:  # the facade's own, as in _load: the core loads beside the first
+            first = policy.init(self.scaler.state.scale.device).scale
+            saved = {**saved, "loss_scale": {**saved["loss_scale"], "scale": first}}
         state = self.state
         try:
             self.state = fsdp.load_state_dict(state.replace(policy=policy), saved, self.flat.params)
         except BaseException:
             self.state = state
             raise
+        if scale is not None:
+            self.scaler.state.scale.copy_(scale)
         self.scaler.policy = policy
         self.forget_written()
 
@@ -362,19 +369,26 @@ class FastEngine:
             template_holds_masters=self.sharded is None,
         )
         self._check_finite_masters(params[path] for path in paths)
+        # The loss scale is the facade's, which its caller writes (a checkpoint's) or keeps:
+        # a static optimizer's setter, or an apex scaler, may put one there that the policy
+        # never reaches, which a core load refuses (scale_fault). The core loads the rest
+        # beside the policy's first loss-scale state, in tensors of its own.
+        first = policy.init(self.scaler.state.scale.device)
         sd = {
             **saved_format.without_segments(template),  # the segments are given
             "policy": checkpoint.policy_dict(policy),
             "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
+            "loss_scale": first._asdict(),
             "params": params,
         }
-        self.state = self.state.replace(policy=policy)
+        self.state = self.state.replace(policy=policy, loss_scale=first)
         if self.sharded is None:
             if segments is not None:
                 self.state = recut(self.state, self.state.layout.recut(segments.tolist()))
             self.state = checkpoint.load_state_dict(self.state, sd)
         else:
             fdist.load_state_dict(self.sharded, sd)
+        self.state = self.state.replace(loss_scale=self.scaler.state)
 
     def _check_finite_masters(self, entries: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Raises ValueError naming the first param whose entry (in ``flat.params`` order) a

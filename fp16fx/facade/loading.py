@@ -41,7 +41,7 @@ from fp16fx.facade.groups import (
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
 from fp16fx.saved_format import past_range, value_fault
-from fp16fx.scaling import DynamicLossScale
+from fp16fx.scaling import DynamicLossScale, check_scale
 
 _REQUIRED = ("loss_scaler", "optimizer_state_dict", "fp32_from_fp16")
 
@@ -54,8 +54,9 @@ def load_fsdp(inner: torch.optim.Optimizer, engine: Engine, params: ParamSet, sd
     if not steps_fsdp2_shards(engine):
         raise _fail("it was saved from an FSDP2 model's FP16_Optimizer; this one is not")
     groups, policy = _check_fsdp(inner, engine, params, sd)
+    scale = _saved_scale(sd["state"])
     engine.keep_scale_of_the_grads()  # as a set scale does: the grads outlive the load
-    engine.load_fsdp(sd["state"], policy)
+    engine.load_fsdp(sd["state"], policy, scale)
     for group, saved in zip(inner.param_groups, groups):
         group.update(saved)
 
@@ -93,6 +94,22 @@ def _check_fsdp(
     engine.check_structure(specs, loading=True)
     _check_numbers(specs, merged, engine)  # a NaN lr would fail every step after the load
     return groups, _saved_policy(engine.scaler.policy, sd["state"])
+
+
+def _saved_scale(state: Mapping[str, Any]) -> torch.Tensor | None:
+    """Returns the loss scale an FSDP2 dict's core ``state`` saved, a 0-d FP32 tensor checked
+    as the ``loss_scale`` setter checks one: any scale FP32 holds as a normal value, also one
+    its policy never reaches. None where it saved no such tensor (the core's load names it)."""
+    saved = state.get("loss_scale")
+    scale = saved.get("scale") if isinstance(saved, Mapping) else None
+    held = isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.ndim == 0
+    if not held or scale.is_meta:
+        return None
+    try:
+        check_scale("['state']['loss_scale']['scale']", float(scale))
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    return scale
 
 
 def _check_trained(inner: torch.optim.Optimizer, params: ParamSet, saved: Any) -> None:

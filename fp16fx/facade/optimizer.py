@@ -38,7 +38,7 @@ from fp16fx.facade.reporting import OverflowReporter, describe
 from fp16fx.facade.takeover import NOT_SHARDED, initializing_together_if_sharded
 from fp16fx.flat import put_back_on_failure
 from fp16fx.precision import Precision
-from fp16fx.scaling import DynamicLossScale, check_scale
+from fp16fx.scaling import DynamicLossScale, check_scale, scale_fault
 from fp16fx.step import StepInfo
 from fp16fx.transforms import check_hyperparam
 from fp16fx.transforms.primitives import NO_CLIP
@@ -260,7 +260,10 @@ class FP16_Optimizer(torch.optim.Optimizer):
         A dynamic scale must be set within its bounds, ``[min_loss_scale, max_loss_scale]``:
         a value outside raises ValueError, the scale unchanged (only ``init_scale`` is
         clamped into them, as apex clamped it). A static scale takes any value > 0 that FP32
-        holds as a normal number.
+        holds as a normal number, as apex's did, and a checkpoint keeps it. A checkpoint's
+        scale loads as saved: an apex scaler's may lie outside the bounds fp16fx reads from it
+        (below a legacy scaler's floor of 1, or past an amp bound moved inwards to a power of
+        two), and moves into them at its next back-off or growth, as in apex.
         """
         return float(self._scaler.state.scale)
 
@@ -270,7 +273,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
             value = value.item()
         check_scale("loss_scale", value)
         policy = self._scaler.policy
-        if isinstance(policy, DynamicLossScale) and not policy.holds(value):
+        if isinstance(policy, DynamicLossScale) and scale_fault(policy, value) is not None:
             raise ValueError(
                 f"loss_scale must lie within the dynamic loss scale's bounds, min_loss_scale "
                 f"{policy.min_scale:g} to max_loss_scale {policy.max_scale:g}, got {value!r}"
