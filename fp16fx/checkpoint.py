@@ -280,7 +280,8 @@ def load_state_dict(state: MixedPrecisionState, sd: Mapping[str, Any]) -> MixedP
     Every value is written into the state's own tensors (a model built on the params sees the
     loaded values; a compiled step keeps its addresses). Params saved with different step
     counts get segments of their own: the returned state is ``state`` cut where needed, over
-    the same tensors. Use it from now on.
+    the same tensors (but int8 moments', whose blocks start again at each new segment: new
+    codes and scales). Use it from now on.
 
     A dict saved in the state's precision loads bitwise. One saved in another precision (an
     FP32-master checkpoint into a compensated state, int8 moments into FP32 ones...) is
