@@ -215,9 +215,9 @@ def in_dtype_of(
     dtype_changed = like is not None and entry["param"].dtype != like["param"].dtype
     # Into FP32 masters over the same dtype, param and master load as saved, and the next
     # step adopts a written param as the saving run's would (its weight decay reads the old
-    # master). An inf or NaN master stays as saved, for the checks to refuse by name.
-    encoded_again = compensated or dtype_changed
-    if encoded_again and "master" in entry and value_fault(entry["master"]) is None:
+    # master). A master no run saves (another shape or dtype, inf or NaN) stays as saved, for
+    # the checks to refuse by name.
+    if (compensated or dtype_changed) and _pair_as_saved(entry):
         entry = {**entry, "master": master_of(entry["param"], entry["master"])}
     if not dtype_changed:
         return entry
@@ -232,6 +232,20 @@ def in_dtype_of(
     if "master" in like:
         out["master"] = master
     return out
+
+
+def _pair_as_saved(entry: Mapping[str, Any]) -> bool:
+    """Whether ``entry`` holds an FP16/BF16 param and a finite FP32 master of its shape, as a
+    run saves them."""
+    param, master = entry["param"], entry.get("master")
+    return (
+        isinstance(param, torch.Tensor)
+        and param.dtype in (torch.float16, torch.bfloat16)
+        and isinstance(master, torch.Tensor)
+        and master.dtype == torch.float32
+        and master.shape == param.shape
+        and value_fault(master) is None
+    )
 
 
 def _same_layout(

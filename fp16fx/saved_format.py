@@ -203,8 +203,11 @@ def _check_values(sd: Mapping[str, Any]) -> None:
         if not count.is_meta and int(count) < 0:
             raise misfit(f"{where} is {int(count)}, a count below 0")
     policy, scale_state = _policy(sd["policy"]), sd["loss_scale"]
-    if not scale.is_meta and (fault := scale_fault(policy, float(scale))) is not None:
-        raise misfit(f"['loss_scale']['scale']: {fault}")
+    # A policy of one's own (None here) has a rule this check does not know.
+    if policy is not None and not scale.is_meta:
+        fault = scale_fault(policy, float(scale))
+        if fault is not None:
+            raise misfit(f"['loss_scale']['scale']: {fault}")
     if isinstance(policy, DynamicLossScale) and not scale_state["good_steps"].is_meta:
         counters = (int(scale_state["good_steps"]), int(scale_state["overflows"]))
         fault = policy.counter_fault(*counters)
@@ -340,8 +343,8 @@ def master_of(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
 
     Within a correction's reach the master stays: a compensated pair's param need not be its
     master rounded (a midpoint, a param written over its old correction), and FP32 terms
-    (FSDP2's DCP dicts) cannot tell it from a written one. So a write within half an ulp of
-    the old master keeps that master, as a compensated state keeps it."""
+    (FSDP2's DCP dicts) cannot tell it from a written one. So a write that lands within half
+    an ulp of the old master (a one-ulp move) keeps that master: the write is undone."""
     return torch.where(reaches(param, master), master, adopt_written(param, master))
 
 

@@ -77,18 +77,17 @@ def check_scale(name: str, value: float) -> None:
         )
 
 
-def scale_fault(policy: Any, scale: float) -> str | None:
-    """Returns why no run under loss-scale ``policy`` holds the loss scale ``scale`` (a loaded
-    state's) -- it lies outside the range the policy's ``scale_range()`` gives -- or None (also
-    for a policy of one's own, which has no ``scale_range``: its rule is unknown here).
+def scale_fault(
+    policy: NoLossScale | StaticLossScale | DynamicLossScale, scale: float
+) -> str | None:
+    """Returns why no run under the built-in loss-scale ``policy`` holds the loss scale
+    ``scale`` (a loaded state's, a scale set by hand) -- it lies outside the range the
+    policy's ``scale_range()`` gives -- or None.
 
     Outside the range, a fixed scale is not the policy's at all (NoLossScale at 2**24 skips
     every step for ever), and a dynamic one below its ``min_scale`` is raised to it by the
     next overflow, which reports the scale floored."""
-    scale_range = getattr(policy, "scale_range", None)
-    if scale_range is None:
-        return None
-    low, high = scale_range()
+    low, high = policy.scale_range()
     if low <= scale <= high:
         return None
     # 9 digits tell FP32 values apart (a static scale of 1000.1 is held as 1000.09998)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 import types
 
 import optree
@@ -1660,16 +1661,26 @@ def test_a_param_written_since_the_last_step_loads_as_written_in_every_conversio
 
 
 @pytest.mark.parametrize("loaded_in", MASTERS)
-@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
-def test_an_inf_or_nan_master_is_refused_not_taken_for_a_written_params(loaded_in, value):
-    """No param rounds to an inf or NaN master: converted, it was taken for a written one
-    and replaced by the param, loading a dict no run saves (FSDP2's DCP dicts convert)."""
+@pytest.mark.parametrize(
+    ("master", "fault"),
+    [
+        (lambda m: m.index_fill(0, torch.tensor([7]), math.inf), "holds inf or NaN"),
+        (lambda m: m.index_fill(0, torch.tensor([7]), math.nan), "holds inf or NaN"),
+        (lambda m: m[:1], "has shape (1,)"),
+        (lambda m: m.half(), "has dtype torch.float16"),
+    ],
+    ids=["inf", "nan", "shape", "dtype"],
+)
+def test_a_master_no_run_saves_is_refused_not_taken_for_a_written_param(loaded_in, master, fault):
+    """No param rounds to an inf or NaN master, and no run saves one of another shape or
+    dtype: converted, such a master was taken for a written param's and replaced by the
+    param (broadcast, promoted), loading a dict no run saves (FSDP2's DCP dicts convert)."""
     source, _, _ = _clamped_state("fp32")
     sd = save_and_load(fp16fx.state_dict(source))
-    sd["params"]["w"]["master"][7] = value
+    sd["params"]["w"]["master"] = master(sd["params"]["w"]["master"])
     target = _clamped_state(loaded_in)[0]
     before = stored(target)
-    with pytest.raises(StateDictError, match=r"\['params'\]\['w'\]\['master'\] holds inf or NaN"):
+    with pytest.raises(StateDictError, match=re.escape(f"['params']['w']['master'] {fault}")):
         fp16fx.load_state_dict(target, sd)
     assert differing(before, stored(target)) == []
 

@@ -263,7 +263,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         holds as a normal number, as apex's did, and a checkpoint keeps it. A checkpoint's
         scale loads as saved: an apex scaler's may lie outside the bounds fp16fx reads from it
         (below a legacy scaler's floor of 1, or past an amp bound moved inwards to a power of
-        two), and moves into them at its next back-off or growth, as in apex.
+        two) and moves by the policy's rule from there: an overflow lifts one below the floor
+        to it, as apex's did, and a growth lowers one above the ceiling to it.
         """
         return float(self._scaler.state.scale)
 
