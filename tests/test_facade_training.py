@@ -242,6 +242,22 @@ def test_dynamic_scale_trajectory_matches_reference_with_injected_overflows(pois
     assert_same(masters_of(opt), masters)
 
 
+def first_call_overflows(opt, model, data, calls):
+    """Returns the apex closure over ``data``, recording in ``calls`` the loss scale of each
+    call; the very first call's gradient overflows."""
+    hook = Poison(model)
+
+    def closure():
+        calls.append(opt.loss_scale)
+        opt.zero_grad()
+        hook.on = len(calls) == 1
+        loss = loss_fn(model, *data)
+        opt.backward(loss)
+        return loss
+
+    return closure
+
+
 def test_lbfgs_with_closure_reruns_the_closure_on_overflow_like_apex():
     data = make_data(1)[0]
     model, calls = make_model(), []
@@ -250,16 +266,7 @@ def test_lbfgs_with_closure_reruns_the_closure_on_overflow_like_apex():
         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10}, verbose=False,
     )  # fmt: skip
     assert opt.path == "generic"
-    hook = Poison(model)
-
-    def closure():
-        calls.append(opt.loss_scale)
-        opt.zero_grad()
-        hook.on = len(calls) == 1  # the very first gradient overflows
-        loss = loss_fn(model, *data)
-        opt.backward(loss)
-        return loss
-
+    closure = first_call_overflows(opt, model, data, calls)
     for _ in range(3):
         opt.step(closure)
     assert calls[:2] == [2.0**10, 2.0**9] and set(calls[1:]) == {2.0**9}
@@ -308,16 +315,7 @@ def test_a_closure_step_moves_the_scale_once_however_often_the_closure_runs(path
     model, calls = make_model(), []
     args = {"init_scale": 2.0**10, "scale_window": 3}
     opt = wrap(model, inner, path, dynamic_loss_scale=True, dynamic_loss_args=args)
-    hook = Poison(model)
-
-    def closure():
-        calls.append(opt.loss_scale)
-        opt.zero_grad()
-        hook.on = len(calls) == 1  # the very first gradient overflows
-        loss = loss_fn(model, *data)
-        opt.backward(loss)
-        return loss
-
+    closure = first_call_overflows(opt, model, data, calls)
     scales, per_step = [], []
     for _ in range(4):
         before = len(calls)
