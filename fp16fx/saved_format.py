@@ -219,7 +219,7 @@ def _check_values(sd: Mapping[str, Any]) -> None:
 _POLICIES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
 
 
-def _policy(saved: Mapping[str, Any]) -> Any:
+def _policy(saved: Mapping[str, Any]) -> NoLossScale | StaticLossScale | DynamicLossScale | None:
     """Returns the built-in policy a state dict's ``policy`` entry names (equal to the loading
     state's, :func:`check_fits` has checked), or None for a policy of one's own."""
     cls = _POLICIES.get(saved.get("type"))
