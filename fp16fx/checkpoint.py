@@ -211,7 +211,8 @@ def in_dtype_of(
     FP32) -- an FP16/BF16 param's master is :func:`~fp16fx.saved_format.master_of` its saved
     param and master (a param written since is its master); with the dtype changed, that
     master -- or an FP32 param, its own -- stays, and the param is the master rounded to
-    nearest. Raises StateDictError if the master is past the new dtype's range."""
+    nearest. Raises StateDictError if, with the dtype changed, the master is past the new
+    dtype's range or is none a run saves (:func:`_check_saved_master`)."""
     dtype_changed = like is not None and entry["param"].dtype != like["param"].dtype
     # Into FP32 masters over the same dtype, param and master load as saved, and the next
     # step adopts a written param as the saving run's would (its weight decay reads the old
@@ -221,6 +222,8 @@ def in_dtype_of(
         entry = {**entry, "master": master_of(entry["param"], entry["master"])}
     if not dtype_changed:
         return entry
+    if "master" in entry:
+        _check_saved_master(path, entry)
     master = entry.get("master", entry["param"]).float()
     out = {key: value for key, value in entry.items() if key not in ("param", "master")}
     dtype = like["param"].dtype
@@ -232,6 +235,20 @@ def in_dtype_of(
     if "master" in like:
         out["master"] = master
     return out
+
+
+def _check_saved_master(path: str, entry: Mapping[str, Any]) -> None:
+    """Raises StateDictError naming a saved master no run saves -- beside an FP32 param, or
+    of another dtype or shape than an FP32 one of its param's -- which a load over params of
+    another dtype would otherwise take as the master to round the new param from."""
+    param, master = entry["param"], entry["master"]
+    where = f"['params'][{path!r}]['master']"
+    if param.dtype not in (torch.float16, torch.bfloat16):
+        raise misfit(f"{where} sits beside a {param.dtype} param, which is its own master")
+    if master.dtype != torch.float32:
+        raise misfit(f"{where} has dtype {master.dtype}, not the torch.float32 a master has")
+    if master.shape != param.shape:
+        raise misfit(f"{where} has shape {tuple(master.shape)}, its param's {tuple(param.shape)}")
 
 
 def _pair_as_saved(entry: Mapping[str, Any]) -> bool:

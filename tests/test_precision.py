@@ -1602,6 +1602,32 @@ def test_a_master_past_the_new_dtypes_range_is_refused_by_name(saved_in, key):
     assert differing(before, stored(state)) == []
 
 
+@pytest.mark.parametrize(
+    ("saved_in", "master", "message"),
+    [
+        (torch.float16, lambda e: e["master"].half(), "has dtype torch.float16, not"),
+        (torch.bfloat16, lambda e: e["master"].long(), "has dtype torch.int64, not"),
+        (torch.float16, lambda e: e["master"][:-1], r"has shape \(29, 20\), its param's"),
+        (torch.float32, lambda e: e["param"].clone(), "sits beside a torch.float32 param"),
+    ],
+    ids=["fp16-master", "int64-master", "short-master", "fp32-param-with-master"],
+)
+def test_a_master_no_run_saves_is_refused_by_name_over_params_of_another_dtype(
+    saved_in, master, message
+):
+    """Over params whose dtype changed, the saved master is what the new param is rounded
+    from: one of another dtype or shape, or beside an FP32 param (its own master), was once
+    taken as it came (an FP16 master over BF16 params loaded its rounding)."""
+    sd = save_and_load(fp16fx.state_dict(_state_over(saved_in, "fp32", "fp32")))
+    sd["params"]["w"]["master"] = master(sd["params"]["w"])
+    loaded_in = torch.bfloat16 if saved_in == torch.float16 else torch.float16
+    state = _state_over(loaded_in, "fp32", "fp32")
+    before = stored(state)
+    with pytest.raises(StateDictError, match=rf"\['params'\]\['w'\]\['master'\] {message}"):
+        fp16fx.load_state_dict(state, sd)
+    assert differing(before, stored(state)) == []
+
+
 def _clamped_state(master: str):
     """An FP16 state whose masters every format holds exactly (each param plus -63 to 63
     units of its correction: FP32 masters, compensated pairs, over BF16 params too), its
