@@ -13,10 +13,13 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "seed"]
+__all__ = ["SEEDS", "SUBCOMMANDS", "build_parser", "main", "seed"]
 
 #: Modules providing a subcommand, in the order ``fp16fx --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("fp16fx.train", "fp16fx.bench")
+
+#: The seeds ``torch.manual_seed`` takes: a 64-bit integer, signed or not.
+SEEDS = range(-(2**63), 2**64)
 
 
 def seed(text: str) -> int:
@@ -25,7 +28,7 @@ def seed(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not -(2**63) <= value < 2**64:
+    if value not in SEEDS:
         raise argparse.ArgumentTypeError(f"{value} is outside torch's seeds, [-2**63, 2**64)")
     return value
 
