@@ -211,9 +211,11 @@ def in_dtype_of(
     FP32) -- an FP16/BF16 param's master is :func:`~fp16fx.saved_format.master_of` its saved
     param and master (a param written since is its master); with the dtype changed, that
     master -- or an FP32 param, its own -- stays, and the param is the master rounded to
-    nearest. Raises StateDictError if, with the dtype changed, the master is past the new
-    dtype's range or is none a run saves (:func:`_check_saved_master`)."""
+    nearest. Raises StateDictError if, with the dtype changed, the master is not one a run
+    saves (:func:`_check_saved_master`) or is past the new dtype's range."""
     dtype_changed = like is not None and entry["param"].dtype != like["param"].dtype
+    if dtype_changed:
+        _check_saved_master(path, entry)
     # Into FP32 masters over the same dtype, param and master load as saved, and the next
     # step adopts a written param as the saving run's would (its weight decay reads the old
     # master). A master no run saves (another shape or dtype, inf or NaN) stays as saved, for
@@ -222,8 +224,6 @@ def in_dtype_of(
         entry = {**entry, "master": master_of(entry["param"], entry["master"])}
     if not dtype_changed:
         return entry
-    if "master" in entry:
-        _check_saved_master(path, entry)
     master = entry.get("master", entry["param"]).float()
     out = {key: value for key, value in entry.items() if key not in ("param", "master")}
     dtype = like["param"].dtype
@@ -238,17 +238,28 @@ def in_dtype_of(
 
 
 def _check_saved_master(path: str, entry: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming a saved master no run saves -- beside an FP32 param, or
-    of another dtype or shape than an FP32 one of its param's -- which a load over params of
-    another dtype would otherwise take as the master to round the new param from."""
-    param, master = entry["param"], entry["master"]
-    where = f"['params'][{path!r}]['master']"
-    if param.dtype not in (torch.float16, torch.bfloat16):
-        raise misfit(f"{where} sits beside a {param.dtype} param, which is its own master")
+    """Raises StateDictError naming a saved leaf's master if no run saves it so: an FP16/BF16
+    param's is a finite FP32 tensor of its shape, and an FP32 param is its own. Over params
+    of another dtype the new param is rounded from it, and a fault would load unnamed (an
+    FP16 master's rounding) or be blamed on the param."""
+    param = entry["param"]
+    where = f"['params'][{path!r}]"
+    if param.dtype == torch.float32:
+        if "master" in entry:
+            raise misfit(f"{where}['master'] sits beside a torch.float32 param, its own master")
+        return
+    if "master" not in entry:
+        raise misfit(f"{where} lacks ['master'] beside its {param.dtype} param")
+    master = entry["master"]
     if master.dtype != torch.float32:
-        raise misfit(f"{where} has dtype {master.dtype}, not the torch.float32 a master has")
+        raise misfit(f"{where}['master'] has dtype {master.dtype}, not torch.float32")
     if master.shape != param.shape:
-        raise misfit(f"{where} has shape {tuple(master.shape)}, its param's {tuple(param.shape)}")
+        raise misfit(
+            f"{where}['master'] has shape {tuple(master.shape)}, its param's {tuple(param.shape)}"
+        )
+    why = value_fault(master)
+    if why is not None:
+        raise misfit(f"{where}['master'] {why}")
 
 
 def _pair_as_saved(entry: Mapping[str, Any]) -> bool:

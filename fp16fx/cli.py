@@ -13,13 +13,20 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-__all__ = ["SEEDS", "SUBCOMMANDS", "build_parser", "main", "seed"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "seed", "seed_fault"]
 
 #: Modules providing a subcommand, in the order ``fp16fx --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("fp16fx.train", "fp16fx.bench")
 
-#: The seeds ``torch.manual_seed`` takes: a 64-bit integer, signed or not.
-SEEDS = range(-(2**63), 2**64)
+
+def seed_fault(value: object) -> str | None:
+    """Returns why ``value`` is no seed torch's generators take -- they take a Python int
+    (not a bool) in [-2**63, 2**64) -- or None where it is one."""
+    if type(value) is not int:
+        return f"{value!r} is a {type(value).__name__}, not an int"
+    if not -(2**63) <= value < 2**64:
+        return f"{value} is outside torch's seeds, [-2**63, 2**64)"
+    return None
 
 
 def seed(text: str) -> int:
@@ -28,8 +35,9 @@ def seed(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value not in SEEDS:
-        raise argparse.ArgumentTypeError(f"{value} is outside torch's seeds, [-2**63, 2**64)")
+    why = seed_fault(value)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
     return value
 
 

@@ -1605,25 +1605,32 @@ def test_a_master_past_the_new_dtypes_range_is_refused_by_name(saved_in, key):
 @pytest.mark.parametrize(
     ("saved_in", "master", "message"),
     [
-        (torch.float16, lambda e: e["master"].half(), "has dtype torch.float16, not"),
-        (torch.bfloat16, lambda e: e["master"].long(), "has dtype torch.int64, not"),
-        (torch.float16, lambda e: e["master"][:-1], r"has shape \(29, 20\), its param's"),
-        (torch.float32, lambda e: e["param"].clone(), "sits beside a torch.float32 param"),
+        (torch.float16, lambda e: e["master"].half(), r"\['master'\] has dtype torch.float16"),
+        (torch.bfloat16, lambda e: e["master"].long(), r"\['master'\] has dtype torch.int64"),
+        (torch.float16, lambda e: e["master"][:-1], r"\['master'\] has shape \(29, 20\)"),
+        (torch.bfloat16, lambda e: e["master"] / 0, r"\['master'\] holds inf or NaN"),
+        (torch.float32, lambda e: e["param"].clone(), r"\['master'\] sits beside a"),
+        (torch.float16, lambda e: None, r" lacks \['master'\]"),
     ],
-    ids=["fp16-master", "int64-master", "short-master", "fp32-param-with-master"],
+    ids=["fp16", "int64", "short", "inf", "beside-fp32-param", "missing"],
 )
 def test_a_master_no_run_saves_is_refused_by_name_over_params_of_another_dtype(
     saved_in, master, message
 ):
     """Over params whose dtype changed, the saved master is what the new param is rounded
-    from: one of another dtype or shape, or beside an FP32 param (its own master), was once
-    taken as it came (an FP16 master over BF16 params loaded its rounding)."""
+    from: one that is not FP32, not of its param's shape or not finite, one beside an FP32
+    param (its own master), or none (``master`` gives None) beside an FP16 one, was once
+    taken as it came (an FP16 master over BF16 params loaded its rounding) or blamed on the
+    param."""
     sd = save_and_load(fp16fx.state_dict(_state_over(saved_in, "fp32", "fp32")))
-    sd["params"]["w"]["master"] = master(sd["params"]["w"])
+    entry = sd["params"]["w"]
+    entry["master"] = master(entry)
+    if entry["master"] is None:
+        del entry["master"]
     loaded_in = torch.bfloat16 if saved_in == torch.float16 else torch.float16
     state = _state_over(loaded_in, "fp32", "fp32")
     before = stored(state)
-    with pytest.raises(StateDictError, match=rf"\['params'\]\['w'\]\['master'\] {message}"):
+    with pytest.raises(StateDictError, match=rf"\['params'\]\['w'\]{message}"):
         fp16fx.load_state_dict(state, sd)
     assert differing(before, stored(state)) == []
 

@@ -202,8 +202,9 @@ def test_limit_and_data_dir_are_checked_before_the_data_loads(capsys, monkeypatc
         ({"lr_schedule": "linear"}, "unknown lr schedule 'linear' (choose from: cosine, constant)"),
         ({"loss_scale": "big"}, "--loss-scale: a static loss scale must be a finite number"),
         ({"loss_scale": 0.0}, "--loss-scale: a static loss scale must be a finite number"),
-        ({"seed": 2**64}, f"--seed must be an integer in [-2**63, 2**64), got {2**64}"),
-        ({"seed": 7.5}, "--seed must be an integer in [-2**63, 2**64), got 7.5"),
+        ({"seed": 2**64}, f"--seed: {2**64} is outside torch's seeds, [-2**63, 2**64)"),
+        ({"seed": 7.5}, "--seed: 7.5 is a float, not an int"),
+        ({"seed": True}, "--seed: True is a bool, not an int"),
     ],
 )
 def test_a_python_config_argparse_would_refuse_fails_before_the_data_loads(

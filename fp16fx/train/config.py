@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fp16fx.cli import SEEDS
+from fp16fx.cli import seed_fault
 from fp16fx.precision import MASTERS, MOMENTS
 from fp16fx.scaling import check_scale
 from fp16fx.train import checkpoint, outputs
@@ -198,8 +198,9 @@ def check_config(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not isinstance(config.seed, int) or config.seed not in SEEDS:
-        raise SetupError(f"--seed must be an integer in [-2**63, 2**64), got {config.seed!r}")
+    why = seed_fault(config.seed)
+    if why is not None:
+        raise SetupError(f"--seed: {why}")
     batch_size, fewest = config.batch_size_or_default(), MODELS[config.model].min_batch
     if batch_size < fewest:
         raise SetupError(
