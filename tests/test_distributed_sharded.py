@@ -305,7 +305,9 @@ def refused_load(rank: int) -> dict[str, Any]:
     """Loads an FP32 checkpoint whose second moment went negative, and a compact one (as the
     state stores it) whose block scales are zero, into a sharded compact state: the errors'
     messages, and whether the state is as it was. Last, the negative moment on rank 1 alone,
-    the others given the sound dict (a rank handed a damaged copy): no rank may load."""
+    the others given the sound dict (a rank handed a damaged copy): no rank may load; so too
+    where rank 1's copy of the state's own dict holds an int8 offset no block starts at, which
+    only decoding it finds (found once after the ranks agreed: rank 0 loaded)."""
     sources = converting_sources()
     sd = copy.deepcopy(sources["fp32"])
     sd["params"]["a"]["opt[1].nu"] = -1 - sd["params"]["a"]["opt[1].nu"]
@@ -322,7 +324,10 @@ def refused_load(rank: int) -> dict[str, Any]:
     messages = []
     sound = sources["fp32"]
     alone = sd if rank == 1 else sound
-    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone):
+    offset = fdist.consolidate(all_dicts(sharded))
+    if rank == 1:
+        offset["params"]["a"]["opt[1].mu.offset"] = torch.tensor(300)
+    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone, offset):
         try:
             fdist.load_state_dict(sharded, given)
             messages.append("loaded")
@@ -350,8 +355,9 @@ def refused_load(rank: int) -> dict[str, Any]:
         "past_fp16": messages[2],
         "one_rank": messages[3],
         "damaged_copy": messages[4],
-        "after_an_agreed_load": messages[5],
-        "init_in_a_load": messages[6],
+        "damaged_offset": messages[5],
+        "after_an_agreed_load": messages[6],
+        "init_in_a_load": messages[7],
         "unchanged": unchanged,
     }
 
@@ -555,6 +561,27 @@ def same_tensors(a: Any, b: Any) -> bool:
     )
 
 
+def pre_compact_format() -> dict[str, bool]:
+    """A checkpoint saved before compact precision (no "precision" in any dict) loads into a
+    sharded state, as the rank dicts and consolidated, as it loads unsharded (the sharded
+    loader once refused it as lacking ['precision']): per form, whether the loaded state's
+    consolidated params equal the unsharded state's, bitwise."""
+    source = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True)
+    fdist.sharded_step(source, compact_grads(0, source.shard.loss_scale.scale))
+    shards = all_dicts(source)
+    for shard in shards:
+        del shard["shard"]["precision"]
+    one = fdist.consolidate(shards)
+    unsharded = fp16fx.init(compact_params(), fp16fx.adam(1e-2), buckets=True)
+    expected = fp16fx.state_dict(fp16fx.load_state_dict(unsharded, one))["params"]
+    found = {}
+    for name, saved in (("rank dicts", shards), ("consolidated", one)):
+        sharded = fdist.init(compact_params(), fp16fx.adam(1e-2), shard=True)
+        fdist.load_state_dict(sharded, saved)
+        found[name] = same_tensors(fdist.consolidate(all_dicts(sharded))["params"], expected)
+    return found
+
+
 def worker(rank: int, world: int, out: str) -> None:
     out = Path(out)
     found: dict[str, Any] = {name: sharded_vs_replicated(rank, world, name) for name in OPTIMIZERS}
@@ -571,6 +598,7 @@ def worker(rank: int, world: int, out: str) -> None:
     found["settings_apart"] = settings_apart(rank)
     found["alike_but_unusual"] = alike_but_unusual(rank)
     found["dtype_changed"] = dtype_changed()
+    found["pre_compact"] = pre_compact_format()
     torch.save(found, out / f"rank{rank}.pt")
 
 
@@ -686,6 +714,30 @@ def test_rank_dicts_of_different_steps_are_refused(runs):
             fdist.consolidate(saved)
 
 
+def _mu_in_bf16(shard: dict) -> None:
+    shard["params"]["0"]["opt[1].mu"] = shard["params"]["0"]["opt[1].mu"].bfloat16()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda shard: shard["precision"].update(moments="bf16"), r"has precision \{.*'bf16'"),
+        (lambda shard: shard["policy"].update(growth_interval=7), r"has policy \{.*'growth_in"),
+        (_mu_in_bf16, r"has bucket 0's 'opt\[1\].mu' in torch.bfloat16, rank 0's in torch.float32"),
+        (lambda shard: shard["params"]["0"].update(master=None), "damaged.*: AttributeError"),
+    ],
+    ids=["precision", "policy", "dtype", "not-a-tensor"],
+)
+def test_rank_dicts_of_different_runs_or_damaged_are_refused_by_name(runs, change, message):
+    """Rank dicts of runs in other precisions or under other loss-scale policies were joined
+    silently (rank 0's won), a slice of another dtype promoted by torch.cat, and a slice that
+    is no tensor escaped as a bare AttributeError."""
+    saved = [torch.load(runs["dir"] / f"ckpt_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    change(saved[1]["shard"])
+    with pytest.raises(saved_format.StateDictError, match=message):
+        fdist.consolidate(saved)
+
+
 def test_a_missing_grad_is_refused_before_any_collective(runs):
     for r in runs[2]:
         assert "params['b'] has none" in r["missing_grad"]["message"]
@@ -760,6 +812,9 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     assert rank_0.startswith("fp16fx cannot agree on an init inside a load"), rank_0
     assert rank_1 == "refused before an init"
     assert nested == [f"rank 1 refused the dict: {own}", own]
+    own, told = (found["compact"]["refused"]["damaged_offset"] for found in reversed(runs[2]))
+    assert "['a']['opt[1].mu.offset'] is not an int64 in [0, 256)" in own
+    assert told == f"rank 1 refused the dict: {own}"
 
 
 def test_a_0d_param_loads_into_a_compact_sharded_state(runs):
@@ -795,6 +850,11 @@ def test_a_sharded_init_refuses_bad_arguments_before_moving_the_params(runs):
 def test_a_checkpoint_over_params_of_other_dtypes_loads_as_unsharded(runs):
     for found in runs[2]:
         assert found["dtype_changed"] == {"fp32": True, "compact": True}
+
+
+def test_a_checkpoint_saved_before_compact_precision_loads_into_a_sharded_state(runs):
+    for found in runs[2]:
+        assert found["pre_compact"] == {"rank dicts": True, "consolidated": True}
 
 
 def test_fdist_init_refuses_ranks_that_build_their_states_otherwise(runs):

@@ -26,6 +26,7 @@ from fp16fx import checkpoint, flat, saved_format, tree
 from fp16fx.distributed.agreement import checks_passed, loading_together
 from fp16fx.distributed.sharded import ShardedState, check_sharded
 from fp16fx.precision import ZERO_BLOCK_SCALE, Precision, encode_master
+from fp16fx.saved_format import StateDictError
 
 FORMAT = "fp16fx.sharded/2"
 ShardDict = dict[str, Any]
@@ -63,44 +64,51 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     """Returns ``shards`` in rank order after checking they are one whole checkpoint.
 
     Raises:
-      ValueError: not all of this format, a rank missing or twice, or dicts of different
-        layouts (from another run) or of different counts, loss scales, hyperparameters or
-        step counts (saved at different steps).
+      StateDictError (a ValueError): not all of this format, a rank missing or twice, or
+        dicts of different layouts, precisions or loss-scale policies (from another run) or
+        of different counts, loss scales, hyperparameters or step counts (saved at different
+        steps).
     """
     if not isinstance(shards, Sequence) or not all(isinstance(d, Mapping) for d in shards):
-        raise ValueError(f"expected the list of every rank's {FORMAT!r} dict")
+        raise StateDictError(f"expected the list of every rank's {FORMAT!r} dict")
     try:  # a key missing or of another type: a damaged dict, named as such
         return _in_rank_order(shards)
     except (KeyError, AttributeError, TypeError, RuntimeError) as err:
-        raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
+        raise StateDictError(f"a damaged sharded checkpoint: {err!r}") from None
 
 
 def _in_rank_order(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     shards = sorted(shards, key=lambda d: d.get("rank", -1))
     if not shards or any(d.get("format") != FORMAT for d in shards):
-        raise ValueError(f"expected the per-rank dicts of a {FORMAT!r} checkpoint")
+        raise StateDictError(f"expected the per-rank dicts of a {FORMAT!r} checkpoint")
     world = shards[0]["world_size"]
     other = next((d for d in shards if d["world_size"] != world), None)
     if other is not None:
-        raise ValueError(
+        raise StateDictError(
             f"rank {other['rank']}'s dict was saved by {other['world_size']} ranks, rank "
             f"{shards[0]['rank']}'s by {world}: the dicts of different runs"
         )
     if [d["rank"] for d in shards] != list(range(world)):
-        raise ValueError(
+        raise StateDictError(
             f"a checkpoint saved by {world} ranks needs all their dicts; got ranks "
             f"{[d['rank'] for d in shards]}"
         )
     first = shards[0]
     for d in shards:
         if d["buckets"] != first["buckets"] or d["leaves"] != first["leaves"]:
-            raise ValueError(f"rank {d['rank']}'s dict has another layout than rank 0's")
+            raise StateDictError(f"rank {d['rank']}'s dict has another layout than rank 0's")
+        for key in ("precision", "policy"):  # a dict saved before compact precision has none
+            if d["shard"].get(key) != first["shard"].get(key):
+                raise StateDictError(
+                    f"rank {d['rank']}'s dict has {key} {d['shard'].get(key)}, rank 0's "
+                    f"{first['shard'].get(key)}: the dicts of different runs"
+                )
     ours = _shared_values(first["shard"])
     for d in shards[1:]:
         theirs = _shared_values(d["shard"])
         for where, value in ours.items():
             if not torch.equal(theirs[where], value):
-                raise ValueError(
+                raise StateDictError(
                     f"rank {d['rank']}'s dict has {where} = {theirs[where].tolist()}, rank "
                     f"0's {value.tolist()}: the dicts were saved at different steps, or "
                     "by different runs"
@@ -129,34 +137,47 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     No process group is needed.
 
     Raises:
-      ValueError: the dicts are not one complete sharded checkpoint.
+      StateDictError (a ValueError): the dicts are not one complete sharded checkpoint.
     """
     shards = check_complete(shards)
+    try:  # a key missing or of another type: a damaged dict, named as such
+        return _joined_shards(shards)
+    except (KeyError, IndexError, AttributeError, TypeError, RuntimeError) as err:
+        raise StateDictError(f"a damaged sharded checkpoint: {err!r}") from None
+
+
+def _joined_shards(shards: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """:func:`consolidate`'s join of complete rank dicts, in rank order; raises what a
+    damaged one gives (KeyError, AttributeError, ...) for it to name."""
     first = shards[0]
     block = _block(first["shard"])
-    try:
-        whole = []  # per bucket: key -> the joined tensor (or the shared scalar)
-        for b, bucket in enumerate(first["buckets"]):
-            parts = [d["shard"]["params"][str(b)] for d in shards]
-            whole.append(
-                {
-                    key: value if value.ndim == 0 else torch.cat([p[key] for p in parts])
-                    for key, value in parts[0].items()
-                }
-            )
-            for key, value in whole[-1].items():
-                length = bucket["padded"] // (block if key.endswith(".scales") else 1)
-                if value.ndim and value.numel() != length:
-                    raise ValueError(f"bucket {b}'s {key!r} joins to {value.numel()} values")
-        params = {}
-        for path, where in first["leaves"].items():
-            start, shape = where["offset"], tuple(where["shape"])
-            params[path] = {
-                key: _leaf_part(key, value, start, shape, block)
-                for key, value in whole[where["bucket"]].items()
+    whole = []  # per bucket: key -> the joined tensor (or the shared scalar)
+    for b, bucket in enumerate(first["buckets"]):
+        parts = [d["shard"]["params"][str(b)] for d in shards]
+        for key, value in parts[0].items():
+            for d, part in zip(shards, parts):
+                if part[key].dtype != value.dtype:  # torch.cat would promote: values no rank saved
+                    raise StateDictError(
+                        f"rank {d['rank']}'s dict has bucket {b}'s {key!r} in "
+                        f"{part[key].dtype}, rank 0's in {value.dtype}"
+                    )
+        whole.append(
+            {
+                key: value if value.ndim == 0 else torch.cat([p[key] for p in parts])
+                for key, value in parts[0].items()
             }
-    except (KeyError, IndexError, TypeError, RuntimeError) as err:
-        raise ValueError(f"a damaged sharded checkpoint: {err!r}") from None
+        )
+        for key, value in whole[-1].items():
+            length = bucket["padded"] // (block if key.endswith(".scales") else 1)
+            if value.ndim and value.numel() != length:
+                raise StateDictError(f"bucket {b}'s {key!r} joins to {value.numel()} values")
+    params = {}
+    for path, where in first["leaves"].items():
+        start, shape = where["offset"], tuple(where["shape"])
+        params[path] = {
+            key: _leaf_part(key, value, start, shape, block)
+            for key, value in whole[where["bucket"]].items()
+        }
     shard = first["shard"]
     return {
         "format": saved_format.FORMAT,
@@ -255,16 +276,18 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
     if not isinstance(sd, Mapping):
         sd = consolidate(sd)
     elif sd.get("format") == FORMAT:
-        raise saved_format.StateDictError(
+        raise StateDictError(
             f"this is rank {sd.get('rank')}'s dict of a checkpoint saved by "
             f"{sd.get('world_size')} ranks: pass the list of every rank's dicts"
         )
     saved_format.check_dense(sd)  # before anything is written: nothing changes
     saved, precision = saved_format.precision_of(sd), state.shard.precision
+    # A dict saved before compact precision has no "precision": its own, said as the state's is.
+    sd = {**sd, "precision": saved_format.precision_dict(saved)}
     signs = checkpoint.moment_signs(state.shard.opt_state)
     non_negative = checkpoint.non_negative_keys(signs)
     if not isinstance(sd.get("params"), Mapping):
-        raise saved_format.StateDictError("the state dict has no ['params'] dict")
+        raise StateDictError("the state dict has no ['params'] dict")
     stored = template(state)
     as_stored = saved == precision and not _dtypes_changed(stored["params"], sd["params"])
     if as_stored:
@@ -286,24 +309,30 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
     saved_format.check_codes(sd["params"], signs)
     if precision.compensated:
         saved_format.check_compensable(entries)
-    paths = _leaf_paths(state)
-    per_bucket = [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
+    per_bucket = _per_bucket(state, entries)
     for bucket, saved_entries in zip(state.buckets, per_bucket):
         counts = {saved_format.leaf_scalars(entry) for entry in saved_entries}
         if len(counts) > 1:
-            raise saved_format.StateDictError(
+            raise StateDictError(
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
+    copy = as_stored and _blocks_start_alike(state, per_bucket)
+    if as_stored and not copy:  # decoded now: a malformed entry is refused before agreeing
+        per_bucket = _per_bucket(state, saved_format.canonical_params(sd["params"], saved.block))
     checks_passed()  # every rank's checks, before any rank writes
     with torch.no_grad():
-        if as_stored and _blocks_start_alike(state, per_bucket):
+        if copy:
             _copy_as_stored(state, per_bucket)
         else:
-            block = saved.block
-            canonical = [[saved_format.canonical(e, block) for e in es] for es in per_bucket]
-            _store_converted(state, canonical, saved.compensated)
+            _store_converted(state, per_bucket, saved.compensated)
         checkpoint.load_shared(state.shard, sd)
+
+
+def _per_bucket(state: ShardedState, entries: Mapping[str, Any]) -> list[list[Any]]:
+    """Returns the saved ``entries`` (keyed by leaf path) of each bucket's leaves, in order."""
+    paths = _leaf_paths(state)
+    return [[entries[paths[state.trained[i]]] for i in b.indices] for b in state.buckets]
 
 
 def _dtypes_changed(mine: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
