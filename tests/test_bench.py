@@ -250,13 +250,29 @@ def test_the_report_names_the_step_and_the_warm_up_steps_that_ran() -> None:
 
 
 def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
-    broken = _register_broken("test-broken", RuntimeError("boom"))
+    """The table shows an error's first line (a compile error's once ran on, stack frames
+    and all, across the table); the JSON keeps all of it."""
+    broken = _register_broken("test-broken", RuntimeError("boom\n\nfrom user code:\n  File"))
     assert broken in select_runners(None)
     result = _tiny_run(["test-broken", "torch-fused"])
     rows = {r.name: r for r in result.presets[0].results}
-    assert rows["test-broken"].status == "error" and "boom" in rows["test-broken"].reason
+    assert rows["test-broken"].status == "error"
+    assert rows["test-broken"].reason == "RuntimeError: boom\n\nfrom user code:\n  File"
     assert rows["torch-fused"].status == "ok"
-    assert "error: RuntimeError: boom" in format_report(result)
+    text = format_report(result)
+    assert "error: RuntimeError: boom\n" in text and "from user code" not in text
+
+
+def test_the_roofline_rows_name_cannot_be_registered() -> None:
+    """A contender named "roofline" once broke every run (two rows of that name) and took
+    ``--only roofline``."""
+
+    class Roofline(TorchFusedRunner):
+        name = "roofline"
+
+    with pytest.raises(ValueError, match="'roofline' names the report's roofline row"):
+        register_runner(Roofline)
+    assert Roofline not in runner_classes()
 
 
 def test_a_run_thaws_the_objects_it_froze_out_of_garbage_collection(monkeypatch) -> None:
@@ -615,7 +631,7 @@ def test_a_contender_that_raises_in_the_interleaved_loop_leaves_it_to_the_others
         self.steps_taken = getattr(self, "steps_taken", 0) + 1
         if len(setups) == 2 and self.steps_taken > 1:
             failed.append(weakref.ref(self))
-            raise MemoryError("simulated")
+            raise MemoryError("simulated\nits second line stays out of the note")
         step(self)
 
     def watching_step(self):  # is the failed instance's memory still held?

@@ -110,6 +110,8 @@ def test_the_sharded_bench_steps_the_configs_adam() -> None:
         (["--world-sizes", "2", "--masters", "half"], "invalid choice: 'half'"),
         # Not only --world-sizes': torch's own error once named no option; -1 s was taken.
         (["--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
+        # 100,000 threads once crashed the process without a word.
+        (["--threads", "100000"], "argument --threads: must be at most the"),
         (["--time-budget", "-1"], "argument --time-budget: must be a finite number >= 0"),
         # Once a traceback per contender, and exit 0.
         (["--seed", str(10**23)], "argument --seed: 100000000000000000000000 is outside"),

@@ -23,6 +23,7 @@ from fp16fx.bench.results import ROOFLINE, BenchResult
 from fp16fx.bench.runner import BenchConfig, Runner, runner_classes
 from fp16fx.bench.sharded import (
     ShardedOptions,
+    available_cores,
     format_sharded_report,
     run_sharded,
     sharded_to_json,
@@ -103,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
         "--threads",
-        type=_at_least(1),
+        type=_threads,
         default=None,
         help="torch intra-op threads (default: torch's current setting); with --world-sizes: "
         "the cores the d processes share (default: all available)",
@@ -181,6 +182,17 @@ def _at_least(low: float, kind: type = int) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def _threads(text: str) -> int:
+    """Parse ``--threads``: at least 1, and at most the CPUs this process may run on (torch
+    starts every thread it is told to: 100,000 of them crashed the process, silently)."""
+    value = _at_least(1)(text)
+    if value > available_cores():
+        raise argparse.ArgumentTypeError(
+            f"must be at most the {available_cores()} CPUs this process may run on, got {value}"
+        )
+    return value
 
 
 def _world_sizes(text: str) -> list[int]:

@@ -300,9 +300,10 @@ def _run_preset(
             if row.name in loop.ms:
                 _set_times(row, loop.ms[row.name])
             elif row.name in loop.failed:
+                error = loop.failed[row.name].partition("\n")[0]  # a note is one line
                 row.notes.append(
-                    f"raised in the interleaved loop ({loop.failed[row.name]}): its times are "
-                    "the first pass's, and its ratios set them against the loop's"
+                    f"raised in the interleaved loop ({error}): its times are the first "
+                    "pass's, and its ratios set them against the loop's"
                 )
     elif round_roofline_ms:
         per_round[ROOFLINE] = round_roofline_ms

@@ -149,7 +149,9 @@ def format_table(preset: PresetResult, bench: BenchResult) -> str:
     for result in preset.results:
         label = f"{result.label} [{result.name}]" if result.kind != "roofline" else result.label
         if result.status != "ok":
-            rows.append([label, f"{result.status}: {result.reason}"])
+            # One line (a compile error's runs on, stack and all): the JSON keeps the rest.
+            first_line = result.reason.partition("\n")[0]
+            rows.append([label, f"{result.status}: {first_line}"])
             continue
         cells = [cell(result) for _, cell in COLUMNS]
         if result.kind == "roofline":

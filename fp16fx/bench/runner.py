@@ -33,6 +33,8 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import Tensor
 
+from fp16fx.bench.results import ROOFLINE
+
 __all__ = [
     "BenchConfig",
     "Runner",
@@ -158,6 +160,8 @@ def register_runner(cls: R) -> R:
         raise TypeError(f"register_runner expects a Runner subclass, got {cls!r}")
     if not getattr(cls, "name", None) or not getattr(cls, "label", None):
         raise TypeError(f"runner class {cls.__qualname__} must set `name` and `label`")
+    if cls.name == ROOFLINE:
+        raise ValueError(f"{ROOFLINE!r} names the report's roofline row: pick another name")
     _REGISTRY[cls.name] = cls
     return cls
 

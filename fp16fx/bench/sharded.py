@@ -124,7 +124,7 @@ class ShardedResult:
     presets: list[ShardedPresetResult]
 
 
-def _available_cores() -> int:
+def available_cores() -> int:
     """Return the number of CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
@@ -187,7 +187,7 @@ def run_sharded(opts: ShardedOptions, progress: Progress | None = None) -> Shard
     if any(d < 1 for d in opts.world_sizes):
         raise ValueError(f"world sizes must be >= 1, got {list(opts.world_sizes)}")
     sizes = sorted(set(opts.world_sizes))
-    cores = opts.cores or _available_cores()
+    cores = opts.cores or available_cores()
     load_start = measure.load_average()
     presets = []
     for preset in opts.presets:
