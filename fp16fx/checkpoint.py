@@ -212,14 +212,15 @@ def in_dtype_of(
     param and master (a param written since is its master); with the dtype changed, that
     master -- or an FP32 param, its own -- stays, and the param is the master rounded to
     nearest. Raises StateDictError if, with the dtype changed, the master is not one a run
-    saves (:func:`_check_saved_master`) or is past the new dtype's range."""
+    saves (:func:`_master_fault`) or is past the new dtype's range."""
     dtype_changed = like is not None and entry["param"].dtype != like["param"].dtype
-    if dtype_changed:
-        _check_saved_master(path, entry)
+    if dtype_changed:  # the new param is rounded from the master: a faulty one is named here
+        why = _master_fault(entry)
+        if why is not None:
+            raise misfit(f"['params'][{path!r}]{why}")
     # Into FP32 masters over the same dtype, param and master load as saved, and the next
     # step adopts a written param as the saving run's would (its weight decay reads the old
-    # master). A master no run saves (another shape or dtype, inf or NaN) stays as saved, for
-    # the checks to refuse by name.
+    # master). There a master no run saves stays as saved, for check_fits to refuse by name.
     if (compensated or dtype_changed) and _pair_as_saved(entry):
         entry = {**entry, "master": master_of(entry["param"], entry["master"])}
     if not dtype_changed:
@@ -237,43 +238,29 @@ def in_dtype_of(
     return out
 
 
-def _check_saved_master(path: str, entry: Mapping[str, Any]) -> None:
-    """Raises StateDictError naming a saved leaf's master if no run saves it so: an FP16/BF16
-    param's is a finite FP32 tensor of its shape, and an FP32 param is its own. Over params
-    of another dtype the new param is rounded from it, and a fault would load unnamed (an
-    FP16 master's rounding) or be blamed on the param."""
+def _master_fault(entry: Mapping[str, Any]) -> str | None:
+    """Returns why a saved leaf's master is none a run saves -- an FP16/BF16 param's is a
+    finite FP32 tensor of its shape, and an FP32 param is its own -- naming the key, or
+    None where it is one."""
     param = entry["param"]
-    where = f"['params'][{path!r}]"
     if param.dtype == torch.float32:
         if "master" in entry:
-            raise misfit(f"{where}['master'] sits beside a torch.float32 param, its own master")
-        return
+            return "['master'] sits beside a torch.float32 param, its own master"
+        return None
     if "master" not in entry:
-        raise misfit(f"{where} lacks ['master'] beside its {param.dtype} param")
+        return f" lacks ['master'] beside its {param.dtype} param"
     master = entry["master"]
     if master.dtype != torch.float32:
-        raise misfit(f"{where}['master'] has dtype {master.dtype}, not torch.float32")
+        return f"['master'] has dtype {master.dtype}, not torch.float32"
     if master.shape != param.shape:
-        raise misfit(
-            f"{where}['master'] has shape {tuple(master.shape)}, its param's {tuple(param.shape)}"
-        )
+        return f"['master'] has shape {tuple(master.shape)}, its param's {tuple(param.shape)}"
     why = value_fault(master)
-    if why is not None:
-        raise misfit(f"{where}['master'] {why}")
+    return None if why is None else f"['master'] {why}"
 
 
 def _pair_as_saved(entry: Mapping[str, Any]) -> bool:
-    """Whether ``entry`` holds an FP16/BF16 param and a finite FP32 master of its shape, as a
-    run saves them."""
-    param, master = entry["param"], entry.get("master")
-    return (
-        isinstance(param, torch.Tensor)
-        and param.dtype in (torch.float16, torch.bfloat16)
-        and isinstance(master, torch.Tensor)
-        and master.dtype == torch.float32
-        and master.shape == param.shape
-        and value_fault(master) is None
-    )
+    """Whether ``entry`` holds an FP16/BF16 param and the master a run saves beside it."""
+    return entry["param"].dtype != torch.float32 and _master_fault(entry) is None
 
 
 def _same_layout(

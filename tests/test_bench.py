@@ -250,17 +250,25 @@ def test_the_report_names_the_step_and_the_warm_up_steps_that_ran() -> None:
 
 
 def test_registered_runner_joins_and_a_failing_one_is_reported() -> None:
-    """The table shows an error's first line (a compile error's once ran on, stack frames
-    and all, across the table); the JSON keeps all of it."""
-    broken = _register_broken("test-broken", RuntimeError("boom\n\nfrom user code:\n  File"))
+    """The table shows an error on one line, cut at 160 characters (a compile error's once
+    ran on across the table, its cause on the second line and stack frames after); the JSON
+    keeps all of it."""
+
+    class BackendCompilerFailed(RuntimeError):
+        """torch._dynamo's, whose message's shape this one's follows."""
+
+    cause = "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+    message = f"backend='inductor' raised:\n{cause}\n\nfrom user code:\n" + "  File x.py\n" * 20
+    broken = _register_broken("test-broken", BackendCompilerFailed(message))
     assert broken in select_runners(None)
     result = _tiny_run(["test-broken", "torch-fused"])
     rows = {r.name: r for r in result.presets[0].results}
     assert rows["test-broken"].status == "error"
-    assert rows["test-broken"].reason == "RuntimeError: boom\n\nfrom user code:\n  File"
+    assert rows["test-broken"].reason == f"BackendCompilerFailed: {message}"
     assert rows["torch-fused"].status == "ok"
-    text = format_report(result)
-    assert "error: RuntimeError: boom\n" in text and "from user code" not in text
+    (line,) = [line for line in format_report(result).splitlines() if "test-broken" in line]
+    shown = f"error: BackendCompilerFailed: backend='inductor' raised: {cause} from user code:"
+    assert shown in line and line.endswith("...") and len(line.split("error: ")[1]) == 160
 
 
 def test_the_roofline_rows_name_cannot_be_registered() -> None:
@@ -631,7 +639,7 @@ def test_a_contender_that_raises_in_the_interleaved_loop_leaves_it_to_the_others
         self.steps_taken = getattr(self, "steps_taken", 0) + 1
         if len(setups) == 2 and self.steps_taken > 1:
             failed.append(weakref.ref(self))
-            raise MemoryError("simulated\nits second line stays out of the note")
+            raise MemoryError("simulated\n  on two lines")
         step(self)
 
     def watching_step(self):  # is the failed instance's memory still held?
@@ -652,8 +660,8 @@ def test_a_contender_that_raises_in_the_interleaved_loop_leaves_it_to_the_others
     apex = rows["apex-style"]
     assert apex.status == "ok" and apex.steps == 6 and apex.ms_per_step > 0  # the first pass
     assert apex.notes == [
-        "raised in the interleaved loop (MemoryError: simulated): its times are the first "
-        "pass's, and its ratios set them against the loop's"
+        "raised in the interleaved loop (MemoryError: simulated on two lines): its times are "
+        "the first pass's, and its ratios set them against the loop's"
     ]
 
 

@@ -106,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=_threads,
         default=None,
-        help="torch intra-op threads (default: torch's current setting); with --world-sizes: "
-        "the cores the d processes share (default: all available)",
+        help="torch intra-op threads, at most the CPUs available (default: torch's current "
+        "setting); with --world-sizes: the cores the d processes share (default: all available)",
     )
     parser.add_argument(
         "--world-sizes",

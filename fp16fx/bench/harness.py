@@ -35,7 +35,13 @@ from fp16fx.bench import measure
 from fp16fx.bench.interleave import interleaved_ms
 from fp16fx.bench.options import MIN_TIMED_STEPS, BenchOptions
 from fp16fx.bench.presets import Preset
-from fp16fx.bench.results import ROOFLINE, BenchResult, ContenderResult, PresetResult
+from fp16fx.bench.results import (
+    ROOFLINE,
+    BenchResult,
+    ContenderResult,
+    PresetResult,
+    one_line,
+)
 from fp16fx.bench.runner import Runner, runner_classes
 from fp16fx.tree import storage_bytes
 
@@ -300,10 +306,9 @@ def _run_preset(
             if row.name in loop.ms:
                 _set_times(row, loop.ms[row.name])
             elif row.name in loop.failed:
-                error = loop.failed[row.name].partition("\n")[0]  # a note is one line
                 row.notes.append(
-                    f"raised in the interleaved loop ({error}): its times are the first "
-                    "pass's, and its ratios set them against the loop's"
+                    f"raised in the interleaved loop ({one_line(loop.failed[row.name])}): its "
+                    "times are the first pass's, and its ratios set them against the loop's"
                 )
     elif round_roofline_ms:
         per_round[ROOFLINE] = round_roofline_ms

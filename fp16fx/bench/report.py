@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult
+from fp16fx.bench.results import BenchResult, ContenderResult, PresetResult, one_line
 
 if TYPE_CHECKING:  # sharded.py imports this module
     from fp16fx.bench.sharded import ShardedResult
@@ -149,9 +149,7 @@ def format_table(preset: PresetResult, bench: BenchResult) -> str:
     for result in preset.results:
         label = f"{result.label} [{result.name}]" if result.kind != "roofline" else result.label
         if result.status != "ok":
-            # One line (a compile error's runs on, stack and all): the JSON keeps the rest.
-            first_line = result.reason.partition("\n")[0]
-            rows.append([label, f"{result.status}: {first_line}"])
+            rows.append([label, f"{result.status}: {one_line(result.reason)}"])
             continue
         cells = [cell(result) for _, cell in COLUMNS]
         if result.kind == "roofline":

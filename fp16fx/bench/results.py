@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ROOFLINE", "BenchResult", "ContenderResult", "PresetResult"]
+__all__ = ["ROOFLINE", "BenchResult", "ContenderResult", "PresetResult", "one_line"]
 
 #: The name of every preset's roofline row.
 ROOFLINE = "roofline"
+
+
+def one_line(reason: str, width: int = 160) -> str:
+    """Returns an error's ``reason`` as the report's table row or note shows it: each run of
+    whitespace one space (a compile error's message spans lines, with its cause on the
+    second and stack frames after), cut at ``width`` characters. The JSON keeps it whole."""
+    text = " ".join(reason.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 @dataclass

@@ -97,7 +97,7 @@ def _in_rank_order(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     for d in shards:
         if d["buckets"] != first["buckets"] or d["leaves"] != first["leaves"]:
             raise StateDictError(f"rank {d['rank']}'s dict has another layout than rank 0's")
-        for key in ("precision", "policy"):  # a dict saved before compact precision has none
+        for key in ("precision", "policy"):  # .get: no "precision" before compact precision
             if d["shard"].get(key) != first["shard"].get(key):
                 raise StateDictError(
                     f"rank {d['rank']}'s dict has {key} {d['shard'].get(key)}, rank 0's "
@@ -154,13 +154,7 @@ def _joined_shards(shards: list[Mapping[str, Any]]) -> dict[str, Any]:
     whole = []  # per bucket: key -> the joined tensor (or the shared scalar)
     for b, bucket in enumerate(first["buckets"]):
         parts = [d["shard"]["params"][str(b)] for d in shards]
-        for key, value in parts[0].items():
-            for d, part in zip(shards, parts):
-                if part[key].dtype != value.dtype:  # torch.cat would promote: values no rank saved
-                    raise StateDictError(
-                        f"rank {d['rank']}'s dict has bucket {b}'s {key!r} in "
-                        f"{part[key].dtype}, rank 0's in {value.dtype}"
-                    )
+        _check_slice_dtypes(b, shards, parts)
         whole.append(
             {
                 key: value if value.ndim == 0 else torch.cat([p[key] for p in parts])
@@ -188,6 +182,21 @@ def _joined_shards(shards: list[Mapping[str, Any]]) -> dict[str, Any]:
         "params": params,
         **({"precision": shard["precision"]} if "precision" in shard else {}),
     }
+
+
+def _check_slice_dtypes(
+    b: int, shards: list[Mapping[str, Any]], parts: list[Mapping[str, torch.Tensor]]
+) -> None:
+    """Raises StateDictError where a rank's slice of bucket ``b`` (its entry of ``parts``)
+    holds a key in another dtype than rank 0's: torch.cat would promote it to values no rank
+    saved."""
+    for key, value in parts[0].items():
+        for d, part in zip(shards, parts):
+            if part[key].dtype != value.dtype:
+                raise StateDictError(
+                    f"rank {d['rank']}'s dict has bucket {b}'s {key!r} in {part[key].dtype}, "
+                    f"rank 0's in {value.dtype}"
+                )
 
 
 def _block(shard: Mapping[str, Any]) -> int:
