@@ -241,6 +241,24 @@ def test_multi_transform_hyperparameters_are_per_group():
         fp16fx.set_hyperparams(state, group=2, lr=0.5)
 
 
+def test_every_groups_hyperparameters_are_read_in_one_copy_to_the_host(monkeypatch):
+    """``get_hyperparams`` once copied each hyperparameter to the host alone: on a GPU, a
+    sync per hyperparameter and group."""
+    opt = fp16fx.multi_transform([fp16fx.sgd(0.1, momentum=0.9), fp16fx.adam(1e-3)], labels=[1, 0])
+    state = fp16fx.init([torch.ones(2), torch.ones(3)], opt, fp16fx.NoLossScale())
+    copies = []
+    to_host = torch.Tensor.cpu
+
+    def counted(tensor, *args, **kwargs):
+        copies.append(tensor.numel())
+        return to_host(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    sgd_group, adam_group = fp16fx.get_hyperparams(state)
+    assert copies == [len(sgd_group) + len(adam_group) + 1]  # betas: two values
+    assert adam_group["betas"] == pytest.approx((0.9, 0.999)) and sgd_group["momentum"] == 0.9
+
+
 def test_a_group_without_params_keeps_its_hyperparameters_on_the_params_device():
     """A param group whose params are all frozen owns no segment: its hyperparameters were
     made on the CPU beside a GPU's params (a CUDA graph skips a step reading CPU tensors).

@@ -289,7 +289,8 @@ def read_hyperparams(state: State) -> list[dict[str, Any]]:
     names = [(k, n) for k, g in enumerate(groups) for n in g]
     if not names:
         return [{} for _ in groups]
-    flat = torch.cat([groups[k][n].reshape(-1).cpu() for k, n in names]).tolist()
+    # Joined where they live, then one copy to the host (one copy each was a sync each).
+    flat = torch.cat([groups[k][n].reshape(-1) for k, n in names]).cpu().tolist()
     out: list[dict[str, Any]] = [{} for _ in groups]
     at = 0
     for k, n in names:
