@@ -240,8 +240,8 @@ def in_dtype_of(
 
 def _master_fault(entry: Mapping[str, Any]) -> str | None:
     """Returns why a saved leaf's master is none a run saves -- an FP16/BF16 param's is a
-    finite FP32 tensor of its shape, and an FP32 param is its own -- naming the key, or
-    None where it is one."""
+    finite FP32 tensor of its shape, and an FP32 param is its own -- or None where it is
+    one. The reason follows the leaf's name: it starts with the key, or a space."""
     param = entry["param"]
     if param.dtype == torch.float32:
         if "master" in entry:

@@ -289,8 +289,10 @@ def read_hyperparams(state: State) -> list[dict[str, Any]]:
     names = [(k, n) for k, g in enumerate(groups) for n in g]
     if not names:
         return [{} for _ in groups]
-    # Joined where they live, then one copy to the host (one copy each was a sync each).
-    flat = torch.cat([groups[k][n].reshape(-1) for k, n in names]).cpu().tolist()
+    # Joined on the first one's device (a transform of one's own may keep one elsewhere),
+    # then one copy to the host: one copy each was one sync each.
+    device = groups[names[0][0]][names[0][1]].device
+    flat = torch.cat([groups[k][n].reshape(-1).to(device) for k, n in names]).cpu().tolist()
     out: list[dict[str, Any]] = [{} for _ in groups]
     at = 0
     for k, n in names:
