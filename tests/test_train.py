@@ -234,6 +234,19 @@ def test_a_stray_world_size_is_named_in_one_line(capsys, monkeypatch) -> None:
     assert_one_line_error(code, err, "WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT not")
 
 
+@pytest.mark.parametrize(("name", "value"), [("WORLD_SIZE", "abc"), ("MASTER_PORT", "notaport")])
+def test_a_torchrun_variable_that_is_no_integer_is_named_in_one_line(
+    capsys, monkeypatch, name, value
+) -> None:
+    """Each once ended in int()'s traceback (MASTER_PORT's inside torch's rendezvous)."""
+    torchrun = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for key, setting in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, setting)
+    monkeypatch.setenv(name, value)
+    code, _, err = train_cli(capsys, "--limit", "64")
+    assert_one_line_error(code, err, f"the environment's {name} is {value!r}, not a non-negative")
+
+
 def test_missing_cifar10_says_where_to_put_it(capsys, tmp_path) -> None:
     code, _, err = train_cli(capsys, "--dataset", "cifar10", "--data-dir", str(tmp_path))
     assert_one_line_error(code, err, "cifar-10-batches-py", "never downloads")

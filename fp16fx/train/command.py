@@ -292,8 +292,25 @@ def train_and_report(config: TrainConfig, quiet: bool) -> None:
     sys.stdout.flush()  # before a launched process exits, so rank 0's table is never lost
 
 
+#: The torchrun variables that hold a count or a port: a non-negative integer.
+_INTEGER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def _check_environment() -> None:
+    """Raises SetupError naming a torchrun variable set to no non-negative integer (reading
+    it ended in int()'s traceback)."""
+    for name in _INTEGER_VARIABLES:
+        text = os.environ.get(name)
+        if text is not None and not text.strip().isdecimal():
+            raise SetupError(
+                f"the environment's {name} is {text!r}, not a non-negative integer: start the "
+                "processes with torchrun (which sets it), or unset it"
+            )
+
+
 def _start(config: TrainConfig, args: argparse.Namespace) -> None:
     """Trains ``config`` here, in the processes torchrun started, or in new ones."""
+    _check_environment()
     started = Processes.from_env()
     nproc = args.nproc_per_node
     if started is not None:  # under torchrun: its processes are the ones to use
