@@ -169,6 +169,7 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--epochs", "0"], ["--epochs must be >= 1"]),
         (["--lr", "inf"], ["--lr must be a finite number > 0, got inf"]),
         (["--lr", "1e39"], ["--lr 1e+39: hyperparameter 'lr' is 1e+39, which rounds to inf"]),
+        (["--lr", "1e-46"], ["--lr 1e-46 rounds to 0 in FP32, where the step computes"]),
         (["--batch-size", "5000"], ["exceeds the 1437 training images"]),
         # Checked before the data loads (and, with --nproc-per-node, before any process).
         (["--limit", "0"], ["--limit must be >= 1, got 0"]),

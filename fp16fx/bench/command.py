@@ -187,10 +187,10 @@ def _at_least(low: float, kind: type = int) -> Callable[[str], Any]:
 def _threads(text: str) -> int:
     """Parse ``--threads``: at least 1, and at most the CPUs this process may run on (torch
     starts every thread it is told to: 100,000 of them crashed the process, silently)."""
-    value = _at_least(1)(text)
-    if value > available_cores():
+    value, cores = _at_least(1)(text), available_cores()
+    if value > cores:
         raise argparse.ArgumentTypeError(
-            f"must be at most the {available_cores()} CPUs this process may run on, got {value}"
+            f"must be at most the {cores} CPUs this process may run on, got {value}"
         )
     return value
 

@@ -16,6 +16,7 @@ and ``FP16_Optimizer``'s loaders after the facade's own conversion.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -71,9 +72,17 @@ def check_complete(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     """
     if not isinstance(shards, Sequence) or not all(isinstance(d, Mapping) for d in shards):
         raise StateDictError(f"expected the list of every rank's {FORMAT!r} dict")
-    try:  # a key missing or of another type: a damaged dict, named as such
+    with _damage_named():
         return _in_rank_order(shards)
-    except (KeyError, AttributeError, TypeError, RuntimeError) as err:
+
+
+@contextlib.contextmanager
+def _damage_named() -> Iterator[None]:
+    """Turns what a damaged rank dict raises (a key missing, a value of another type) into a
+    StateDictError that says so."""
+    try:
+        yield
+    except (KeyError, IndexError, AttributeError, TypeError, RuntimeError) as err:
         raise StateDictError(f"a damaged sharded checkpoint: {err!r}") from None
 
 
@@ -140,10 +149,8 @@ def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
       StateDictError (a ValueError): the dicts are not one complete sharded checkpoint.
     """
     shards = check_complete(shards)
-    try:  # a key missing or of another type: a damaged dict, named as such
+    with _damage_named():
         return _joined_shards(shards)
-    except (KeyError, IndexError, AttributeError, TypeError, RuntimeError) as err:
-        raise StateDictError(f"a damaged sharded checkpoint: {err!r}") from None
 
 
 def _joined_shards(shards: list[Mapping[str, Any]]) -> dict[str, Any]:

@@ -225,6 +225,8 @@ def check_config(config: TrainConfig) -> None:
     if config.lr is not None:  # > 0 (the optimizer takes 0), and a number FP32 holds
         if not (math.isfinite(config.lr) and config.lr > 0):
             raise SetupError(f"--lr must be a finite number > 0, got {config.lr}")
+        if torch.tensor(config.lr, dtype=torch.float32).item() == 0:  # trains nothing, as 0
+            raise SetupError(f"--lr {config.lr} rounds to 0 in FP32, where the step computes")
         try:
             check_hyperparam("lr", config.lr)  # the optimizer's own check, before any data
         except ValueError as err:
