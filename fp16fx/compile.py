@@ -28,6 +28,7 @@ import torch._inductor
 from torch.utils import _python_dispatch
 
 from fp16fx import tree
+from fp16fx.consensus import CONSENSUS, collective_error
 from fp16fx.prepare import Prepared, Scratch, checked, finish, gathered
 from fp16fx.scaling import GradCheck
 from fp16fx.state import MixedPrecisionState
@@ -122,6 +123,14 @@ def _run_region(
         return _run_region(key, fn, options, args)
 
 
+def _collective_failure(err: RuntimeError) -> bool:
+    """Whether a compiled step's ``err`` is its consensus's collective failing (a peer died or
+    timed out): the collective runs inside the compiled graph, where no Python names it.
+    torch raises those as a plain RuntimeError (gloo) or a DistError (NCCL); its compile,
+    memory and device errors are subclasses of their own."""
+    return type(err) is RuntimeError or isinstance(err, torch.distributed.DistError)
+
+
 class StepFunction:
     """``fp16fx.step``, compiled or eager, pure or in place (stateful: its buffers).
 
@@ -165,7 +174,12 @@ class StepFunction:
             state.precision,
             state.bucket_starts,
         )
-        return _run_region(key, fn, self.compile_options, args)
+        try:
+            return _run_region(key, fn, self.compile_options, args)
+        except RuntimeError as err:
+            if state.consensus is None or not _collective_failure(err):
+                raise
+            raise collective_error(CONSENSUS, err) from err
 
     def _prepare(self, state: MixedPrecisionState, grads: Any, gather: bool = True) -> Prepared:
         scratch = self._scratch if self.inplace else None

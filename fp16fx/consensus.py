@@ -58,16 +58,22 @@ class Consensus:
             local = local * local
         both = torch.stack([(~finite).double(), local])
         op = dist.ReduceOp.SUM if self.sharded else dist.ReduceOp.MAX
-        _all_reduce(both, op, self.group, "the found-inf consensus of a step")
+        _all_reduce(both, op, self.group, CONSENSUS)
         agreed = both[0] == 0
         total = torch.sqrt(both[1]) if self.sharded else both[1]
         inf = torch.full_like(norm, float("inf"))
         return agreed, torch.where(agreed, total.to(norm.dtype), inf)
 
 
+#: What a failure of the consensus's collective is named (:func:`collective_error`).
+CONSENSUS = "the found-inf consensus of a step"
+
+
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, what: str) -> None:
-    """``dist.all_reduce``; eagerly, a failure is re-raised naming ``what`` and the rank."""
-    if torch.compiler.is_compiling():  # traced into the graph: no Python around it at run time
+    """``dist.all_reduce``; eagerly, a failure is re-raised naming ``what`` and the rank.
+    Traced into a compiled step, there is no Python around it at run time: the compiled
+    step's caller (``fp16fx.compile.StepFunction``) names its failure."""
+    if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)
         return
     try:

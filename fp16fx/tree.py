@@ -51,9 +51,10 @@ def unflatten(treedef: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
 
 
 def leaf_names(tree: PyTree, root: str = "params") -> list[str]:
-    """Returns a readable name per flat leaf of ``tree``, e.g. ``params['fc'][0]``."""
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
-    return [root + "".join(f"[{key!r}]" for key in path) for path in paths]
+    """Returns a readable name per flat leaf of ``tree``: the expression that reaches it,
+    e.g. ``params['fc'][0]``, or ``params.bias`` in a namedtuple."""
+    _, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    return [accessor.codify(root) for accessor in treedef.accessors()]
 
 
 def dict_order_differs(tree: PyTree) -> bool:

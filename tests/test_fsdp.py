@@ -641,9 +641,11 @@ def hang(rank: int, world: int) -> dict[str, Any]:
 
 
 def die(rank: int, world: int) -> dict[str, Any]:
-    """(4): rank 1 dies after backward, before its step."""
+    """(4): rank 1 dies after backward, before its step; rank 0's step is compiled (``hang``'s
+    is eager), so its consensus fails inside the compiled graph, which once raised gloo's
+    error bare."""
     model = sharded()
-    opt = facade(model, compiled=False)
+    opt = facade(model)
     opt.backward(loss_of(model, 0, rank, world))
     if rank == 1:
         os._exit(0)

@@ -410,6 +410,15 @@ def test_grads_laid_out_like_the_buckets_but_of_another_dtype_are_refused():
         fp16fx.step(state, fp16fx.grad_buffers(other))
 
 
+def test_a_namedtuples_leaves_are_named_by_their_fields_in_errors():
+    Layer = collections.namedtuple("Layer", "weight bias")
+    state = fp16fx.init(Layer(torch.ones(3).half(), torch.ones(2).half()), fp16fx.sgd(0.1))
+    with pytest.raises(TypeError, match=r"^grads\.bias has dtype torch.float32"):
+        fp16fx.step(state, Layer(torch.ones(3).half(), torch.ones(2)))
+    with pytest.raises(TypeError, match=r"^params\.bias has dtype torch.int32"):
+        fp16fx.init(Layer(torch.ones(3).half(), torch.ones(2, dtype=torch.int32)), fp16fx.sgd(0.1))
+
+
 def test_a_tuple_of_grads_fits_a_list_of_params_and_the_reverse():
     """``torch.autograd.grad`` returns a tuple; list params once refused it, showing two
     PyTreeSpecs that differed only in their brackets."""
