@@ -411,7 +411,7 @@ def test_dynamic_has_overflow_reads_a_sparse_grad_by_its_values():
 
 
 @pytest.mark.parametrize("scaler", [LossScaler(8), DynamicLossScaler(init_scale=8)])
-def test_backward_scales_the_loss_in_fp32(scaler):
+def test_backward_scales_the_loss(scaler):
     w = nn.Parameter(torch.ones(3, dtype=torch.half))
     x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.half)
     loss = (w * x).sum()
@@ -419,6 +419,15 @@ def test_backward_scales_the_loss_in_fp32(scaler):
     assert torch.equal(w.grad, (8 * x))
     scaler.backward(loss)  # the graph was retained
     assert torch.equal(w.grad, (16 * x))
+
+
+def test_a_scale_past_fp16s_range_gives_an_fp16_loss_inf_grads_as_apexs_did():
+    """The first dynamic scale, 2**32, overflows an FP16 loss's gradient: the first step is
+    skipped and the scale halves, as in apex."""
+    w = nn.Parameter(torch.ones(2, dtype=torch.half))
+    scaler = DynamicLossScaler()
+    scaler.backward((w * 1e-3).sum())
+    assert torch.isinf(w.grad).all() and scaler.has_overflow([w])
 
 
 def test_backward_keeps_an_fp64_loss_in_fp64():

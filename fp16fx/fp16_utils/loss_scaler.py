@@ -48,10 +48,10 @@ class LossScaler:
         return tuple(self.loss_scale * g for g in grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Returns None; backpropagates ``loss * loss_scale`` computed in at least FP32 (an FP16
-        loss times apex's first scale of 2**32 is inf; an FP64 loss stays FP64)."""
-        wide = loss.to(torch.promote_types(loss.dtype, torch.float32))
-        (wide * self.loss_scale).backward(retain_graph=retain_graph)
+        """Returns None; backpropagates ``loss * loss_scale``, as apex did. (Computing the
+        product in FP32 would change no gradient: the gradient reaching an FP16 loss is FP16,
+        so a scale past its range, like apex's first, 2**32, gives inf grads either way.)"""
+        (loss * self.loss_scale).backward(retain_graph=retain_graph)
 
 
 class DynamicLossScaler(LossScaler):
