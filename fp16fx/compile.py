@@ -106,13 +106,19 @@ def _dynamo_runs_it_uncompiled() -> bool:
 
 
 def _run_region(
-    key: Hashable, fn: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]
+    key: Hashable,
+    fn: Callable[..., Any],
+    options: dict[str, Any],
+    args: tuple[Any, ...],
+    consensus: Any,
 ) -> Any:
     """Returns ``fn(*args)`` through the compiled region of ``key`` (made on first use, and
     made anew, fresh, if it ever reaches its graph limit: no limit is process-wide), or run
-    eagerly where Dynamo would run it uncompiled."""
+    eagerly where Dynamo would run it uncompiled. ``consensus``: the state's (None: none),
+    whose collective, traced into the region, fails there with no Python around it to name
+    it (:func:`_collective_failure`)."""
     if not torch.compiler.is_compiling() and _dynamo_runs_it_uncompiled():
-        return fn(*args)
+        return fn(*args)  # (eagerly, the consensus names its own failure)
     if key not in _REGIONS:
         limit = {"recompile_limit": _GRAPHS_PER_REGION} if _HAS_LIMIT else {}  # torch >= 2.8
         _REGIONS[key] = _with_settings(torch.compile(_fresh_copy(fn), **limit, **options))
@@ -120,14 +126,20 @@ def _run_region(
         return _REGIONS[key](*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:  # before anything ran
         del _REGIONS[key]
-        return _run_region(key, fn, options, args)
+        return _run_region(key, fn, options, args, consensus)
+    except RuntimeError as err:
+        if consensus is None or not _collective_failure(err):
+            raise
+        raise collective_error(CONSENSUS, err) from err
 
 
 def _collective_failure(err: RuntimeError) -> bool:
-    """Whether a compiled step's ``err`` is its consensus's collective failing (a peer died or
-    timed out): the collective runs inside the compiled graph, where no Python names it.
-    torch raises those as a plain RuntimeError (gloo) or a DistError (NCCL); its compile,
-    memory and device errors are subclasses of their own."""
+    """Whether ``err``, raised by a compiled region over a state with a consensus, reads as
+    its collective failing (a peer died, or timed out): torch raises those as a plain
+    RuntimeError (gloo) or a DistError (NCCL). Its compile, memory and device errors have
+    classes of their own; a plain RuntimeError raised elsewhere in the region (Dynamo's
+    "found no compiled frames", were its skip rule to change) would read as one too, its
+    own message kept as the cause."""
     return type(err) is RuntimeError or isinstance(err, torch.distributed.DistError)
 
 
@@ -174,12 +186,7 @@ class StepFunction:
             state.precision,
             state.bucket_starts,
         )
-        try:
-            return _run_region(key, fn, self.compile_options, args)
-        except RuntimeError as err:
-            if state.consensus is None or not _collective_failure(err):
-                raise
-            raise collective_error(CONSENSUS, err) from err
+        return _run_region(key, fn, self.compile_options, args, state.consensus)
 
     def _prepare(self, state: MixedPrecisionState, grads: Any, gather: bool = True) -> Prepared:
         scratch = self._scratch if self.inplace else None

@@ -8,12 +8,14 @@ import optree
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.utils.flop_counter
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import fp16fx
+from fp16fx.consensus import Consensus
 from fp16fx.precision import decode_master
 from tests.strategies import grads_like, has_tensor, pytrees
 from tests.test_step import OPTIMIZERS, bitwise_equal, snapshot
@@ -224,6 +226,28 @@ def test_a_step_dynamo_would_not_compile_runs_eagerly(context):
         opt.step()
     assert opt.skipped_steps == 1 and opt.loss_scale == 2.0**15
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_failed_consensus_a_compiled_step_runs_eagerly_is_named_once(tmp_path, monkeypatch):
+    """Where Dynamo would run the step uncompiled, the consensus names its own failure; the
+    compiled step's naming of a failure inside its graph once named it a second time."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        state = fp16fx.init([torch.ones(4).half()], fp16fx.sgd(0.1), consensus=Consensus())
+
+        def reset_by_peer(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+
+        monkeypatch.setattr(dist, "all_reduce", reset_by_peer)
+        with torch._dynamo.config.patch(disable=True), pytest.raises(RuntimeError) as failed:
+            fp16fx.compile_step(inplace=True)(state, [torch.ones(4).half()])
+    finally:
+        dist.destroy_process_group()
+    message = str(failed.value)
+    assert message.startswith("fp16fx: the found-inf consensus of a step failed on rank 0 of 1")
+    assert message.count("fp16fx:") == 1 and message.endswith("Connection reset by peer")
 
 
 def test_inplace_step_refuses_bad_grads_before_touching_anything():
