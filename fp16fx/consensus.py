@@ -72,7 +72,7 @@ CONSENSUS = "the found-inf consensus of a step"
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, what: str) -> None:
     """``dist.all_reduce``; eagerly, a failure is re-raised naming ``what`` and the rank.
     Traced into a compiled step, there is no Python around it at run time: the compiled
-    step's caller (``fp16fx.compile.StepFunction``) names its failure."""
+    region's caller (``fp16fx.compile._run_region``) names its failure."""
     if torch.compiler.is_compiling():
         dist.all_reduce(tensor, op=op, group=group)
         return
