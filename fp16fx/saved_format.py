@@ -202,7 +202,11 @@ def _check_values(sd: Mapping[str, Any]) -> None:
     for where, count in counts.items():
         if not count.is_meta and int(count) < 0:
             raise misfit(f"{where} is {int(count)}, a count below 0")
-    policy, scale_state = _policy(sd["policy"]), sd["loss_scale"]
+    try:  # equal to the state's, but a value of another type (3.0 for 3) builds none
+        policy = _policy(sd["policy"])
+    except (TypeError, ValueError) as err:
+        raise misfit(f"['policy']: {err}") from None
+    scale_state = sd["loss_scale"]
     # A policy of one's own (None here) has a rule this check does not know.
     if policy is not None and not scale.is_meta:
         fault = scale_fault(policy, float(scale))

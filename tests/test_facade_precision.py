@@ -184,6 +184,8 @@ def test_a_compact_optimizer_resumes_bitwise_after_params_missed_gradients(maste
         ("param_segments", torch.tensor([0, 0, 0, -1]), "param_segments must be a non-negative"),
         ("param_segments", torch.zeros(4), "param_segments must be a non-negative integer"),
         ("applied_steps", torch.tensor([3]), r"applied_steps must be .* of shape \(\)"),
+        ("param_segments", torch.zeros(4, dtype=torch.int64, device="meta"), "param_segments"),
+        ("applied_steps", torch.tensor(3, device="meta"), "applied_steps must be a non-negative"),
     ],
 )
 def test_malformed_compact_entries_are_refused_and_change_nothing(key, value, message):

@@ -606,6 +606,29 @@ def test_loss_scale_counters_no_run_holds_are_refused(counter, value, bound):
     assert getattr(fp16fx.load_state_dict(target, sd).loss_scale, counter).item() == 1
 
 
+@pytest.mark.parametrize(
+    ("setting", "saved", "message"),
+    [
+        ("growth_interval", 3.0, "growth_interval must be an int >= 1, got 3.0"),
+        ("hysteresis", True, "hysteresis must be an int >= 1, got True"),
+    ],
+)
+def test_a_saved_policy_equal_to_the_states_but_of_another_type_is_refused_by_key(
+    setting, saved, message
+):
+    """3.0 == 3 and True == 1 pass the comparison with the state's policy; building the
+    saved one then raised the constructor's bare ValueError, naming no key."""
+    target = fp16fx.init(
+        {"w": torch.ones(4).half()},
+        fp16fx.sgd(0.1),
+        fp16fx.DynamicLossScale(growth_interval=3, hysteresis=1),
+    )
+    sd = fp16fx.state_dict(target)
+    sd["policy"] = {**sd["policy"], setting: saved}
+    with pytest.raises(fp16fx.StateDictError, match=rf"\['policy'\]: {message}"):
+        fp16fx.load_state_dict(target, sd)
+
+
 _FP32 = torch.finfo(torch.float32)
 _FP32_NORMAL = st.floats(_FP32.tiny, _FP32.max, width=32)
 _POWERS = st.integers(-126, 127).map(lambda k: 2.0**k)

@@ -239,6 +239,8 @@ def _parse_integers(
         isinstance(value, torch.Tensor)
         and value.shape == shape
         and value.dtype in _INTEGERS
+        and value.layout == torch.strided
+        and not value.is_meta  # (neither holds values to compare)
         and bool((value >= 0).all())
     ):
         raise _fail(f"{name} must be a non-negative integer tensor of shape {shape}, got {value!r}")
