@@ -170,6 +170,25 @@ def decode_master(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return p.float() + c.float() * _unit(p)[0]
 
 
+def decode_to_step(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Returns :func:`decode_master`'s master for a step to update: the same, but where a
+    param written in place to FP16's (BF16's) lowest value kept a correction of ``-top``
+    from before, one unit short of it, as :func:`split_master` stores every master there.
+    (Decoded as it is, that pair is the midpoint to -inf: a step, even a zero one, would
+    round the param to -inf, where an FP32 master adopts the written value.)"""
+    p32 = p.float()
+    return p32 + torch.maximum(c.float(), _lowest_correction(p32, p.dtype)) * _unit(p)[0]
+
+
+def _lowest_correction(p32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Returns the least correction a master over params ``p32`` may store: ``-top``, but
+    ``1 - top`` at ``dtype``'s lowest value, where ``-top`` units decode to the midpoint to
+    -inf, which rounds to -inf (the correction stops a unit short there, as it does below
+    the midpoint to +inf at the largest value)."""
+    top = 2 ** (_CORRECTION[dtype][1] - 1)
+    return torch.where(p32 == -torch.finfo(dtype).max, 1.0 - top, float(-top))
+
+
 def encode_master(
     master: torch.Tensor,
     dtype: torch.dtype,
@@ -221,10 +240,7 @@ def split_master(
     doubled = up * per_unit == 2.0 ** (_UNIT_EXPONENT[dtype][1] + 1)
     c = torch.where(bump, torch.where(doubled, -top / 2, float(-top)), c)
     p32 = torch.where(bump, up, p32)
-    # At -max, -top units would decode to the midpoint to -inf, which rounds to -inf: the
-    # correction stops a unit short there, as it does below the midpoint to +inf at +max.
-    lowest = torch.where(p32 == -torch.finfo(dtype).max, 1.0 - top, float(-top))
-    return p32, torch.clamp(torch.maximum(c, lowest), max=top - 1)
+    return p32, torch.clamp(torch.maximum(c, _lowest_correction(p32, dtype)), max=top - 1)
 
 
 def reaches(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:

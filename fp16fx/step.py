@@ -29,8 +29,8 @@ from fp16fx.precision import (
     Precision,
     Quantized,
     as_rows,
-    decode_master,
     decode_moments,
+    decode_to_step,
     hash_bits,
     map_moments,
     master_noise,
@@ -142,7 +142,7 @@ def apply_updates(
 
     pairs = list(zip(trained.params, trained.masters))
     if precision.compensated:
-        masters = [m if p is None else decode_master(p, m) for p, m in pairs]  # FP32: its own
+        masters = [m if p is None else decode_to_step(p, m) for p, m in pairs]  # FP32: its own
     else:
         masters = list(trained.masters)
     labels = trained.masters.labels

@@ -348,6 +348,28 @@ def test_a_master_just_inside_fp16s_largest_value_stays_finite(sign):
         assert torch.equal(again[0], p) and torch.equal(again[1], c)  # a fixed point
 
 
+@pytest.mark.parametrize(
+    ("dtype", "compiled"), [(torch.float16, False), (torch.bfloat16, False), (torch.float16, True)]
+)
+def test_a_param_written_to_the_lowest_value_beside_the_lowest_correction_steps_finite(
+    dtype, compiled
+):
+    """A correction of -top left by earlier steps beside a param written to -max in place
+    (a weight clamp) decoded to the midpoint to -inf: a zero step rounded the param to -inf,
+    where an FP32 master adopts the written value. The step takes the master a unit short."""
+    params = {"w": torch.ones(4, dtype=dtype)}
+    state = fp16fx.init(params, fp16fx.sgd(0.1), fp16fx.StaticLossScale(1.0), master="compensated")
+    (correction,) = state.master_segments
+    lowest = torch.finfo(dtype).min
+    correction.fill_(torch.iinfo(correction.dtype).min)
+    params["w"].fill_(lowest)
+    step = fp16fx.compile_step(inplace=True) if compiled else fp16fx.step
+    state, info = step(state, {"w": torch.zeros(4, dtype=dtype)})
+    assert info["finite"].item() and (state.params["w"] == lowest).all(), state.params["w"]
+    top = -torch.iinfo(correction.dtype).min
+    assert (state.master["w"] == lowest - (top - 1) * unit(state.params["w"])).all()
+
+
 def _mean_over_noise(p, c, u64):
     """Returns (mean decoded master over the 256 dithers ``master_noise`` can draw, FP32 master,
     the unit of its param)."""
