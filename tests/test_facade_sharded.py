@@ -424,6 +424,34 @@ def refused_on_one_rank(rank: int) -> dict[str, Any]:
     return {"errors": errors, "kept": kept}
 
 
+def written_after_the_clip(rank: int, world: int) -> dict[str, float]:
+    """Grads zeroed on every rank between ``clip_master_grads`` (which reduces them) and
+    ``step``: on the reduce-scatter route (NCCL's, forced here) the step once read the copy
+    the clip had reduced into, and moved the params; on gloo's all-reduce route it did not.
+    Returns how far the params moved, per route."""
+    moved = {}
+    build = fdist.sharded.Sharding.__init__
+    for route in ("reduce_scatter", "all_reduce"):
+
+        def routed(self, group, route=route):
+            build(self, group)
+            self.scatter_by_all_reduce = route == "all_reduce"
+
+        with mock.patch.object(fdist.sharded.Sharding, "__init__", routed):
+            model = Net()
+            opt = make_optimizer(model, "sgd", shard=True)
+        before = params_of(model)
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 3, generator=g)
+        opt.backward(F.mse_loss(model(x + rank), y))
+        opt.clip_master_grads(100.0)  # clips nothing
+        for p in model.parameters():
+            p.grad.zero_()
+        opt.step()
+        moved[route] = max((a - b).abs().max().item() for a, b in zip(params_of(model), before))
+    return moved
+
+
 def worker(rank: int, world: int, out: str) -> None:
     found: dict[str, Any] = {name: versus_unsharded(rank, world, name) for name in ("adam", "sgd")}
     found["checkpoint"] = checkpoint_run(rank, world, Path(out))
@@ -436,6 +464,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["written"] = written_then_saved(rank, world, Path(out))
         found["new_structure"] = new_structure_refused(rank, world)
         found["damaged_copy"] = damaged_copy_refused(rank, world)
+        found["written_after_the_clip"] = written_after_the_clip(rank, world)
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
@@ -478,6 +507,11 @@ def test_sharded_facade_equals_the_unsharded_one_on_the_whole_batch(request, wor
         assert got["scales"] == expected["scales"]
         # clip_master_grads returns the global norm (the root of the slices' summed squares).
         assert got["norms"] == pytest.approx(expected["norms"], rel=2e-3)
+
+
+def test_grads_written_after_a_clip_reach_the_step_on_either_route(runs):
+    for r in runs[2]:
+        assert r["written_after_the_clip"] == {"reduce_scatter": 0.0, "all_reduce": 0.0}
 
 
 def test_an_inf_on_one_rank_skips_every_rank(runs):

@@ -110,24 +110,27 @@ class Sharding:
 
         The grads are divided by d in place first (they are spent): as DDP pre-divides, exact
         for a power-of-two d down to the dtype's subnormals, and the FP16 sum cannot overflow
-        where the mean would not. With
-        :attr:`scatter_by_all_reduce` the buffers are all-reduced in place (then they hold
-        the mean, as after DDP) and the slices returned are views of them.
+        where the mean would not. With :attr:`scatter_by_all_reduce` the buffers are
+        all-reduced in place (then they hold the mean, as after DDP); otherwise this rank's
+        slice of each buffer takes its mean. Either way the slices returned are views of the
+        buffers, so that grads written on every rank alike between a clip (which reduces
+        them) and the step reach the step on both routes.
         """
         shards = []
         with torch.no_grad():
             for bucket, buffer in zip(buckets, grads):
+                mine = buffer[self.slice(bucket)]
                 try:
                     if self.scatter_by_all_reduce:
                         all_reduce_mean(buffer, self.group)
-                        shard = buffer[self.slice(bucket)]
                     else:
                         buffer.div_(self.world_size)
-                        shard = buffer.new_empty(bucket.padded // self.world_size)
-                        _reduce_scatter(shard, buffer, group=self.group)
+                        reduced = buffer.new_empty(mine.numel())  # an input must not alias it
+                        _reduce_scatter(reduced, buffer, group=self.group)
+                        mine.copy_(reduced)
                 except RuntimeError as err:
                     raise collective_error("the gradients' reduce-scatter", err) from err
-                shards.append(shard)
+                shards.append(mine)
         return shards
 
     def all_gather(self, buckets: Sequence[flat.Bucket], params: Sequence[torch.Tensor]) -> None:
