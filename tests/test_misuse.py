@@ -752,6 +752,17 @@ def test_a_process_group_that_is_no_group_is_refused_when_built_moving_nothing(g
     assert model[0].weight is weight and weight.data_ptr() == model[0].weight.data_ptr()
 
 
+@pytest.mark.parametrize("shard", ["yes", 0, 1])
+def test_a_shard_that_is_no_group_is_refused_by_name_moving_nothing(shard):
+    """It was taken for a process group, which torch then failed to read ('str' object has
+    no attribute 'size')."""
+    model = make_model()
+    weight = model[0].weight
+    with pytest.raises(TypeError, match=r"shard must be True \(the world group\), False, None"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard=shard)
+    assert model[0].weight is weight and weight.data_ptr() == model[0].weight.data_ptr()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_clip_master_grads_names_a_norm_type_that_is_no_number(path):
     """None and "fro" once failed in float() with torch's words; the optimizer stays usable

@@ -35,12 +35,18 @@ def shard_group(shard: Any) -> Any:
     """Returns the process group to shard over (None: the world), or NOT_SHARDED.
 
     Raises:
+      TypeError: ``shard`` is none of True, False, None or a process group.
       ValueError: sharding cannot be done at all (torch.distributed not initialized, or one
         process), before anything changed. What one rank might refuse alone is
         :func:`check_path`'s, run where the others learn of it.
     """
     if shard is False or shard is None:
         return NOT_SHARDED
+    if shard is not True and not (dist.is_available() and isinstance(shard, dist.ProcessGroup)):
+        raise TypeError(
+            f"shard must be True (the world group), False, None or a torch.distributed process "
+            f"group, got {shard!r}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "shard=... needs torch.distributed initialized (dist.init_process_group) with more "
