@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fp16fx import dtensors
-from fp16fx.consensus import Consensus
+from fp16fx.consensus import Consensus, refuse_non_member
 from fp16fx.facade import torch_state
 from fp16fx.facade.fast import FastEngine
 from fp16fx.facade.generic import GenericEngine
@@ -36,12 +36,14 @@ def shard_group(shard: Any) -> Any:
 
     Raises:
       TypeError: ``shard`` is none of True, False, None or a process group.
-      ValueError: sharding cannot be done at all (torch.distributed not initialized, or one
-        process), before anything changed. What one rank might refuse alone is
-        :func:`check_path`'s, run where the others learn of it.
+      ValueError: ``shard`` is a group this process is not in, or sharding cannot be done
+        at all (torch.distributed not initialized, or one process), before anything changed.
+        What one rank might refuse alone is :func:`check_path`'s, run where the others learn
+        of it.
     """
     if shard is False or shard is None:
         return NOT_SHARDED
+    refuse_non_member(shard)  # (torch's value for it is no group either: say what it is)
     if shard is not True and not (dist.is_available() and isinstance(shard, dist.ProcessGroup)):
         raise TypeError(
             f"shard must be True (the world group), False, None or a torch.distributed process "
