@@ -327,7 +327,11 @@ def refused_load(rank: int) -> dict[str, Any]:
     offset = fdist.consolidate(all_dicts(sharded))
     if rank == 1:
         offset["params"]["a"]["opt[1].mu.offset"] = torch.tensor(300)
-    for given in (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone, offset):
+    stale = copy.deepcopy(sound)  # rank 1's copy saved a step later: sound, but another one
+    if rank == 1:
+        stale["count"] += 1
+    givens = (sd, zero_scales, past_fp16, fdist.state_dict(sharded), alone, offset, stale)
+    for given in givens:
         try:
             fdist.load_state_dict(sharded, given)
             messages.append("loaded")
@@ -356,8 +360,9 @@ def refused_load(rank: int) -> dict[str, Any]:
         "one_rank": messages[3],
         "damaged_copy": messages[4],
         "damaged_offset": messages[5],
-        "after_an_agreed_load": messages[6],
-        "init_in_a_load": messages[7],
+        "stale_copy": messages[6],
+        "after_an_agreed_load": messages[7],
+        "init_in_a_load": messages[8],
         "unchanged": unchanged,
     }
 
@@ -815,6 +820,13 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     own, told = (found["compact"]["refused"]["damaged_offset"] for found in reversed(runs[2]))
     assert "['a']['opt[1].mu.offset'] is not an int64 in [0, 256)" in own
     assert told == f"rank 1 refused the dict: {own}"
+    stale = {found["compact"]["refused"]["stale_copy"] for found in runs[2]}
+    assert len(stale) == 1, stale  # every rank refuses, alike
+    count = int(converting_sources()["fp32"]["count"])
+    assert stale.pop().startswith(
+        "rank 1 was given another checkpoint than the group's first rank: its ['count'] is "
+        f"{count + 1}, the first rank's {count} (a copy saved at another step"
+    )
 
 
 def test_a_0d_param_loads_into_a_compact_sharded_state(runs):

@@ -326,6 +326,7 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
     if precision.compensated:
         saved_format.check_compensable(entries)
     per_bucket = _per_bucket(state, entries)
+    step_counts = []
     for bucket, saved_entries in zip(state.buckets, per_bucket):
         counts = {saved_format.leaf_scalars(entry) for entry in saved_entries}
         if len(counts) > 1:
@@ -333,16 +334,44 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
                 f"the params of one flat bucket ({bucket.dtype}) were saved with different "
                 f"step counts {sorted(counts)}; a sharded state keeps one per bucket"
             )
+        step_counts.append(sorted(counts))
     copy = as_stored and _blocks_start_alike(state, per_bucket)
     if as_stored and not copy:  # decoded now: a malformed entry is refused before agreeing
         per_bucket = _per_bucket(state, saved_format.canonical_params(sd["params"], saved.block))
-    checks_passed()  # every rank's checks, before any rank writes
+    everyone = checks_passed(_facts(sd, step_counts))  # every rank's checks, before any writes
+    if everyone is not None:
+        _check_alike(everyone)
     with torch.no_grad():
         if copy:
             _copy_as_stored(state, per_bucket)
         else:
             _store_converted(state, per_bucket, saved.compensated)
         checkpoint.load_shared(state.shard, sd)
+
+
+def _facts(sd: Mapping[str, Any], step_counts: list[list[Any]]) -> dict[str, Any]:
+    """Returns what every rank's copy of one checkpoint holds alike, as Python values: the
+    count, the loss-scale state, the hyperparameters and each bucket's ``step_counts``."""
+    facts: dict[str, Any] = {"['count']": sd["count"].tolist()}
+    for group in ("loss_scale", "hyperparams"):
+        facts.update({f"[{group!r}][{key!r}]": v.tolist() for key, v in sd[group].items()})
+    facts.update({f"bucket {b}'s step counts": c for b, c in enumerate(step_counts)})
+    return facts
+
+
+def _check_alike(everyone: list[dict[str, Any]]) -> None:
+    """Raises StateDictError, on every rank alike, where a rank's :func:`_facts` differ from
+    the group's first rank's: it was handed another checkpoint (a stale copy, another run's),
+    and the ranks would train on a mixture of two states."""
+    first = everyone[0]
+    for rank, facts in enumerate(everyone):
+        where = next((key for key in first if facts.get(key) != first[key]), None)
+        if where is not None:
+            raise StateDictError(
+                f"rank {rank} was given another checkpoint than the group's first rank: its "
+                f"{where} is {facts[where]}, the first rank's {first[where]} (a copy saved at "
+                "another step, or by another run); every rank must load the same one"
+            )
 
 
 def _per_bucket(state: ShardedState, entries: Mapping[str, Any]) -> list[list[Any]]:
