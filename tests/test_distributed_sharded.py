@@ -824,8 +824,8 @@ def test_a_sharded_state_refuses_a_negative_second_moment_or_one_ranks_dict(runs
     assert len(stale) == 1, stale  # every rank refuses, alike
     count = int(converting_sources()["fp32"]["count"])
     assert stale.pop().startswith(
-        "rank 1 was given another checkpoint than the group's first rank: its ['count'] is "
-        f"{count + 1}, the first rank's {count} (a copy saved at another step"
+        f"rank 1 was given another checkpoint than rank 0 (['count']: {count + 1} there, "
+        f"{count} on rank 0; a copy saved at another step"
     )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fp16fx import checkpoint, flat, saved_format, tree
 from fp16fx.distributed.agreement import checks_passed, loading_together
@@ -340,7 +341,7 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
         per_bucket = _per_bucket(state, saved_format.canonical_params(sd["params"], saved.block))
     everyone = checks_passed(_facts(sd, step_counts))  # every rank's checks, before any writes
     if everyone is not None:
-        _check_alike(everyone)
+        _check_alike(everyone, state.sharding.process_group)
     with torch.no_grad():
         if copy:
             _copy_as_stored(state, per_bucket)
@@ -359,18 +360,19 @@ def _facts(sd: Mapping[str, Any], step_counts: list[list[Any]]) -> dict[str, Any
     return facts
 
 
-def _check_alike(everyone: list[dict[str, Any]]) -> None:
+def _check_alike(everyone: list[dict[str, Any]], group: Any) -> None:
     """Raises StateDictError, on every rank alike, where a rank's :func:`_facts` differ from
-    the group's first rank's: it was handed another checkpoint (a stale copy, another run's),
-    and the ranks would train on a mixture of two states."""
+    the first rank's of ``group``: it was handed another checkpoint (a stale copy, another
+    run's), and the ranks would train on a mixture of two states."""
     first = everyone[0]
-    for rank, facts in enumerate(everyone):
+    for place, facts in enumerate(everyone):
         where = next((key for key in first if facts.get(key) != first[key]), None)
         if where is not None:
             raise StateDictError(
-                f"rank {rank} was given another checkpoint than the group's first rank: its "
-                f"{where} is {facts[where]}, the first rank's {first[where]} (a copy saved at "
-                "another step, or by another run); every rank must load the same one"
+                f"rank {dist.get_global_rank(group, place)} was given another checkpoint than "
+                f"rank {dist.get_global_rank(group, 0)} ({where}: {facts[where]} there, "
+                f"{first[where]} on rank {dist.get_global_rank(group, 0)}; a copy saved at "
+                "another step, or by another run): every rank must load the same one"
             )
 
 
