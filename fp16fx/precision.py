@@ -176,8 +176,7 @@ def decode_to_step(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     from before, one unit short of it, as :func:`split_master` stores every master there.
     (Decoded as it is, that pair is the midpoint to -inf: a step, even a zero one, would
     round the param to -inf, where an FP32 master adopts the written value.)"""
-    p32 = p.float()
-    return p32 + torch.maximum(c.float(), _lowest_correction(p32, p.dtype)) * _unit(p)[0]
+    return decode_master(p, torch.maximum(c.float(), _lowest_correction(p.float(), p.dtype)))
 
 
 def _lowest_correction(p32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -126,12 +126,19 @@ def _in_rank_order(shards: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     return shards
 
 
-def _shared_values(shard: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Returns what every rank's shard dict holds alike: the count, the loss-scale state, the
-    hyperparameters and each bucket's step counts."""
-    out = {"['count']": shard["count"]}
+def _run_values(sd: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Returns a state dict's (or a rank's shard dict's) count, loss-scale state and
+    hyperparameters, keyed by where they sit: what every rank's copy holds alike."""
+    out = {"['count']": sd["count"]}
     for group in ("loss_scale", "hyperparams"):
-        out.update({f"[{group!r}][{key!r}]": v for key, v in shard[group].items()})
+        out.update({f"[{group!r}][{key!r}]": v for key, v in sd[group].items()})
+    return out
+
+
+def _shared_values(shard: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Returns what every rank's shard dict holds alike: :func:`_run_values` and each
+    bucket's step counts."""
+    out = _run_values(shard)
     for b, entry in shard["params"].items():
         counts = {k: v for k, v in entry.items() if saved_format.is_step_count(k, v)}
         out.update({f"['params'][{b!r}][{key!r}]": v for key, v in counts.items()})
@@ -353,9 +360,7 @@ def _load(state: ShardedState, sd: Mapping[str, Any] | Sequence[Mapping[str, Any
 def _facts(sd: Mapping[str, Any], step_counts: list[list[Any]]) -> dict[str, Any]:
     """Returns what every rank's copy of one checkpoint holds alike, as Python values: the
     count, the loss-scale state, the hyperparameters and each bucket's ``step_counts``."""
-    facts: dict[str, Any] = {"['count']": sd["count"].tolist()}
-    for group in ("loss_scale", "hyperparams"):
-        facts.update({f"[{group!r}][{key!r}]": v.tolist() for key, v in sd[group].items()})
+    facts: dict[str, Any] = {where: v.tolist() for where, v in _run_values(sd).items()}
     facts.update({f"bucket {b}'s step counts": c for b, c in enumerate(step_counts)})
     return facts
 
@@ -364,15 +369,15 @@ def _check_alike(everyone: list[dict[str, Any]], group: Any) -> None:
     """Raises StateDictError, on every rank alike, where a rank's :func:`_facts` differ from
     the first rank's of ``group``: it was handed another checkpoint (a stale copy, another
     run's), and the ranks would train on a mixture of two states."""
-    first = everyone[0]
+    first, first_rank = everyone[0], dist.get_global_rank(group, 0)
     for place, facts in enumerate(everyone):
         where = next((key for key in first if facts.get(key) != first[key]), None)
         if where is not None:
             raise StateDictError(
                 f"rank {dist.get_global_rank(group, place)} was given another checkpoint than "
-                f"rank {dist.get_global_rank(group, 0)} ({where}: {facts[where]} there, "
-                f"{first[where]} on rank {dist.get_global_rank(group, 0)}; a copy saved at "
-                "another step, or by another run): every rank must load the same one"
+                f"rank {first_rank} ({where}: {facts[where]} there, {first[where]} on rank "
+                f"{first_rank}; a copy saved at another step, or by another run): every rank "
+                "must load the same one"
             )
 
 
