@@ -163,18 +163,53 @@ def damaged_copy_refused(rank: int, world: int) -> dict[str, Any]:
     except ValueError as err:
         errors.append(str(err))
     hook.remove()
-    (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
-    unchanged = structure == now_structure and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-        for x, y in zip(leaves, now, strict=True)
-    )
     return {
         "error": errors[0],
         "other_format": errors[1],
         "pre_hook": errors[2],
         "hook_loads": errors[3],
-        "unchanged": unchanged,
+        "unchanged": unchanged(before, model, opt),
     }
+
+
+def unchanged(before: Any, model: nn.Module, opt: FP16_Optimizer) -> bool:
+    """Whether ``model`` and ``opt`` hold what their ``fingerprint`` ``before`` holds."""
+    (structure, leaves), (now_structure, now) = before, fingerprint(model, opt)
+    return structure == now_structure and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(leaves, now, strict=True)
+    )
+
+
+def stale_copy_refused(rank: int, world: int) -> dict[str, Any]:
+    """A fresh momentum SGD optimizer (whose state holds no step counts) loading the ranks'
+    dicts saved after 2 steps, rank 1 alone a copy saved a step later, then one whose loss
+    scale alone differs: each rank's errors, and whether its optimizer and model are as they
+    were (rank 0 once loaded either, and trained on from a mixture of two states)."""
+    model = Net()
+    opt = make_optimizer(model, "sgd", shard=True)
+    saved = []
+    for steps in (range(2), range(2, 3)):
+        train(model, opt, steps, "same", 1)
+        shards: list[Any] = [None] * world
+        dist.all_gather_object(shards, opt.state_dict())
+        saved.append(shards)
+    sound, later = saved
+    rescaled = [{**d, "loss_scaler": dict(d["loss_scaler"])} for d in sound]
+    if rank == 1:
+        for d in rescaled:
+            d["loss_scaler"]["loss_scale"] *= 2
+    model = Net()
+    opt = make_optimizer(model, "sgd", shard=True)
+    before = fingerprint(model, opt)
+    errors = []
+    for given in (later if rank == 1 else sound, rescaled):
+        try:
+            opt.load_state_dict(given)
+            errors.append("loaded")
+        except ValueError as err:
+            errors.append(str(err))
+    return {"errors": errors, "unchanged": unchanged(before, model, opt)}
 
 
 def compact_run(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -464,6 +499,7 @@ def worker(rank: int, world: int, out: str) -> None:
         found["written"] = written_then_saved(rank, world, Path(out))
         found["new_structure"] = new_structure_refused(rank, world)
         found["damaged_copy"] = damaged_copy_refused(rank, world)
+        found["stale_copy"] = stale_copy_refused(rank, world)
         found["written_after_the_clip"] = written_after_the_clip(rank, world)
     torch.save(found, Path(out) / f"rank{rank}.pt")
 
@@ -588,6 +624,21 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
     assert (own["hook_loads"], told["hook_loads"]) == (own["error"], told["error"])
     assert told["other_format"] == f"rank 1 refused the dict: {own['other_format']}"
     assert all(r["damaged_copy"]["unchanged"] for r in runs[2])
+
+
+def test_a_stale_copy_on_one_rank_is_loaded_by_no_rank(runs):
+    """Momentum SGD's state holds no step counts: the facade's own entries tell the copies
+    apart (its count, then its loss scaler), on every rank alike."""
+    later, rescaled = runs[2][0]["stale_copy"]["errors"]
+    assert all(r["stale_copy"]["errors"] == [later, rescaled] for r in runs[2])
+    assert later.startswith(
+        "rank 1 was given another checkpoint than rank 0 (['applied_steps']: 3 there, 2 "
+        "on rank 0; a copy saved at another step, or by another run)"
+    ), later
+    assert rescaled.startswith(
+        "rank 1 was given another checkpoint than rank 0 (['loss_scaler']: {"
+    ), rescaled
+    assert all(r["stale_copy"]["unchanged"] for r in runs[2])
 
 
 def test_persistent_bytes_per_param_are_4_plus_12_over_d(runs_4):

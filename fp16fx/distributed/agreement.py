@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -45,6 +45,7 @@ class _Agreement:
         self.group = group
         self.kind = kind
         self.agreed = False
+        self.facts: dict[str, Any] = {}  # what the blocks around the agreeing one add to compare
 
     def agree(self, refusal: Exception | None, facts: Any = None) -> list[Any]:
         """Tells the other ranks this rank's ``refusal`` (None: it would go on) or its
@@ -142,13 +143,27 @@ def initializing_together(group: Any) -> contextlib.AbstractContextManager[None]
 
 def checks_passed(facts: Any = None) -> list[Any] | None:
     """In a block of :func:`loading_together` or :func:`initializing_together`: this rank
-    would go on, with ``facts`` to compare (any picklable value). Returns every rank's facts,
-    in group order; raises where another rank refused (nothing changed on any rank). Outside
-    a block, or where the block agreed already: returns None."""
+    would go on, with ``facts`` to compare (any picklable value; a dict takes those that
+    :func:`compare_too` added). Returns every rank's facts, in group order; raises where
+    another rank refused (nothing changed on any rank). Outside a block, or where the block
+    agreed already: returns None."""
     agreement = _CURRENT.get()
     if agreement is None or agreement.agreed:
         return None
+    if isinstance(facts, dict):
+        facts = {**agreement.facts, **facts}
     return agreement.agree(None, facts)
 
 
-__all__ = ["checks_passed", "initializing_together", "loading_together"]
+def compare_too(facts: Mapping[str, Any]) -> None:
+    """In a block of :func:`loading_together` that has not agreed yet: adds ``facts``
+    (picklable values, named by where they sit) to the dict of facts that the check inside
+    it passes to :func:`checks_passed` and compares across the ranks. A block around the
+    core's load adds what it loads itself, after the core's load (the sharded
+    ``FP16_Optimizer``: its dict's count, loss scaler and param groups). Elsewhere: nothing."""
+    agreement = _CURRENT.get()
+    if agreement is not None and not agreement.agreed:
+        agreement.facts.update(facts)
+
+
+__all__ = ["checks_passed", "compare_too", "initializing_together", "loading_together"]

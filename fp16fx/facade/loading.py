@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fp16fx.apex_checkpoint import ApexCheckpointError, apex_scaler_to_dict
+from fp16fx.distributed.agreement import compare_too
 from fp16fx.facade import torch_state
 from fp16fx.facade.checkpoint import (
     FLAGS,
@@ -39,7 +40,13 @@ from fp16fx.facade.groups import (
     group_spec,
 )
 from fp16fx.facade.params import ParamSet
-from fp16fx.facade.policy import FacadePolicy, Scaler, ScaleValues, scaler_from_dict
+from fp16fx.facade.policy import (
+    FacadePolicy,
+    Scaler,
+    ScaleValues,
+    scaler_from_dict,
+    scaler_to_dict,
+)
 from fp16fx.saved_format import past_range, value_fault
 from fp16fx.scaling import DynamicLossScale, check_scale
 
@@ -153,6 +160,24 @@ class Plan:
     first_closure_call: bool
     applied_steps: torch.Tensor | None  # the fast path's count of applied steps, if saved
     param_segments: torch.Tensor | None  # and the core segment of each param, if saved
+
+    def facts(self) -> dict[str, Any]:
+        """What every rank's copy of one checkpoint holds alike and the facade writes itself,
+        after the core's load, as Python values named by where they sit in the dict: the
+        count, the loss scaler, the overflow flags and the param groups' numbers."""
+        steps = None if self.applied_steps is None else self.applied_steps.tolist()
+        facts = {
+            "['applied_steps']": steps,
+            "['loss_scaler']": scaler_to_dict(self.policy, self.values),
+            "['overflow']": self.overflow,
+            "['first_closure_call_this_step']": self.first_closure_call,
+        }
+        for k, group in enumerate(self.groups):
+            for key, value in group.items():
+                if key != "params":
+                    plain = value.tolist() if isinstance(value, torch.Tensor) else value
+                    facts[f"['optimizer_state_dict']['param_groups'][{k}][{key!r}]"] = plain
+        return facts
 
 
 def _fail(message: str) -> ValueError:
@@ -351,6 +376,8 @@ def load(
         scaler.policy = plan.policy
         master_values = {id(p): value for p, value in plan.masters}
         if isinstance(engine, FastEngine):
+            if engine.sharded is not None:  # a stale copy on one rank: every rank refuses it
+                compare_too(plan.facts())
             engine.load(
                 per_param, master_values, plan.policy, plan.param_segments, plan.specs,
                 plan.applied_steps,
