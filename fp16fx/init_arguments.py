@@ -55,6 +55,7 @@ def checked_arguments(
     """Returns :func:`~fp16fx.state.init`'s arguments checked and its layout planned, before
     anything changes. Raises as :func:`~fp16fx.state.init` does."""
     check_optimizer(optimizer)
+    check_switch("buckets", buckets)
     precision = Precision(master, moments)
     params, mesh, group = dtensors.local_shards(params)
     leaves, treedef = tree.check_params(params)
@@ -84,6 +85,13 @@ def checked_arguments(
 
 def _padded(layout: Layout) -> list[flat.Bucket]:
     return [b for b in layout.buckets if b.padded != b.numel]
+
+
+def check_switch(name: str, value: Any) -> None:
+    """Raises TypeError naming argument ``name`` unless ``value`` is True or False: a string
+    such as "no" would switch it on by its truthiness."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_optimizer(optimizer: Any) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import fp16fx
+import fp16fx.distributed as fdist
 from fp16fx.compile import StepFunction
 from fp16fx.flat import FlatParams
 from fp16fx.fp16_utils import FP16_Optimizer
@@ -750,6 +751,18 @@ def test_a_process_group_that_is_no_group_is_refused_when_built_moving_nothing(g
             dict(model.named_parameters()), fp16fx.sgd(0.1), process_group=group
         )
     assert model[0].weight is weight and weight.data_ptr() == model[0].weight.data_ptr()
+
+
+@pytest.mark.parametrize("init", [fp16fx.init, fdist.init])
+def test_a_switch_that_is_no_bool_is_refused_by_name_moving_nothing(init):
+    """``shard="no"`` once sharded the state, by the string's truthiness (``buckets`` alike)."""
+    params = {"w": torch.ones(3, dtype=torch.float16), "b": torch.zeros(2, dtype=torch.float16)}
+    where = {k: v.data_ptr() for k, v in params.items()}
+    switches = [("buckets", "no")] + [("shard", "no")] * (init is fdist.init)
+    for name, value in switches:
+        with pytest.raises(TypeError, match=f"^{name} must be True or False, got 'no'$"):
+            init(params, fp16fx.sgd(0.1), **{name: value})
+    assert {k: v.data_ptr() for k, v in params.items()} == where  # not moved into a buffer
 
 
 @pytest.mark.parametrize("shard", ["yes", 0, 1])

@@ -16,6 +16,7 @@ from fp16fx import flat
 from fp16fx.consensus import default_consensus, refuse_non_member
 from fp16fx.distributed.init_checks import check_on_every_rank
 from fp16fx.distributed.sharded import all_reduce_mean, first_rank, init_sharded
+from fp16fx.init_arguments import check_switch
 from fp16fx.precision import Precision
 from fp16fx.scaling import LossScalePolicy
 from fp16fx.state import init as _init_state
@@ -43,13 +44,15 @@ def init(
         more than one process), ``None`` (no consensus: a single-process state), or a group.
       shard: keep only this rank's 1/d (always bucketed) of the masters and optimizer moments
         (:class:`fp16fx.distributed.ShardedState`; step it with
-        :func:`fp16fx.distributed.sharded_step`). Needs a process group.
+        :func:`fp16fx.distributed.sharded_step`). Needs a process group. ``shard`` and
+        ``buckets`` must be bools (TypeError: a string such as "no" is truthy).
 
     Without ``shard`` this is :func:`fp16fx.init` with a :class:`Consensus`, after
     broadcasting the params from the group's first rank (as DDP does): the usual
     ``fp16fx.step`` / ``compile_step`` then skip or apply on every process together. Give it
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
+    check_switch("shard", shard)
     consensus = default_consensus(process_group)
     if shard:
         if consensus is None:
