@@ -247,8 +247,7 @@ def init(
       TypeError, ValueError: the params cannot be trained (or hold one tensor twice), the
         optimizer, policy or precision is not one, ``buckets`` is not a bool, or a compensated
         state's params are not flat or all FP32 (the message names it); nothing is changed.
-        TypeError: the
-        optimizer's ``init`` returned a tensor that is not per param
+        TypeError: the optimizer's ``init`` returned a tensor that is not per param
         (:func:`~fp16fx.transforms.base.check_kept`), found once it has run: with
         ``buckets`` the params are then in flat buffers, their values unchanged.
     """

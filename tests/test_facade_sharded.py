@@ -184,8 +184,9 @@ def unchanged(before: Any, model: nn.Module, opt: FP16_Optimizer) -> bool:
 def stale_copy_refused(rank: int, world: int) -> dict[str, Any]:
     """A fresh momentum SGD optimizer (whose state holds no step counts) loading the ranks'
     dicts saved after 2 steps, rank 1 alone a copy saved a step later, then one whose loss
-    scale alone differs: each rank's errors, and whether its optimizer and model are as they
-    were (rank 0 once loaded either, and trained on from a mixture of two states)."""
+    scale alone differs, then its lr: each rank's errors, and whether its optimizer and model
+    are as they were (rank 0 once loaded the first two, and trained on from a mixture of two
+    states)."""
     model = Net()
     opt = make_optimizer(model, "sgd", shard=True)
     saved = []
@@ -195,17 +196,15 @@ def stale_copy_refused(rank: int, world: int) -> dict[str, Any]:
         dist.all_gather_object(shards, opt.state_dict())
         saved.append(shards)
     sound, later = saved
-    rescaled = [{**d, "loss_scaler": dict(d["loss_scaler"])} for d in sound]
-    if rank == 1:
-        for d in rescaled:
-            d["loss_scaler"]["loss_scale"] *= 2
+    rescaled = [{**d, "loss_scaler": {**d["loss_scaler"], "loss_scale": 1.0}} for d in sound]
+    relearned = [{**d, "param_groups": [{**d["param_groups"][0], "lr": 1.0}]} for d in sound]
     model = Net()
     opt = make_optimizer(model, "sgd", shard=True)
     before = fingerprint(model, opt)
     errors = []
-    for given in (later if rank == 1 else sound, rescaled):
+    for given in (later, rescaled, relearned):
         try:
-            opt.load_state_dict(given)
+            opt.load_state_dict(given if rank == 1 else sound)
             errors.append("loaded")
         except ValueError as err:
             errors.append(str(err))
@@ -628,9 +627,9 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
 
 def test_a_stale_copy_on_one_rank_is_loaded_by_no_rank(runs):
     """Momentum SGD's state holds no step counts: the facade's own entries tell the copies
-    apart (its count, then its loss scaler), on every rank alike."""
-    later, rescaled = runs[2][0]["stale_copy"]["errors"]
-    assert all(r["stale_copy"]["errors"] == [later, rescaled] for r in runs[2])
+    apart (its count, its loss scaler, its param groups' numbers), on every rank alike."""
+    later, rescaled, relearned = runs[2][0]["stale_copy"]["errors"]
+    assert all(r["stale_copy"]["errors"] == [later, rescaled, relearned] for r in runs[2])
     assert later.startswith(
         "rank 1 was given another checkpoint than rank 0 (['applied_steps']: 3 there, 2 "
         "on rank 0; a copy saved at another step, or by another run)"
@@ -638,6 +637,10 @@ def test_a_stale_copy_on_one_rank_is_loaded_by_no_rank(runs):
     assert rescaled.startswith(
         "rank 1 was given another checkpoint than rank 0 (['loss_scaler']: {"
     ), rescaled
+    assert relearned.startswith(
+        "rank 1 was given another checkpoint than rank 0 (['optimizer_state_dict']"
+        "['param_groups'][0]: {'lr': 1.0, "
+    ), relearned
     assert all(r["stale_copy"]["unchanged"] for r in runs[2])
 
 

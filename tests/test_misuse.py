@@ -758,10 +758,13 @@ def test_a_switch_that_is_no_bool_is_refused_by_name_moving_nothing(init):
     """``shard="no"`` once sharded the state, by the string's truthiness (``buckets`` alike)."""
     params = {"w": torch.ones(3, dtype=torch.float16), "b": torch.zeros(2, dtype=torch.float16)}
     where = {k: v.data_ptr() for k, v in params.items()}
-    switches = [("buckets", "no")] + [("shard", "no")] * (init is fdist.init)
-    for name, value in switches:
+    switches = [{"buckets": "no"}]
+    if init is fdist.init:  # sharded, the state is always bucketed: "no" is a mistake still
+        switches += [{"shard": "no"}, {"shard": True, "buckets": "no"}]
+    for switch in switches:
+        name = "shard" if switch.get("shard") == "no" else "buckets"
         with pytest.raises(TypeError, match=f"^{name} must be True or False, got 'no'$"):
-            init(params, fp16fx.sgd(0.1), **{name: value})
+            init(params, fp16fx.sgd(0.1), **switch)
     assert {k: v.data_ptr() for k, v in params.items()} == where  # not moved into a buffer
 
 

@@ -53,6 +53,7 @@ def init(
     the grads DDP averaged, or average them with :func:`average_grads`.
     """
     check_switch("shard", shard)
+    check_switch("buckets", buckets)  # sharded, always bucketed: a mistake all the same
     consensus = default_consensus(process_group)
     if shard:
         if consensus is None:

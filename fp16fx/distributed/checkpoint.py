@@ -375,7 +375,7 @@ def _check_alike(everyone: list[dict[str, Any]], group: Any) -> None:
         if where is not None:
             raise StateDictError(
                 f"rank {dist.get_global_rank(group, place)} was given another checkpoint than "
-                f"rank {first_rank} ({where}: {facts[where]} there, {first[where]} on rank "
+                f"rank {first_rank} ({where}: {facts.get(where)} there, {first[where]} on rank "
                 f"{first_rank}; a copy saved at another step, or by another run): every rank "
                 "must load the same one"
             )

@@ -38,6 +38,7 @@ from fp16fx.facade.groups import (
     build_transform,
     check_loaded_group_keys,
     group_spec,
+    group_values,
 )
 from fp16fx.facade.params import ParamSet
 from fp16fx.facade.policy import (
@@ -162,9 +163,12 @@ class Plan:
     param_segments: torch.Tensor | None  # and the core segment of each param, if saved
 
     def facts(self) -> dict[str, Any]:
-        """What every rank's copy of one checkpoint holds alike and the facade writes itself,
-        after the core's load, as Python values named by where they sit in the dict: the
-        count, the loss scaler, the overflow flags and the param groups' numbers."""
+        """What every rank's copy of one checkpoint holds alike and the facade loads itself,
+        as plain Python values named by where they sit in the dict: the count (if saved), the
+        loss scaler, the overflow flags and the numbers each param group steps with (its
+        entries of other kinds are the user's, which need not pickle, nor equal themselves:
+        NaN)."""
+        assert self.specs is not None  # a sharded fast engine's plan (the only caller)
         steps = None if self.applied_steps is None else self.applied_steps.tolist()
         facts = {
             "['applied_steps']": steps,
@@ -172,11 +176,8 @@ class Plan:
             "['overflow']": self.overflow,
             "['first_closure_call_this_step']": self.first_closure_call,
         }
-        for k, group in enumerate(self.groups):
-            for key, value in group.items():
-                if key != "params":
-                    plain = value.tolist() if isinstance(value, torch.Tensor) else value
-                    facts[f"['optimizer_state_dict']['param_groups'][{k}][{key!r}]"] = plain
+        for k, (spec, group) in enumerate(zip(self.specs, self.groups)):
+            facts[f"['optimizer_state_dict']['param_groups'][{k}]"] = group_values(spec, group, k)
         return facts
 
 
