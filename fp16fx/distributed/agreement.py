@@ -159,8 +159,9 @@ def compare_too(facts: Mapping[str, Any]) -> None:
     """In a block of :func:`loading_together` that has not agreed yet: adds ``facts``
     (picklable values, named by where they sit) to the dict of facts that the check inside
     it passes to :func:`checks_passed` and compares across the ranks. A block around the
-    core's load adds what it loads itself, after the core's load (the sharded
-    ``FP16_Optimizer``: its dict's count, loss scaler and param groups). Elsewhere: nothing."""
+    core's load adds the entries it loads itself, which the core never sees (the sharded
+    ``FP16_Optimizer``: its dict's count, loss scaler, overflow flags and param groups'
+    numbers). Elsewhere: nothing."""
     agreement = _CURRENT.get()
     if agreement is not None and not agreement.agreed:
         agreement.facts.update(facts)
