@@ -352,6 +352,29 @@ def switch_on_ranks_apart(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def clip_on_ranks_apart(rank: int, world: int) -> dict[str, Any]:
+    """The generic path (RMSprop) clips where the ranks' grads differ after DDP averaged
+    them (rank 1's doubled, as a rank-local hook might): every rank clips by the norm the
+    ranks agree on, their largest, and returns it, by the L2 norm and by another alike (each
+    rank once clipped by its own norm and returned it)."""
+    found: dict[str, Any] = {}
+    for norm_type in (2.0, math.inf):
+        model = DDP(make_model(torch.float16))
+        opt = fp16fx.FP16_Optimizer(torch.optim.RMSprop(model.parameters()), verbose=False)
+        x, y = batch(0, rank, world, torch.float16)
+        opt.backward(F.mse_loss(model(x).float(), y.float()), update_master_grads=False)
+        if rank == 1:
+            for p in model.parameters():
+                p.grad.mul_(2)
+        opt.update_master_grads()
+        own = torch.nn.utils.get_total_norm(opt.inspect_master_grad_data()[0], norm_type)
+        norm = opt.clip_master_grads(1e-3, norm_type)
+        clipped = torch.nn.utils.get_total_norm(opt.inspect_master_grad_data()[0], norm_type)
+        found[norm_type] = {"own": float(own), "returned": norm, "clipped": float(clipped)}
+    found["path"] = opt.path
+    return found
+
+
 def refused_replicated_init(rank: int, world: int) -> list[tuple[str, bool]]:
     """fdist.init without shard refused: each rank's error, and whether its params kept their
     own values (the broadcast came before the checks: a bad optimizer left every rank with
@@ -425,6 +448,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     ),
     "add_group_on_ranks_apart": add_group_on_ranks_apart,
     "switch_on_ranks_apart": switch_on_ranks_apart,
+    "clip_on_ranks_apart": clip_on_ranks_apart,
     "inf_after_ddp_no_consensus": lambda r, w: train_facade(
         DDP(make_model(torch.float16)), r, w, torch.float16, fault="after", process_group=None
     ),
@@ -534,9 +558,22 @@ def test_add_param_group_on_the_generic_path_is_no_collective(replicated):
 
 def test_a_switch_to_the_generic_path_is_as_many_collectives_on_every_rank(replicated):
     r0, r1 = (r["switch_on_ranks_apart"] for r in replicated)
-    assert r0["collectives"] == r1["collectives"] == 1  # the clip's agreement
+    # the clip's two agreements: of the check, and of the L1 norm (the consensus's is L2)
+    assert r0["collectives"] == r1["collectives"] == 2
     assert r0["path"] == r1["path"] == "generic"
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+
+
+def test_the_generic_path_clips_every_rank_by_the_agreed_norm(replicated):
+    r0, r1 = (r["clip_on_ranks_apart"] for r in replicated)
+    assert r0["path"] == r1["path"] == "generic"
+    for norm_type in (2.0, math.inf):
+        own0, own1 = r0[norm_type]["own"], r1[norm_type]["own"]
+        assert own1 == pytest.approx(2 * own0, rel=1e-6) and own0 > 1e-3
+        assert r0[norm_type]["returned"] == r1[norm_type]["returned"]
+        assert r0[norm_type]["returned"] == pytest.approx(own1, rel=1e-5)
+        assert r1[norm_type]["clipped"] == pytest.approx(1e-3, rel=1e-4)
+        assert r0[norm_type]["clipped"] == pytest.approx(0.5e-3, rel=1e-4)
 
 
 def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):

@@ -376,11 +376,11 @@ def checkpoint_care(rank: int, world: int, where: Path) -> dict[str, Any]:
 
 
 def generic_clipped_step(
-    rank: int, world: int, max_norm: float, clips: int, grad: float | None = None
+    rank: int, world: int, max_norm: float, clips: int, grad: float | None = None, norm_type=2.0
 ) -> tuple[list[float], list[torch.Tensor], str]:
     """One generic-path SGD step of the sharded model, its grads (each value ``grad``, where
-    given) clipped ``clips`` times to ``max_norm``: the norms the clips returned, how far
-    each param's shard moved, and the path the optimizer took."""
+    given) clipped ``clips`` times to ``max_norm`` (by the ``norm_type`` norm): the norms the
+    clips returned, how far each param's shard moved, and the path the optimizer took."""
     model = sharded()
     start = shards(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -392,7 +392,7 @@ def generic_clipped_step(
             for p in model.parameters():
                 dtensors.local(p.grad).fill_(grad)
     opt.update_master_grads()
-    norms = [opt.clip_master_grads(max_norm) for _ in range(clips)]
+    norms = [opt.clip_master_grads(max_norm, norm_type) for _ in range(clips)]
     opt.step()
     return norms, [p - s for p, s in zip(shards(model), start, strict=True)], opt.path
 
@@ -410,7 +410,16 @@ def generic_clip(rank: int, world: int) -> dict[str, Any]:
     # zeroes them, as clip_grad_norm_ does, and the second sees zeros (its norm, inf * 0, was
     # once NaN: NaN grads and masters).
     overflowed, moved, _ = generic_clipped_step(rank, world, CLIP, 2, grad=1e30)
+    # Another norm is refused, finite grads or not (it once returned -1 where they overflowed).
+    other_norms = []
+    for grad in (None, math.inf):
+        try:
+            generic_clipped_step(rank, world, CLIP, 1, grad=grad, norm_type=1.0)
+            other_norms.append("clipped")
+        except ValueError as err:
+            other_norms.append(str(err))
     return {
+        "other_norms": other_norms,
         "norms": [once, twice],
         "path": path,
         "same_step": all(same),
@@ -620,6 +629,11 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     opt.param_groups[0]["amsgrad"] = False
     opt.param_groups.append({**opt.param_groups[0], "params": []})  # by hand: not add_param_group
     catch("appended", opt.step)
+    # A plain param added to a generic path's DTensor groups: torch's optimizer took it, and
+    # every backward after raised.
+    generic = facade(model, torch.optim.RMSprop(model.parameters()), compiled=False)
+    catch("added_plain", lambda: generic.add_param_group({"params": [nn.Parameter(torch.ones(3))]}))
+    seen["added_plain_kept"] = str(len(generic.param_groups) == 1)
     in_place = storages == [dtensors.local(p).data_ptr() for p in model.parameters()]
     same = all(map(torch.equal, before, shards(model)))
     seen["unchanged"] = str(in_place and same and int(state.count) == 0)
@@ -843,6 +857,10 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
             "to load it)"
         )
         assert r["appended"].startswith("the param groups changed after the FP16_Optimizer")
+        assert r["added_plain"].startswith(
+            "param_groups[1]['params'][0] is a plain Parameter among DTensors"
+        )
+        assert r["added_plain_kept"] == "True"
         assert r["unchanged"] == "True"
 
 
@@ -886,6 +904,7 @@ def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):
         assert second == pytest.approx(CLIP / 100, rel=1e-4)
         assert r["same_step"]
         assert r["overflowed_norms"] == [math.inf, 0.0] and r["overflowed_unmoved"]
+        assert r["other_norms"] == ["an FSDP2 model's FP16_Optimizer clips by the L2 norm only"] * 2
 
 
 def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs):

@@ -228,29 +228,48 @@ class GenericEngine:
         return result
 
     def clip(self, max_norm: float, norm_type: float) -> float:
-        """Returns the total norm of the masters' grads after clipping them (-1 on overflow)."""
+        """Clips the masters' grads to total norm ``max_norm``; returns their norm before
+        (-1 on overflow). On one process by ``clip_grad_norm_`` (apex's clip); across
+        processes by the norm the ranks agree on, as the fast path clips, so that every rank
+        clips alike and returns the same number (:meth:`_clip_agreed`)."""
+        fsdp2 = any(isinstance(m, DTensor) for _, m in self.pairs)
+        if fsdp2 and float(norm_type) != 2.0:  # before the skip: every rank refuses it alike
+            raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
         if not self.finite():
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]
-        if not any(isinstance(m, DTensor) for m in masters):
+        if self.scaler.consensus is None:
             norm = float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
-        elif float(norm_type) != 2.0 or self._norm is None:
-            raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
-        else:  # FSDP2: the global norm is the one the consensus agreed; scale the local shards
-            # by clip_grad_norm_'s own rule, in its FP32, as the branch above does
-            assert self._local is not None  # (unscaled before any clip)
-            coef = clip_coefficient(max_norm, self._norm, torch.float32)
-            with torch.no_grad():
-                torch._foreach_mul_([dtensors.local(m.grad) for m in masters], coef)
-            norm = float(self._norm)
-            # The clipped grads' norm, which a second clip reads (and agrees): 0 where an inf
-            # norm clipped them to zeros, which inf * 0 would make NaN.
-            self._norm = torch.where(coef > 0, self._norm * coef, 0.0)
-            self._local = self._local._replace(
-                norm=torch.where(coef > 0, self._local.norm * coef, 0.0)
-            )
+        else:
+            norm = self._clip_agreed(masters, max_norm, norm_type)
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
+
+    def _clip_agreed(self, masters: list[torch.Tensor], max_norm: float, norm_type: float) -> float:
+        """Scales the grads of ``masters`` (their local shards, on FSDP2) by
+        ``clip_grad_norm_``'s rule, in its FP32, for the norm the ranks agree on: the L2 norm
+        the last :meth:`agree` gave (the ranks' largest; FSDP2's shards: the global one), or
+        another norm agreed now (the ranks' largest: one more collective). Returns that norm.
+        Each rank's own norm would clip by its own coefficient, wherever a rank's grads
+        differ (a rank-local hook), and return another number on each."""
+        consensus = self.scaler.consensus
+        assert consensus is not None and self._local is not None and self._norm is not None
+        grads = [m.grad for m in masters]
+        grads = [dtensors.local(g) if isinstance(g, DTensor) else g for g in grads]
+        if float(norm_type) == 2.0:
+            total = self._norm
+        else:  # replicated ranks (FSDP2 refused it): the finite check agreed already
+            # (on the device the consensus took the L2 norm on: no grads give a CPU 0)
+            local = torch.nn.utils.get_total_norm(grads, norm_type).to(self._norm.device)
+            _, total = consensus(torch.ones((), dtype=torch.bool, device=local.device), local)
+        coef = clip_coefficient(max_norm, total, torch.float32)
+        with torch.no_grad():
+            torch._foreach_mul_(grads, coef)
+        # The clipped grads' L2 norm, which a second clip reads (and agrees): 0 where an inf
+        # norm clipped them to zeros, which inf * 0 would make NaN.
+        self._norm = torch.where(coef > 0, self._norm * coef, 0.0)
+        self._local = self._local._replace(norm=torch.where(coef > 0, self._local.norm * coef, 0.0))
+        return float(total)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zeroes (or sets to None) the grads of the model params and of the masters."""

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from fp16fx import dtensors
 from fp16fx.consensus import default_consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.agreement import loading_together
@@ -479,7 +480,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         itself is folded into the next ``step()``, which reuses its own norm: no extra pass; a
         second call sees the grads the first clipped and returns their norm, as apex's did.
         A ``norm_type`` other than 2 moves the optimizer to the generic path (a sharded or
-        FSDP2 one, which has none, raises ValueError). ``max_norm`` may
+        FSDP2 one, which has none, raises ValueError). Across processes every rank clips by
+        the norm the ranks agree on and returns it (docs/distributed.md). ``max_norm`` may
         be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes;
         the largest float (``sys.float_info.max``) means no clip, even where the norm is inf.
         """
@@ -577,7 +579,12 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 )
             params = [p for p in group["params"] if p.requires_grad]
             trained = [p for ps in self._params.trainable for p in ps]
-            check_trainable([*trained, *params], names, self._scaler.state.scale.device)
+            every = [*trained, *params]
+            check_trainable(every, names, self._scaler.state.scale.device)
+            # FSDP2: all DTensors of one mesh or none, as when it was built (the fast path
+            # refuses the group after this; torch's optimizer would take it, then every step
+            # would raise)
+            dtensors.local_shards(every, name_of=lambda i: names[id(every[i])])
             moved: dict[int, torch.Tensor] = {}
             if isinstance(self._engine, FastEngine):
                 try:
