@@ -372,6 +372,19 @@ def clip_on_ranks_apart(rank: int, world: int) -> dict[str, Any]:
         clipped = torch.nn.utils.get_total_norm(opt.inspect_master_grad_data()[0], norm_type)
         found[norm_type] = {"own": float(own), "returned": norm, "clipped": float(clipped)}
     found["path"] = opt.path
+    # A switch with a fast-path clip pending (made by the ranks' norm) clips by that norm
+    # too: each rank once clipped by its own at the switch.
+    model = DDP(make_model(torch.float16))
+    opt = fp16fx.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    x, y = batch(0, rank, world, torch.float16)
+    opt.backward(F.mse_loss(model(x).float(), y.float()))
+    if rank == 1:
+        for p in model.parameters():
+            p.grad.mul_(2)
+    norm = opt.clip_master_grads(1e-3)
+    opt.clip_master_grads(1e9, norm_type=math.inf)  # the switch; clips nothing more
+    clipped = torch.nn.utils.get_total_norm(opt.inspect_master_grad_data()[0])
+    found["switched"] = {"returned": norm, "clipped": float(clipped), "path": opt.path}
     return found
 
 
@@ -574,6 +587,9 @@ def test_the_generic_path_clips_every_rank_by_the_agreed_norm(replicated):
         assert r0[norm_type]["returned"] == pytest.approx(own1, rel=1e-5)
         assert r1[norm_type]["clipped"] == pytest.approx(1e-3, rel=1e-4)
         assert r0[norm_type]["clipped"] == pytest.approx(0.5e-3, rel=1e-4)
+    s0, s1 = r0["switched"], r1["switched"]
+    assert s0["path"] == s1["path"] == "generic" and s0["returned"] == s1["returned"]
+    assert (s0["clipped"], s1["clipped"]) == pytest.approx((0.5e-3, 1e-3), rel=1e-4)
 
 
 def test_a_replicated_init_checks_every_rank_before_the_broadcast(replicated):

@@ -634,6 +634,11 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
     generic = facade(model, torch.optim.RMSprop(model.parameters()), compiled=False)
     catch("added_plain", lambda: generic.add_param_group({"params": [nn.Parameter(torch.ones(3))]}))
     seen["added_plain_kept"] = str(len(generic.param_groups) == 1)
+    # And the reverse: a DTensor added to a plain model's groups (once a bare KeyError).
+    plain_model = nn.Linear(2, 2).half()  # the groups hold its FP32 masters
+    plain_opt = facade(plain_model, torch.optim.RMSprop(plain_model.parameters()))
+    catch("added_dtensor", lambda: plain_opt.add_param_group({"params": [first]}))
+    seen["added_dtensor_kept"] = str(len(plain_opt.param_groups) == 1)
     in_place = storages == [dtensors.local(p).data_ptr() for p in model.parameters()]
     same = all(map(torch.equal, before, shards(model)))
     seen["unchanged"] = str(in_place and same and int(state.count) == 0)
@@ -861,6 +866,10 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(jobs):
             "param_groups[1]['params'][0] is a plain Parameter among DTensors"
         )
         assert r["added_plain_kept"] == "True"
+        assert r["added_dtensor"].startswith(
+            "param_groups[0]['params'][0] is a plain Parameter among DTensors"
+        )
+        assert r["added_dtensor_kept"] == "True"
         assert r["unchanged"] == "True"
 
 

@@ -705,6 +705,12 @@ class FastEngine:
             return self._agreed
         return self.check()
 
+    def last_agreed(self) -> GradCheck | None:
+        """Returns the last check every rank made of these grads (a clip's or the step's),
+        with no collective; None on one process, or where none was made since the last
+        ``zero_grad``."""
+        return self._agreed if self.distributed else None
+
     def local_finite(self) -> bool:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
         sharded, the mean grads once they were reduce-scattered)."""

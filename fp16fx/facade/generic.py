@@ -128,6 +128,12 @@ class GenericEngine:
         assert self._local is not None  # (a decision follows an unscale)
         self._finite, self._norm = consensus(*self._local)
 
+    def take_agreed(self, agreed: GradCheck) -> None:
+        """Makes the check decisions read ``agreed``, which the ranks agreed on for the grads
+        :meth:`update_master_grads` just unscaled (the fast path's, at a switch), as
+        :meth:`agree` would give it, without a collective."""
+        self._finite, self._norm = agreed
+
     def _still_unscaled(self) -> bool:
         """Whether the model grads are the ones ``update_master_grads`` (or a clip) left,
         unscaled into the masters' grads. (Over no grads at all: none now either, whatever

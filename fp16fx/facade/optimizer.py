@@ -568,7 +568,8 @@ class FP16_Optimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)  # torch's checks, defaults filled in
         try:
             group = self.param_groups[n]
-            names = param_names(self.optimizer)
+            # The groups hold masters (or fast-path entries) for the params trained so far
+            names = {**self._params.names, **param_names(self.optimizer)}
             check_unique([group], first=n)
             known = self._params.known()
             again = [names[id(p)] for p in group["params"] if id(p) in known]
@@ -734,6 +735,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
             # by the scale they were made with), and clipped as it would have clipped them.
             generic.update_master_grads(made_at)
             if max_norm != NO_CLIP:
+                # Across processes, by the norm the ranks agreed for it (no collective here:
+                # a switch may be one rank's alone); its own would clip the ranks apart.
+                agreed = fast.last_agreed()
+                if agreed is not None:
+                    generic.take_agreed(agreed)
                 generic.clip(max_norm, 2.0)
             if self._phase.grads == "fresh":  # as update_master_grads() would leave them;
                 self._phase.grads = "unscaled"  # stepped ones stay stale: new ones count
