@@ -6,8 +6,10 @@ from hypothesis import HealthCheck, settings
 
 from tests.fallbacks import watching
 
-# Two cores: keep torch from oversubscribing them, and hypothesis fast but meaningful.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores: keep torch from oversubscribing them (pytest-xdist's workers share them), and
+# hypothesis fast but meaningful.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 settings.register_profile(
     "fp16fx",
     max_examples=40,
