@@ -12,8 +12,8 @@ import faulthandler
 import math
 import os
 import re
-import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,19 +39,15 @@ STEPS = 20
 BATCH = 8  # per rank
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, store: str, timeout_s: float, fn: Callable, args: tuple) -> None:
     faulthandler.enable()  # a rank that aborts in C++ shows where its Python was
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         with watching() as fallbacks:
@@ -69,8 +65,14 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, fn: Callable, arg
 
 
 def spawn(fn: Callable, world: int, *args: Any, timeout_s: float = 30.0) -> None:
-    """Runs ``fn(rank, world, *args)`` in ``world`` gloo processes; raises if one fails."""
-    mp.spawn(_entry, args=(world, free_port(), timeout_s, fn, args), nprocs=world, join=True)
+    """Runs ``fn(rank, world, *args)`` in ``world`` gloo processes; raises if one fails.
+
+    They meet through a new file, not a port: a free port found here would stay free for
+    seconds, until rank 0 binds it, and a test file running beside this one (pytest-xdist)
+    may take it meanwhile."""
+    with tempfile.TemporaryDirectory(prefix="fp16fx-spawn-") as where:
+        store = os.path.join(where, "rendezvous")
+        mp.spawn(_entry, args=(world, store, timeout_s, fn, args), nprocs=world, join=True)
 
 
 def results(out: Path, world: int) -> list[dict[str, Any]]:
@@ -486,7 +488,7 @@ def scenarios_worker(rank: int, world: int, out: str) -> None:
 def replicated(tmp_path_factory) -> list[dict[str, Any]]:
     """Every scenario above, run once by 2 gloo processes (one spawn: imports cost ~6 s)."""
     out = tmp_path_factory.mktemp("replicated")
-    spawn(scenarios_worker, 2, str(out), timeout_s=5)
+    spawn(scenarios_worker, 2, str(out), timeout_s=20)
     return results(out, 2)
 
 
