@@ -21,6 +21,23 @@ settings.register_profile("thorough", parent=settings.get_profile("fp16fx"), max
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fp16fx"))
 
 
+# The slowest files first (measured on 2 cores; each holds multi-process or compile-heavy
+# runs): pytest-xdist hands a worker the next file as it frees, so a slow file collected last
+# would run alone at the end while the other worker idles.
+SLOWEST_FILES = (
+    "test_train_distributed.py",
+    "test_examples.py",
+    "test_precision.py",
+    "test_train.py",
+    "test_fsdp.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: place for place, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(SLOWEST_FILES)))  # stable
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
