@@ -418,8 +418,17 @@ def generic_clip(rank: int, world: int) -> dict[str, Any]:
             other_norms.append("clipped")
         except ValueError as err:
             other_norms.append(str(err))
+    # Before the grads are unscaled into the FP32 masters (once after: the refusal changed
+    # them).
+    model = sharded(half=True)
+    opt = facade(model, torch.optim.SGD(model.parameters(), lr=0.1), path="generic")
+    opt.backward(loss_of(model, 0, rank, world), update_master_grads=False)
+    with contextlib.suppress(ValueError):
+        opt.clip_master_grads(CLIP, norm_type=1.0)
+    unscaled = [p.grad is not None for g in opt.param_groups for p in g["params"]]
     return {
         "other_norms": other_norms,
+        "refused_before_unscaling": not any(unscaled),
         "norms": [once, twice],
         "path": path,
         "same_step": all(same),
@@ -914,6 +923,7 @@ def test_the_generic_path_clips_twice_as_clip_grad_norm_does(jobs):
         assert r["same_step"]
         assert r["overflowed_norms"] == [math.inf, 0.0] and r["overflowed_unmoved"]
         assert r["other_norms"] == ["an FSDP2 model's FP16_Optimizer clips by the L2 norm only"] * 2
+        assert r["refused_before_unscaling"]
 
 
 def test_accumulating_without_a_sync_per_micro_batch_steps_as_syncing_each(jobs):

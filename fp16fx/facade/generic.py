@@ -238,9 +238,7 @@ class GenericEngine:
         (-1 on overflow). On one process by ``clip_grad_norm_`` (apex's clip); across
         processes by the norm the ranks agree on, as the fast path clips, so that every rank
         clips alike and returns the same number (:meth:`_clip_agreed`)."""
-        fsdp2 = any(isinstance(m, DTensor) for _, m in self.pairs)
-        if fsdp2 and float(norm_type) != 2.0:  # before the skip: every rank refuses it alike
-            raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
+        self.check_norm_type(norm_type)
         if not self.finite():
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]
@@ -250,6 +248,13 @@ class GenericEngine:
             norm = self._clip_agreed(masters, max_norm, norm_type)
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
+
+    def check_norm_type(self, norm_type: float) -> None:
+        """Raises ValueError where the ranks cannot agree on the ``norm_type`` norm of the
+        grads: FSDP2's shards agree on the L2 norm only. (Every rank alike: the params'
+        kind is the same on all.)"""
+        if float(norm_type) != 2.0 and any(isinstance(m, DTensor) for _, m in self.pairs):
+            raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
 
     def _clip_agreed(self, masters: list[torch.Tensor], max_norm: float, norm_type: float) -> float:
         """Scales the grads of ``masters`` (their local shards, on FSDP2) by

@@ -512,6 +512,7 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._handover(Unsupported(f"clip_master_grads(norm_type={norm_type!r})"))
         engine = self._engine
         assert isinstance(engine, GenericEngine)
+        engine.check_norm_type(order)  # before the grads are unscaled: nothing changes
         if self._phase.grads != "unscaled":
             self.update_master_grads()
         self._phase.overflow = None  # overflow reads these grads
