@@ -184,27 +184,35 @@ def unchanged(before: Any, model: nn.Module, opt: FP16_Optimizer) -> bool:
 def stale_copy_refused(rank: int, world: int) -> dict[str, Any]:
     """A fresh momentum SGD optimizer (whose state holds no step counts) loading the ranks'
     dicts saved after 2 steps, rank 1 alone a copy saved a step later, then one whose loss
-    scale alone differs, then its lr: each rank's errors, and whether its optimizer and model
-    are as they were (rank 0 once loaded the first two, and trained on from a mixture of two
-    states)."""
-    model = Net()
-    opt = make_optimizer(model, "sgd", shard=True)
-    saved = []
-    for steps in (range(2), range(2, 3)):
-        train(model, opt, steps, "same", 1)
-        shards: list[Any] = [None] * world
-        dist.all_gather_object(shards, opt.state_dict())
-        saved.append(shards)
-    sound, later = saved
+    scale alone differs, then its lr, then (at a static scale, which counts nothing) an
+    unsharded dict and its copy saved a step later: each rank's errors, and whether its
+    optimizer and model are as they were (rank 0 once loaded the first two, and trained on
+    from a mixture of two states; the last, from an unsharded FP32 dict, until every fast-path
+    dict held its count)."""
+    saved: dict[str, list[Any]] = {}
+    for sharded in (True, False):
+        model = Net()
+        static = {"dynamic_loss_scale": False, "dynamic_loss_args": None, "static_loss_scale": 2.0}
+        static = {} if sharded else static
+        opt = make_optimizer(model, "sgd", shard=sharded, **static)
+        for steps in (range(2), range(2, 3)):
+            train(model, opt, steps, "same", 1)
+            shards: list[Any] = [None] * world
+            dist.all_gather_object(shards, opt.state_dict())  # copies: pickled
+            saved.setdefault("sharded" if sharded else "unsharded", []).append(shards)
+    sound, later = saved["sharded"]
     rescaled = [{**d, "loss_scaler": {**d["loss_scaler"], "loss_scale": 1.0}} for d in sound]
     relearned = [{**d, "param_groups": [{**d["param_groups"][0], "lr": 1.0}]} for d in sound]
+    unsharded_sound, unsharded_later = (copies[rank] for copies in saved["unsharded"])
+    cases: list[tuple[Any, Any]] = [(sound, given) for given in (later, rescaled, relearned)]
+    cases.append((unsharded_sound, unsharded_later))
     model = Net()
     opt = make_optimizer(model, "sgd", shard=True)
     before = fingerprint(model, opt)
     errors = []
-    for given in (later, rescaled, relearned):
+    for own, stale in cases:
         try:
-            opt.load_state_dict(given if rank == 1 else sound)
+            opt.load_state_dict(stale if rank == 1 else own)
             errors.append("loaded")
         except ValueError as err:
             errors.append(str(err))
@@ -628,8 +636,9 @@ def test_a_damaged_copy_on_one_rank_is_loaded_by_no_rank(runs):
 def test_a_stale_copy_on_one_rank_is_loaded_by_no_rank(runs):
     """Momentum SGD's state holds no step counts: the facade's own entries tell the copies
     apart (its count, its loss scaler, its param groups' numbers), on every rank alike."""
-    later, rescaled, relearned = runs[2][0]["stale_copy"]["errors"]
-    assert all(r["stale_copy"]["errors"] == [later, rescaled, relearned] for r in runs[2])
+    later, rescaled, relearned, unsharded = runs[2][0]["stale_copy"]["errors"]
+    expected = [later, rescaled, relearned, unsharded]
+    assert all(r["stale_copy"]["errors"] == expected for r in runs[2]), expected
     assert later.startswith(
         "rank 1 was given another checkpoint than rank 0 (['applied_steps']: 3 there, 2 "
         "on rank 0; a copy saved at another step, or by another run)"
@@ -641,6 +650,9 @@ def test_a_stale_copy_on_one_rank_is_loaded_by_no_rank(runs):
         "rank 1 was given another checkpoint than rank 0 (['optimizer_state_dict']"
         "['param_groups'][0]: {'lr': 1.0, "
     ), relearned
+    assert unsharded.startswith(
+        "rank 1 was given another checkpoint than rank 0 (['applied_steps']: 3 there, 2 "
+    ), unsharded
     assert all(r["stale_copy"]["unchanged"] for r in runs[2])
 
 

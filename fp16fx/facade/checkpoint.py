@@ -9,9 +9,9 @@ Layer: ``facade`` (docs/design.md). The dict keeps apex's keys and meanings:
 * ``loss_scaler`` -- a plain dict (:func:`fp16fx.facade.policy.scaler_to_dict`), never a
   pickled object, so ``torch.load(..., weights_only=True)`` reads the file;
 * ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step`` -- bools;
-* ``applied_steps`` (fp16fx's: compact precision's, and every consolidated sharded dict's) and
-  ``param_segments`` (fp16fx's, the fast path's) -- the core's count of applied steps, which
-  seeds compact precision's stochastic rounding, and per param (one int64 tensor in
+* ``applied_steps`` and ``param_segments`` (fp16fx's, the fast path's) -- the core's count of
+  applied steps, which seeds compact precision's stochastic rounding (and tells a sharded
+  load's ranks that their copies were saved at one step), and per param (one int64 tensor in
   param-group order) the core's segment that holds it: where int8 moments' blocks start,
   and the units the global gradient norm is summed over. torch's format keeps neither
   (absent: as they are, and as the step counts imply);
@@ -170,8 +170,9 @@ def state_dict(
             }
         extra, fp32 = engine.export(), engine.fp32_masters(saved)
         masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]
-        if engine.compact:  # its rounding reads the count
-            steps["applied_steps"] = engine.state.count
+        # The count compact precision's rounding reads; in any precision, what tells a copy
+        # saved a step later apart where the state holds no step counts (momentum SGD).
+        steps["applied_steps"] = engine.state.count
         # Where the state is cut: int8 blocks start there, and the global norm sums per
         # segment (a clip resumes bitwise only over the same cuts).
         steps["param_segments"] = engine.segment_marks()
