@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, saved_format, tree
+from fp16fx import checkpoint, tree
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
-from fp16fx.facade import torch_state
+from fp16fx.facade import fast_state, torch_state
 from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.groups import (
     GroupSpec,
@@ -44,9 +44,8 @@ from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams, put_back_on_failure
 from fp16fx.precision import Precision, encode_moments
 from fp16fx.scaling import GradCheck, LossScaleState, all_finite, unscale
-from fp16fx.segments import Segments
 from fp16fx.state import FP32, MixedPrecisionState, init, recut
-from fp16fx.step import StepInfo, adopt_written_, was_written
+from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
 from fp16fx.transforms.primitives import NO_CLIP
 
@@ -167,31 +166,14 @@ class FastEngine:
     def fp32_masters(self, state: MixedPrecisionState | None = None) -> dict[int, torch.Tensor]:
         """Returns ``{id(param): FP32 master}`` for every FP16/BF16 param (unsharded) of
         ``state`` (None: the engine's): the entries, or in a compensated state the masters
-        decoded (new tensors)."""
-        masters = (self.state if state is None else state).master
-        pairs = zip(self.flat.params, tree.flatten(masters)[0])
-        return {id(p): master for p, master in pairs if p.dtype != torch.float32}
+        decoded (new tensors); :func:`fast_state.fp32_masters`."""
+        return fast_state.fp32_masters(self.flat.params, self.state if state is None else state)
 
     def saved_state(self) -> MixedPrecisionState:
-        """Returns the core state (sharded: this rank's shard) as a checkpoint keeps it: where
-        a param was written since the last step (a clamp, the model's ``load_state_dict``),
-        with copies of the FP32 masters in which it has its written value
-        (``step.adopt_written``), as a load must rebuild it; else the state itself (one sync
-        to tell). The engine's state is not touched, so saving leaves the run as it was: the
-        step adopts a written param after its update, which adopting it in place before
-        would change by the written difference's weight decay."""
-        state = self.state
-        pairs = _written_pairs(state)
-        if not pairs or not bool(torch.stack([was_written(p, m).any() for p, m in pairs]).any()):
-            return state
-        layout = state.layout
-        copies = [  # (an FP32 param's segment is its own master: saved as it is)
-            master if layout.buckets[seg.bucket].dtype == torch.float32 else master.clone()
-            for seg, master in zip(layout.segments, state.master_segments)
-        ]
-        saved = state.replace(master_segments=Segments(copies, state.master_segments.labels))
-        adopt_written_(_written_pairs(saved))
-        return saved
+        """Returns the core state (sharded: this rank's shard) as a checkpoint keeps it, a
+        written param's master in copies (:func:`fast_state.saved_state`; one sync). The
+        engine's state is not touched, so saving leaves the run as it was."""
+        return fast_state.saved_state(self.state)
 
     def forget_written(self) -> None:
         """Makes the next step write every param group number and the clipping threshold into
@@ -247,42 +229,22 @@ class FastEngine:
         groups = self.optimizer.param_groups
         on_device = [groups[k].get("capturable") or groups[k].get("fused") for k in self.labels]
         device = self.scaler.state.scale.device
+        devices = [device if here else None for here in on_device]
         entries = self._entries_in_order()
-        exported = torch_state.export(
-            self._leaves_fp32(), entries, [device if here else None for here in on_device]
-        )
-        for p, entry in zip(self.flat.params, entries):
-            if id(p) in self._dormant:
-                exported.setdefault(entry, {}).update(self._dormant[id(p)])
-        return exported
+        return fast_state.export(self.state, self.flat.params, entries, devices, self._dormant)
 
     def segment_marks(self) -> torch.Tensor:
         """Returns, per param in ``flat.params`` order, the index of the core's segment that
-        holds it (:meth:`fp16fx.flat.Layout.marks`), as one int64 tensor. A compact checkpoint
-        carries these (``param_segments``): int8 moments' blocks start with each segment, and
-        torch's format cannot say where the segments are, so without them it would not resume
-        bitwise."""
-        return torch.tensor(self.state.layout.marks(), dtype=torch.int64)
-
-    def _leaves_fp32(self) -> list[dict[str, torch.Tensor] | None]:
-        """Returns each param's part of the core's state in FP32 terms: views of the live
-        tensors, or in a compact state decoded (new tensors)."""
-        leaves = checkpoint.per_leaf(self.state)
-        if not self.compact:
-            return leaves
-        block = self.state.precision.block
-        return [None if leaf is None else saved_format.canonical(leaf, block) for leaf in leaves]
+        holds it, as one int64 tensor (:func:`fast_state.segment_marks`: a compact checkpoint
+        carries these, ``param_segments``)."""
+        return fast_state.segment_marks(self.state)
 
     def check_state(self, per_param: PerParamState) -> None:
         """Raises ValueError if a param's torch-format state in ``per_param`` does not fit it
-        (its form, :func:`torch_state.check`: a load or a takeover checked its values first,
-        :func:`torch_state.check_values`, and the engine's own export holds valid ones)."""
-        for p, entry in zip(self.flat.params, self._entries_in_order()):
-            try:
-                torch_state.check(self.kind, entry, per_param.get(entry, {}), "state")
-            except ValueError as err:
-                name = self.names.get(id(p), "a param")
-                raise ValueError(f"the torch-format state of {name}: {err}") from None
+        (:func:`fast_state.check_state`)."""
+        fast_state.check_state(
+            self.kind, self.flat.params, self._entries_in_order(), per_param, self.names
+        )
 
     def load(
         self,
@@ -355,32 +317,19 @@ class FastEngine:
             template = checkpoint.state_dict(self.state)
         else:
             template = fdist.checkpoint.template(self.sharded, canonical=True)
-        paths = tree.leaf_paths(tree.flatten(self.flat.params)[1])
-        params = torch_state.core_entries(
-            template["params"],
-            paths,
-            self.flat.params,
-            self._entries_in_order(),
-            self._param_specs(),
+        sd, first = fast_state.core_state_dict(
+            template,
             per_param,
             masters,
-            block=self.state.precision.block,
-            keep_compensated=self.state.precision.compensated,
-            template_holds_masters=self.sharded is None,
+            policy,
+            params=self.flat.params,
+            entries=self._entries_in_order(),
+            specs=self._param_specs(),
+            precision=self.state.precision,
+            device=self.scaler.state.scale.device,
+            names=self.names,
+            sharded=self.sharded is not None,
         )
-        self._check_finite_masters(params[path] for path in paths)
-        # The loss scale is the facade's, which its caller writes (a checkpoint's) or keeps:
-        # a static optimizer's setter, or an apex scaler, may put one there that the policy
-        # never reaches, which a core load refuses (scale_fault). The core loads the rest
-        # beside the policy's first loss-scale state, in tensors of its own.
-        first = policy.init(self.scaler.state.scale.device)
-        sd = {
-            **saved_format.without_segments(template),  # the segments are given
-            "policy": checkpoint.policy_dict(policy),
-            "precision": saved_format.precision_dict(FP32),  # the entries are in FP32 terms
-            "loss_scale": first._asdict(),
-            "params": params,
-        }
         self.state = self.state.replace(policy=policy, loss_scale=first)
         if self.sharded is None:
             if segments is not None:
@@ -389,32 +338,6 @@ class FastEngine:
         else:
             fdist.load_state_dict(self.sharded, sd)
         self.state = self.state.replace(loss_scale=self.scaler.state)
-
-    def _check_finite_masters(self, entries: Iterable[Mapping[str, torch.Tensor]]) -> None:
-        """Raises ValueError naming the first param whose entry (in ``flat.params`` order) a
-        load would build from a param or master holding inf or NaN: the model's own weights
-        (a dict's masters are checked where it is read), which a rebuild of the state
-        (``add_param_group``, a group's new structure, the state a wrapped optimizer held)
-        takes as they are."""
-        values = [
-            (p, entry[key])
-            for p, entry in zip(self.flat.params, entries)
-            for key in ("param", "master")
-            if key in entry
-        ]
-        # One sync: a dict's masters may sit on another device than the model (map_location)
-        device = self.scaler.state.scale.device
-        flags = [torch.isfinite(value).all().to(device) for _, value in values]
-        finite = torch.stack(flags).tolist()
-        if all(finite):
-            return
-        p = values[finite.index(False)][0]
-        whose = "" if self.sharded is None else " (as the group's first rank broadcast it)"
-        raise ValueError(
-            f"{self.names.get(id(p), 'a param')}{whose} holds inf or NaN, and FP16_Optimizer "
-            "builds its state here from the weights as they are (each param's master): write "
-            "finite values into it first"
-        )
 
     # -- changing the groups -------------------------------------------------------------
 
@@ -765,16 +688,6 @@ class FastEngine:
         self.flat.zero_grads(set_to_none)
         self.grad_facts.forget_check()
         self._scattered = self._agreed = None
-
-
-def _written_pairs(state: MixedPrecisionState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Returns the (FP16/BF16 param, FP32 master) leaves of ``state`` whose master a write of
-    the param can leave behind: none in a compensated state, whose master is read from its
-    param."""
-    if state.precision.compensated:
-        return []
-    pairs = zip(tree.flatten(state.params)[0], tree.flatten(state.master)[0])
-    return [(p, m) for p, m in pairs if p is not None and p.dtype != torch.float32]
 
 
 __all__ = ["FastEngine"]
