@@ -15,9 +15,8 @@ format. What it takes over from the wrapped optimizer is read and checked first,
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from fp16fx.consensus import Consensus
 from fp16fx.distributed import fsdp
 from fp16fx.distributed.fsdp import FSDPParams
 from fp16fx.facade import fast_state, torch_state
-from fp16fx.facade.grads import GradFacts, GradStamp
+from fp16fx.facade.grads import FastGrads, GradFacts, GradStamp
 from fp16fx.facade.groups import (
     GroupSpec,
     Unsupported,
@@ -43,7 +42,7 @@ from fp16fx.facade.takeover import NOT_SHARDED, read_optimizer, refuse_shared
 from fp16fx.facade.torch_state import PerParamState
 from fp16fx.flat import FlatParams, put_back_on_failure
 from fp16fx.precision import Precision, encode_moments
-from fp16fx.scaling import GradCheck, LossScaleState, all_finite, unscale
+from fp16fx.scaling import GradCheck, all_finite, unscale
 from fp16fx.state import FP32, MixedPrecisionState, init, recut
 from fp16fx.step import StepInfo
 from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
@@ -115,13 +114,9 @@ class FastEngine:
             group_values(s, g, k)
             for k, (s, g) in enumerate(zip(self.specs, optimizer.param_groups))
         ]
-        self.grad_facts = GradFacts(self.grad_stamp)
+        self._fast_grads = FastGrads(self.grad_stamp, scaler, sharded=self.sharded is not None)
         self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
-        self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
-        # Across processes, the last check every rank made of these grads (a clip's, or the
-        # step's): what a read one rank makes alone returns, with no collective.
-        self._agreed: GradCheck | None = None
         self._entries = self._make_entries()
         # {id(param): torch-format tensors its group's structure does not use now}, kept as
         # torch.optim keeps them (amsgrad or momentum off, then on again, resumes them)
@@ -451,9 +446,7 @@ class FastEngine:
         # The core's clip is "none" again, and the grads moved into new buffers: the same
         # grads, but a check must read them there.
         self._clip_written = NO_CLIP
-        self.grad_facts.forget_check()
-        self.grad_facts.still_these(clip, made_at)
-        self._agreed = None  # its norm left the new group out: agree anew (every rank adds it)
+        self._fast_grads.regrouped(clip, made_at)  # an agreed norm left the new group out
         if clip != NO_CLIP and self.distributed:
             self.check()
         return moved
@@ -512,10 +505,9 @@ class FastEngine:
 
     def _scatter(self) -> list[torch.Tensor]:
         """Returns this rank's slices of the mean gradient (one reduce-scatter per step)."""
-        assert self.sharded is not None
-        if self._scattered is None:
-            self._scattered = fdist.reduce_grads(self.sharded, self.grads())
-        return self._scattered
+        sharded = self.sharded
+        assert sharded is not None
+        return self._fast_grads.scattered(lambda: fdist.reduce_grads(sharded, self.grads()))
 
     def _compiling(self, run: Callable[[], Any]) -> Any:
         """Returns ``run()``; if torch.compile cannot compile (before anything ran), logs it
@@ -532,9 +524,9 @@ class FastEngine:
 
         Grads that nothing wrote since the last step are stepped again, as apex stepped its
         masters' grads again: unscaled by the loss scale they were made with
-        (:meth:`scale_of_the_grads`), the scale then moving on from where it is.
+        (:meth:`FastGrads.scale_of_the_grads`), the scale then moving on from where it is.
         """
-        with self.scale_of_the_grads() as swapped:
+        with self._fast_grads.scale_of_the_grads() as swapped:
             clip = self.grad_facts.clip_norm()
             self.sync_groups(clip)
             if self.sharded is None:
@@ -547,10 +539,8 @@ class FastEngine:
             info = info._replace(loss_scale_floored=self.scaler.adjust(info.finite))
         else:  # the core moved it
             self.scaler.count(info.finite, info.loss_scale_floored)
-        self.last_info, self._scattered = info, None
-        self._agreed = GradCheck(info.finite, info.grad_norm)
-        self.grad_facts.forget_check()
-        self.grad_facts.still_these(clip, info.loss_scale)  # the scale the grads were made with
+        self.last_info = info
+        self._fast_grads.stepped(info, clip)
         return info
 
     def grad_stamp(self) -> GradStamp:
@@ -559,43 +549,17 @@ class FastEngine:
             return GradStamp(self.flat.params, self.flat.grad_views, self.flat.grad_buffers)
         return GradStamp(self.flat.params)
 
-    @contextlib.contextmanager
-    def scale_of_the_grads(self) -> Iterator[bool]:
-        """Within it, the state's loss scale is the one the grads were made with, where they
-        are the ones the last step left (nothing wrote them since), so that the core unscales
-        them by it; after it, the policy's state is as it was. Yields whether it swapped the
-        scale. The grads themselves are not touched.
-
-        Sharded, such grads raise RuntimeError, before anything changed: the reduce-scatter
-        averaged them in place.
-        """
-        made_at = self.grad_facts.made_at()
-        if made_at is None:
-            yield False
-            return
-        if self.sharded is not None:
-            raise RuntimeError(
-                "a sharded FP16_Optimizer steps each gradient once (its reduce-scatter averaged "
-                "them in place): call backward() or zero_grad() before using them again"
-            )
-        kept = LossScaleState(*(t.clone() for t in self.scaler.state))
-        self.scaler.state.scale.copy_(made_at)
-        try:
-            yield True
-        finally:
-            self.scaler.write(kept)
+    @property
+    def grad_facts(self) -> GradFacts:
+        """What the engine knows of the current grads (:class:`GradFacts`): their clip, the
+        loss scale they were made with, their cached check."""
+        return self._fast_grads.facts
 
     def keep_scale_of_the_grads(self) -> None:
         """Makes the current grads keep the loss scale they were made with (the current one,
-        unless they carry one already), which is about to be set by hand. (Sharded: they take
-        the new one, as a sharded engine unscales each grad once, by the current scale.)"""
-        if self.sharded is not None or self.grad_facts.made_at() is not None:
-            return
-        # The grads a step reads: their flat buffer's views (a stamp before would lapse). A
-        # sparse grad moves nothing (TypeError): the generic path takes them, by this scale.
-        with contextlib.suppress(TypeError):
-            self.flat.collect_grads()
-        self.grad_facts.keep_scale(self.scaler.state.scale)
+        unless they carry one already), which is about to be set by hand
+        (:meth:`FastGrads.keep_scale`; sharded, they take the new one)."""
+        self._fast_grads.keep_scale(self.flat.collect_grads)
 
     @property
     def distributed(self) -> bool:
@@ -609,35 +573,31 @@ class FastEngine:
         ``add_param_group`` with a clip pending), and runs anew each time: a cache would hold
         on some ranks only, where one rank alone wrote its grads. A read one rank makes alone
         gets :meth:`agreed` instead."""
-        if not self.distributed and (checked := self.grad_facts.checked()) is not None:
+        if (checked := self._fast_grads.cached(self.distributed)) is not None:
             return checked
-        with self.scale_of_the_grads():
+        with self._fast_grads.scale_of_the_grads():
             grads = self.grads() if self.sharded is None else self._scatter()
             checked = self._compiling(lambda: self.step_fn.check(self.state, grads))
-        if self.distributed:
-            self._agreed = checked
-        else:
-            self.grad_facts.remember_check(checked)
+        self._fast_grads.remember(checked, self.distributed)
         return checked
 
     def agreed(self) -> GradCheck:
         """Returns :meth:`check`'s result for a read one rank may make alone: across
         processes, that of the last check every rank made (a clip's or the step's; a check
         made now if none was since the last ``zero_grad``)."""
-        if self.distributed and self._agreed is not None:
-            return self._agreed
-        return self.check()
+        agreed = self._fast_grads.last_agreed(self.distributed)
+        return self.check() if agreed is None else agreed
 
     def last_agreed(self) -> GradCheck | None:
         """Returns the last check every rank made of these grads (a clip's or the step's),
         with no collective; None on one process, or where none was made since the last
         ``zero_grad``."""
-        return self._agreed if self.distributed else None
+        return self._fast_grads.last_agreed(self.distributed)
 
     def local_finite(self) -> bool:
         """Returns whether this rank's current grads are all finite (one sync, no collective;
         sharded, the mean grads once they were reduce-scattered)."""
-        if self._scattered is not None:  # reduce-scattered by a clip: its agreed check
+        if self._fast_grads.reduced:  # reduce-scattered by a clip: its agreed check
             return bool(self.agreed().finite)
         try:
             self.flat.collect_grads()
@@ -646,18 +606,10 @@ class FastEngine:
         return all_finite(self.flat.grad_buffers)
 
     def forget_check(self) -> None:
-        """Forgets the cached check (new grads arrived).
-
-        Raises RuntimeError if a sharded engine's grads were already reduce-scattered (and so
-        divided by d in place) without a step or ``zero_grad()`` since: new grads would add
-        to them.
-        """
-        if self._scattered is not None:
-            raise RuntimeError(
-                "the gradients were already reduce-scattered (by clip_master_grads) and so "
-                "divided by the world size; call step() or zero_grad() before another backward"
-            )
-        self.grad_facts.forget_check()
+        """Forgets the cached check (new grads arrived); raises RuntimeError if a sharded
+        engine's grads were reduce-scattered since the last step
+        (:meth:`FastGrads.forget_check`)."""
+        self._fast_grads.forget_check()
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
@@ -686,8 +638,7 @@ class FastEngine:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.flat.zero_grads(set_to_none)
-        self.grad_facts.forget_check()
-        self._scattered = self._agreed = None
+        self._fast_grads.zeroed()
 
 
 __all__ = ["FastEngine"]

@@ -5,21 +5,26 @@ grads: a clip it applied to them held until a backward or ``zero_grad`` replaced
 second ``step()`` without a new backward stepped them again. fp16fx's fast path keeps no copy
 -- every step reads the model's scaled grads from their flat buffers -- so it remembers instead
 what apex would have done to them, each fact with a :class:`GradStamp` of the grads it is
-about (:class:`GradMemo`), and the fact lapses once they change.
+about (:class:`GradMemo`), and the fact lapses once they change. The fast engine keeps these
+facts in a :class:`FastGrads`, beside what across processes no rank learns alone: the last
+check every rank made of its grads, and (sharded) the mean grads a reduce-scatter left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fp16fx import dtensors
-from fp16fx.scaling import GradCheck
+from fp16fx.facade.policy import Scaler
+from fp16fx.scaling import GradCheck, LossScaleState
+from fp16fx.step import StepInfo
 from fp16fx.transforms.primitives import NO_CLIP, clip_coefficient, clip_limit
 
 T = TypeVar("T")
@@ -161,6 +166,135 @@ class GradFacts:
         self._checked.forget()
 
 
+class FastGrads:
+    """What the fast engine knows of its current gradients: their :class:`GradFacts`
+    (:attr:`facts`), and across processes what a read one rank makes alone cannot learn
+    without a collective -- the last check every rank made of them (:meth:`last_agreed`) --
+    and, sharded, this step's mean grads, reduce-scattered once (:meth:`scattered`).
+
+    ``stamp()`` returns the grads now (a :class:`GradStamp`); ``scaler``: the facade's loss
+    scale, which :meth:`scale_of_the_grads` swaps; ``sharded``: whether the engine averages
+    its grads by a reduce-scatter (in place, so that it steps each grad once). The engine
+    reads the grads and runs their checks and collectives; it hands the results in here.
+    """
+
+    def __init__(self, stamp: Callable[[], GradStamp], scaler: Scaler, *, sharded: bool) -> None:
+        self.facts = GradFacts(stamp)
+        self._scaler, self._sharded = scaler, sharded
+        self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
+        # Across processes, the last check every rank made of these grads (a clip's, or the
+        # step's): what a read one rank makes alone returns, with no collective.
+        self._agreed: GradCheck | None = None
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the current grads were reduce-scattered already (sharded, by a clip)."""
+        return self._scattered is not None
+
+    def scattered(self, reduce: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Returns this rank's slices of the mean gradient: those ``reduce()`` (one
+        reduce-scatter) returned, which runs once per step."""
+        if self._scattered is None:
+            self._scattered = reduce()
+        return self._scattered
+
+    @contextlib.contextmanager
+    def scale_of_the_grads(self) -> Iterator[bool]:
+        """Within it, the state's loss scale is the one the grads were made with, where they
+        are the ones the last step left (nothing wrote them since), so that the core unscales
+        them by it; after it, the policy's state is as it was. Yields whether it swapped the
+        scale. The grads themselves are not touched.
+
+        Sharded, such grads raise RuntimeError, before anything changed: the reduce-scatter
+        averaged them in place.
+        """
+        made_at = self.facts.made_at()
+        if made_at is None:
+            yield False
+            return
+        if self._sharded:
+            raise RuntimeError(
+                "a sharded FP16_Optimizer steps each gradient once (its reduce-scatter averaged "
+                "them in place): call backward() or zero_grad() before using them again"
+            )
+        kept = LossScaleState(*(t.clone() for t in self._scaler.state))
+        self._scaler.state.scale.copy_(made_at)
+        try:
+            yield True
+        finally:
+            self._scaler.write(kept)
+
+    def keep_scale(self, collect: Callable[[], object]) -> None:
+        """Makes the current grads keep the loss scale they were made with (the current one,
+        unless they carry one already), which is about to be set by hand. (Sharded: they take
+        the new one, as a sharded engine unscales each grad once, by the current scale.)
+        ``collect()`` moves the grads into the buffers a step reads (TypeError: it cannot)."""
+        if self._sharded or self.facts.made_at() is not None:
+            return
+        # The grads a step reads: their flat buffer's views (a stamp before would lapse). A
+        # sparse grad moves nothing (TypeError): the generic path takes them, by this scale.
+        with contextlib.suppress(TypeError):
+            collect()
+        self.facts.keep_scale(self._scaler.state.scale)
+
+    def cached(self, distributed: bool) -> GradCheck | None:
+        """Returns the check :meth:`remember` kept while the grads are unchanged; None across
+        processes (``distributed``), where a check is a collective every rank runs anew: a
+        cache would hold on some ranks only, where one rank alone wrote its grads."""
+        return None if distributed else self.facts.checked()
+
+    def remember(self, checked: GradCheck, distributed: bool) -> None:
+        """Keeps ``checked``, a check just made of the current grads: across processes
+        (``distributed``) as the last one every rank made, else cached (:meth:`cached`)."""
+        if distributed:
+            self._agreed = checked
+        else:
+            self.facts.remember_check(checked)
+
+    def last_agreed(self, distributed: bool) -> GradCheck | None:
+        """Returns the last check every rank made of these grads (a clip's or the step's);
+        None on one process (not ``distributed``), or where none was made since the last
+        ``zero_grad``."""
+        return self._agreed if distributed else None
+
+    def forget_check(self) -> None:
+        """Forgets the cached check (new grads arrived).
+
+        Raises RuntimeError if a sharded engine's grads were already reduce-scattered (and so
+        divided by d in place) without a step or ``zero_grad()`` since: new grads would add
+        to them.
+        """
+        if self._scattered is not None:
+            raise RuntimeError(
+                "the gradients were already reduce-scattered (by clip_master_grads) and so "
+                "divided by the world size; call step() or zero_grad() before another backward"
+            )
+        self.facts.forget_check()
+
+    def stepped(self, info: StepInfo, clip: float) -> None:
+        """Records a step of the current grads, which returned ``info``, clipped to ``clip``:
+        its check is the one every rank agreed on, and the grads, which a second step steps
+        again, still have that clip and were made with the step's loss scale."""
+        self._scattered = None
+        self._agreed = GradCheck(info.finite, info.grad_norm)
+        self.facts.forget_check()
+        self.facts.still_these(clip, info.loss_scale)  # the scale the grads were made with
+
+    def regrouped(self, clip: float, made_at: torch.Tensor | None) -> None:
+        """Records that the grads moved into new buffers (a param group was added): the same
+        grads, with their clip ``clip`` and scale ``made_at``, but a check must read them
+        there, and an agreed norm left the new group out (every rank agrees anew)."""
+        self.facts.forget_check()
+        self.facts.still_these(clip, made_at)
+        self._agreed = None
+
+    def zeroed(self) -> None:
+        """Forgets the cached check, the agreed one and the mean grads (``zero_grad``: new
+        grads come; the other facts lapse by their stamps)."""
+        self.facts.forget_check()
+        self._scattered = self._agreed = None
+
+
 _GRAD = operator.attrgetter("grad")
 
 
@@ -178,4 +312,4 @@ def _version(grad: torch.Tensor) -> int:
     return (dtensors.local(grad) if isinstance(grad, DTensor) else grad)._version
 
 
-__all__ = ["GradFacts", "GradMemo", "GradStamp"]
+__all__ = ["FastGrads", "GradFacts", "GradMemo", "GradStamp"]
