@@ -32,10 +32,10 @@ from fp16fx.facade.grads import FastGrads, GradFacts, GradStamp
 from fp16fx.facade.groups import (
     GroupSpec,
     Unsupported,
+    Written,
     build_transform,
-    describe,
+    check_structure_unchanged,
     group_spec,
-    group_values,
 )
 from fp16fx.facade.policy import Scaler
 from fp16fx.facade.takeover import NOT_SHARDED, read_optimizer, refuse_shared
@@ -45,7 +45,7 @@ from fp16fx.precision import Precision, encode_moments
 from fp16fx.scaling import GradCheck, all_finite, unscale
 from fp16fx.state import FP32, MixedPrecisionState, init, recut
 from fp16fx.step import StepInfo
-from fp16fx.transforms import GradientTransformation, clip_coefficient, replace_hyperparams
+from fp16fx.transforms import GradientTransformation, clip_coefficient
 from fp16fx.transforms.primitives import NO_CLIP
 
 logger = logging.getLogger("fp16fx")
@@ -110,12 +110,8 @@ class FastEngine:
             )
             self.flat = self.sharded.flat
         self.state = self.state.replace(loss_scale=scaler.state)  # one scale, the facade's
-        self._written = [
-            group_values(s, g, k)
-            for k, (s, g) in enumerate(zip(self.specs, optimizer.param_groups))
-        ]
+        self._written = Written.built(self.specs, optimizer.param_groups)
         self._fast_grads = FastGrads(self.grad_stamp, scaler, sharded=self.sharded is not None)
-        self._clip_written = NO_CLIP
         self.last_info: StepInfo | None = None
         self._entries = self._make_entries()
         # {id(param): torch-format tensors its group's structure does not use now}, kept as
@@ -174,8 +170,7 @@ class FastEngine:
         """Makes the next step write every param group number and the clipping threshold into
         the core, after a load wrote the checkpoint's into it: a number then set back to the
         value last written before the load would otherwise be taken as written already."""
-        self._written = [{} for _ in self._written]
-        self._clip_written = None
+        self._written = self._written.forgotten()
 
     def _make_entries(self) -> dict[int, torch.Tensor]:
         if self.groups_hold_params:
@@ -265,12 +260,12 @@ class FastEngine:
         self._require_whole("loading torch.optim-format state")
         specs = self.specs if specs is None else specs
         self.check_state(per_param)
-        kept = (self.state, self.specs, self._written, self._clip_written)
+        kept = (self.state, self.specs, self._written)
         try:
             self._set_specs(specs)
             self._load(per_param, masters, policy, segments)
         except BaseException:
-            self.state, self.specs, self._written, self._clip_written = kept
+            self.state, self.specs, self._written = kept
             raise
         if applied_steps is not None:
             self.state.count.copy_(applied_steps)
@@ -365,8 +360,7 @@ class FastEngine:
         opt_state = encode_moments(transform.init(state.decoded_masters()), state.precision)
         self.state = state.replace(optimizer=transform, opt_state=opt_state)
         self.specs = specs
-        self._written = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
-        self._clip_written = NO_CLIP
+        self._written = Written.built(specs, groups)
 
     @property
     def whose(self) -> str:
@@ -375,21 +369,9 @@ class FastEngine:
 
     def check_structure(self, specs: list[GroupSpec], loading: bool = False) -> None:
         """Raises ValueError, naming the group and its structures, if a sharded or FSDP2
-        engine's groups change structure (``loading``: to a state dict's groups)."""
-        if specs == self.specs:
-            return
-        k, (new, old) = next((k, p) for k, p in enumerate(zip(specs, self.specs)) if p[0] != p[1])
-        if loading:
-            raise ValueError(
-                f"the state dict does not fit this FP16_Optimizer: the state dict's "
-                f"param_groups[{k}] runs {describe(new)}; this optimizer's runs "
-                f"{describe(old)} ({self.whose} keeps the structure it was built with: build "
-                "one over such groups to load it)"
-            )
-        raise ValueError(
-            f"{self.whose} cannot change the structure of param_groups[{k}] after it was "
-            f"built (now {describe(new)}, built as {describe(old)}); build a new one"
-        )
+        engine's groups change structure (``loading``: to a state dict's groups;
+        :func:`~fp16fx.facade.groups.check_structure_unchanged`)."""
+        check_structure_unchanged(specs, self.specs, self.whose, loading)
 
     def add_group(
         self, params: Sequence[torch.Tensor], names: Mapping[int, str]
@@ -429,9 +411,7 @@ class FastEngine:
                 self.names = {**self.names, **names}
                 self.flat = FlatParams([*old, *params], labels, self.state.precision.multiple)
                 self.labels, self.specs = labels, specs
-                self._written = [
-                    group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))
-                ]
+                self._written = Written.built(specs, groups)  # and the clip "none" again
                 count = self.state.count.clone()  # the dither's, which goes on
                 state = self._init(transform, self.state.consensus, self.state.precision)
                 self.state = state.replace(loss_scale=self.scaler.state)
@@ -443,9 +423,7 @@ class FastEngine:
                 self.flat, self.labels, self.specs, self._written, self.state, self._entries = kept
                 self.names = kept_names
                 raise
-        # The core's clip is "none" again, and the grads moved into new buffers: the same
-        # grads, but a check must read them there.
-        self._clip_written = NO_CLIP
+        # The grads moved into new buffers: the same grads, but a check must read them there.
         self._fast_grads.regrouped(clip, made_at)  # an agreed norm left the new group out
         if clip != NO_CLIP and self.distributed:
             self.check()
@@ -474,15 +452,7 @@ class FastEngine:
             if self.fsdp:
                 self.check_structure(specs)
             self.restructure(specs, self.export() if self.sharded is None else {})
-        for k, (spec, group) in enumerate(zip(self.specs, groups)):
-            values, written = group_values(spec, group, k), self._written[k]
-            changed = {n: v for n, v in values.items() if n not in written or written[n] != v}
-            if changed:
-                replace_hyperparams(self.state.opt_state, changed, group=k, inplace=True)
-                written.update(changed)
-        if max_norm != self._clip_written:
-            replace_hyperparams(self.state.opt_state, {"max_norm": max_norm}, inplace=True)
-            self._clip_written = max_norm
+        self._written.write(self.state.opt_state, self.specs, groups, max_norm)
 
     def grads(self) -> list[torch.Tensor | None]:
         """Returns each trained param's grad, a view of its flat buffer (None: it has none).

@@ -26,6 +26,7 @@ from fp16fx.transforms import (
     check_hyperparam,
     clip_by_global_norm,
     multi_transform,
+    replace_hyperparams,
     sgd,
 )
 from fp16fx.transforms.primitives import NO_CLIP
@@ -138,6 +139,74 @@ def build_transform(
         except (ValueError, TypeError) as err:
             raise type(err)(f"param group {k}: {err}") from None
     return chain(clip_by_global_norm(NO_CLIP), multi_transform(named, labels))
+
+
+class Written:
+    """The numbers last written into the core's hyperparameter tensors, so that a step
+    rewrites only those that changed: each param group's (:func:`group_values`) and the
+    clipping threshold (None: not known, the next :meth:`write` writes it).
+
+    A new transform holds what :meth:`built` records; a load writes a checkpoint's numbers,
+    after which :meth:`forgotten` makes the next write write them all (a number set back to
+    the value last written before the load would otherwise be taken as written already).
+    """
+
+    def __init__(self, per_group: list[dict[str, Any]], max_norm: float | None) -> None:
+        self._per_group, self._max_norm = per_group, max_norm
+
+    @classmethod
+    def built(cls, specs: Sequence[GroupSpec], groups: Sequence[dict[str, Any]]) -> Written:
+        """Returns what a transform just built for structures ``specs`` over param groups
+        ``groups`` (:func:`build_transform`) holds: their numbers, and no clip."""
+        per_group = [group_values(s, g, k) for k, (s, g) in enumerate(zip(specs, groups))]
+        return cls(per_group, NO_CLIP)
+
+    def forgotten(self) -> Written:
+        """Returns a record of nothing written, for as many groups."""
+        return Written([{} for _ in self._per_group], None)
+
+    def write(
+        self,
+        opt_state: Any,
+        specs: Sequence[GroupSpec],
+        groups: Sequence[dict[str, Any]],
+        max_norm: float,
+    ) -> None:
+        """Writes the numbers of param groups ``groups`` (structures ``specs``) and the
+        clipping threshold ``max_norm`` that changed since the last write into the core's
+        optimizer state ``opt_state``, in place, and records them (no sync, unless a group
+        holds a number as a tensor: reading it syncs)."""
+        for k, (spec, group) in enumerate(zip(specs, groups)):
+            values, written = group_values(spec, group, k), self._per_group[k]
+            changed = {n: v for n, v in values.items() if n not in written or written[n] != v}
+            if changed:
+                replace_hyperparams(opt_state, changed, group=k, inplace=True)
+                written.update(changed)
+        if max_norm != self._max_norm:
+            replace_hyperparams(opt_state, {"max_norm": max_norm}, inplace=True)
+            self._max_norm = max_norm
+
+
+def check_structure_unchanged(
+    specs: Sequence[GroupSpec], built: Sequence[GroupSpec], whose: str, loading: bool = False
+) -> None:
+    """Raises ValueError, naming the group and its structures, if group structures ``specs``
+    differ from those a sharded or FSDP2 engine was ``built`` with, which it keeps (``whose``:
+    the optimizer, as its errors name it; ``loading``: ``specs`` are a state dict's groups)."""
+    if specs == built:
+        return
+    k, (new, old) = next((k, p) for k, p in enumerate(zip(specs, built)) if p[0] != p[1])
+    if loading:
+        raise ValueError(
+            f"the state dict does not fit this FP16_Optimizer: the state dict's "
+            f"param_groups[{k}] runs {describe(new)}; this optimizer's runs "
+            f"{describe(old)} ({whose} keeps the structure it was built with: build "
+            "one over such groups to load it)"
+        )
+    raise ValueError(
+        f"{whose} cannot change the structure of param_groups[{k}] after it was "
+        f"built (now {describe(new)}, built as {describe(old)}); build a new one"
+    )
 
 
 def check_saved_numbers(optimizer: torch.optim.Optimizer, k: int, saved: Mapping[str, Any]) -> None:
