@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import fp16fx.distributed as fdist
-from fp16fx import checkpoint, tree
+from fp16fx import checkpoint
 from fp16fx.compile import COMPILE_ERRORS, StepFunction, compile_step
 from fp16fx.consensus import Consensus
 from fp16fx.distributed import fsdp
@@ -173,13 +173,7 @@ class FastEngine:
         self._written = self._written.forgotten()
 
     def _make_entries(self) -> dict[int, torch.Tensor]:
-        if self.groups_hold_params:
-            return {id(p): p for p in self.flat.params}
-        masters = tree.flatten(self.state.master)[0]
-        return {
-            id(p): p if p.dtype == torch.float32 else master.requires_grad_(True)
-            for p, master in zip(self.flat.params, masters)
-        }
+        return fast_state.entries(self.flat.params, self.state, self.groups_hold_params)
 
     def entry(self, param: torch.Tensor) -> torch.Tensor:
         """Returns what the param group holds for model param ``param`` (its FP32 master)."""

@@ -37,6 +37,22 @@ def fp32_masters(
     return {id(p): master for p, master in pairs if p.dtype != torch.float32}
 
 
+def entries(
+    params: Sequence[torch.Tensor], state: MixedPrecisionState, hold_params: bool
+) -> dict[int, torch.Tensor]:
+    """Returns ``{id(param): entry}``, what the param groups hold for each of ``params`` (in
+    ``flat.params`` order): the param itself where ``hold_params`` (sharded, or compensated
+    masters: no FP32 copy to hold) or it is FP32, else its FP32 master in ``state``, a view
+    of the core's flat masters, made a leaf that requires grad as torch.optim's params do."""
+    if hold_params:
+        return {id(p): p for p in params}
+    masters = tree.flatten(state.master)[0]
+    return {
+        id(p): p if p.dtype == torch.float32 else master.requires_grad_(True)
+        for p, master in zip(params, masters)
+    }
+
+
 def saved_state(state: MixedPrecisionState) -> MixedPrecisionState:
     """Returns the core state ``state`` as a checkpoint keeps it: where a param was written
     since the last step (a clamp, the model's ``load_state_dict``), with copies of the FP32
@@ -221,6 +237,7 @@ __all__ = [
     "check_finite_masters",
     "check_state",
     "core_state_dict",
+    "entries",
     "export",
     "fp32_masters",
     "leaves_fp32",
