@@ -8,9 +8,11 @@ params move into :class:`~fp16fx.flat.FlatParams` (one flat buffer per param gro
 ``shard=...``, ``fp16fx.distributed``'s sharded state and step; on an FSDP2 model, the params
 stay FSDP's DTensor shards (:class:`~fp16fx.distributed.fsdp.FSDPParams`) and the state is
 over their local shards. What this module adds is the translation: hyperparameters read from
-``param_groups`` before each step, and the state shown and loaded in torch.optim's per-param
-format. What it takes over from the wrapped optimizer is read and checked first, in
-:mod:`fp16fx.facade.takeover`.
+``param_groups`` before each step (and written where they changed:
+:class:`~fp16fx.facade.groups.Written`), and the state shown and loaded in torch.optim's
+per-param format (:mod:`fp16fx.facade.fast_state`'s functions). What it takes over from the
+wrapped optimizer is read and checked first, in :mod:`fp16fx.facade.takeover`; what it knows
+of the current grads is a :class:`~fp16fx.facade.grads.FastGrads`.
 """
 
 from __future__ import annotations
