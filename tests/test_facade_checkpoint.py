@@ -200,6 +200,10 @@ def test_state_dict_keeps_apexs_keys_with_a_plain_scaler(path):
     assert [sorted(s) for s in osd["state"].values()] == [["exp_avg", "exp_avg_sq", "step"]] * 4
     assert all(s["step"].item() == 2 for s in osd["state"].values())
     assert opt.state_dict()["loss_scaler"] == save_and_load(sd)["loss_scaler"]
+    if path == "fast":  # the core's count of applied steps: a copy, as the step counts are
+        run(model, opt, [3])
+        assert int(sd["applied_steps"]) == 2 and int(opt.state_dict()["applied_steps"]) == 3
+        assert all(s["step"].item() == 2 for s in osd["state"].values())
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -4,6 +4,7 @@ compact precision sharded (d=2)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -355,6 +356,15 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
             getattr(opt, what)() if what != "state" else opt.state
         except RuntimeError as err:
             found[what] = str(err)
+    # Grads that overflowed on rank 1 alone: it once returned None there, the others raising.
+    opt.backward(
+        F.mse_loss(model(torch.full((2, 8), math.inf if rank == 1 else 1.0)), torch.zeros(2, 3))
+    )
+    try:
+        found["inspect_overflowed"] = repr(opt.inspect_master_grad_data())
+    except RuntimeError as err:
+        found["inspect_overflowed"] = str(err)
+    opt.zero_grad()
     opt.backward(F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 3)))
     opt.step()
 
@@ -684,7 +694,9 @@ def test_what_cannot_shard_is_refused_before_anything_changes(runs):
         assert difference in rank_0["errors"][case], (case, rank_0["errors"][case])
         assert rank_1["errors"][case] == rank_0["errors"][case]
     assert "optimizer.state" in found["state"]
-    assert "inspect_master_grad_data" in found["inspect_master_grad_data"]
+    for r in runs[2]:
+        assert "inspect_master_grad_data" in r["refusals"]["inspect_master_grad_data"]
+        assert r["refusals"]["inspect_overflowed"] == r["refusals"]["inspect_master_grad_data"]
     other = "rank 1 of the group has param_groups[1]['params'][0] as float16[6], its first"
     for refused in (r["refusals"]["other_model"] for r in runs[2]):  # it said params[1]
         assert refused.startswith(other), refused

@@ -172,7 +172,7 @@ def state_dict(
         masters = [[fp32[id(p)] for p in ps if id(p) in fp32] for ps in params.trainable]
         # The count compact precision's rounding reads; in any precision, what tells a copy
         # saved a step later apart where the state holds no step counts (momentum SGD).
-        steps["applied_steps"] = engine.state.count
+        steps["applied_steps"] = engine.state.count.clone()  # a copy, as torch's step counts
         # Where the state is cut: int8 blocks start there, and the global norm sums per
         # segment (a clip resumes bitwise only over the same cuts).
         steps["param_segments"] = engine.segment_marks()

@@ -189,7 +189,9 @@ class FastEngine:
         """Returns each param's group structure, in ``flat.params`` order."""
         return [self.specs[label] for label in self.labels]
 
-    def _require_unsharded(self, what: str) -> None:
+    def require_unsharded(self, what: str) -> None:
+        """Raises RuntimeError naming ``what`` on a sharded engine, which holds no whole
+        per-param state nor whole averaged grads."""
         if self.sharded is not None:
             raise RuntimeError(
                 f"{what} is not available on a sharded FP16_Optimizer: each rank keeps only "
@@ -211,7 +213,7 @@ class FastEngine:
         Keyed by param-group entry; moments are views of the live buffers, as torch's own
         ``state_dict`` holds references. Params that never took a step have no entry.
         """
-        self._require_unsharded("the per-param optimizer state (optimizer.state)")
+        self.require_unsharded("the per-param optimizer state (optimizer.state)")
         groups = self.optimizer.param_groups
         on_device = [groups[k].get("capturable") or groups[k].get("fused") for k in self.labels]
         device = self.scaler.state.scale.device
@@ -221,8 +223,8 @@ class FastEngine:
 
     def segment_marks(self) -> torch.Tensor:
         """Returns, per param in ``flat.params`` order, the index of the core's segment that
-        holds it, as one int64 tensor (:func:`fast_state.segment_marks`: a compact checkpoint
-        carries these, ``param_segments``)."""
+        holds it, as one int64 tensor (:func:`fast_state.segment_marks`; a checkpoint carries
+        them, ``param_segments``)."""
         return fast_state.segment_marks(self.state)
 
     def check_state(self, per_param: PerParamState) -> None:
@@ -579,8 +581,9 @@ class FastEngine:
 
     def unscaled_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """Returns ``{entry: unscaled FP32 grad}`` for every trained param with a grad,
-        clipped as the next step clips them if ``clip_master_grads`` asked for it."""
-        self._require_unsharded("inspect_master_grad_data()")
+        clipped as the next step clips them if ``clip_master_grads`` asked for it. Unsharded
+        only: the caller refuses a sharded engine first (:meth:`require_unsharded`), before it
+        reads the grads' overflow."""
         made_at = self.grad_facts.made_at()
         scale = self.scaler.state.scale if made_at is None else made_at
         pairs = [(p, g) for p, g in zip(self.flat.params, self.grads()) if g is not None]

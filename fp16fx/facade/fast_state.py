@@ -4,9 +4,11 @@ per-param format, and what a load of that format hands the core.
 Layer: ``facade`` (docs/design.md). Plain functions of the data they are given -- a
 :class:`~fp16fx.state.MixedPrecisionState`, the engine's params in ``flat.params`` order, their
 param-group entries and group structures -- that return values and change nothing of the
-engine's (:class:`~fp16fx.facade.fast.FastEngine` keeps thin methods over them and assigns its
-own attributes). The per-param translation itself is :mod:`fp16fx.facade.torch_state`'s; the
-loading, the core's (``fp16fx.checkpoint``) or ``fp16fx.distributed``'s.
+engine's (but :func:`entries`, which makes each FP32 master a leaf that requires grad, as a
+param group's params are). :class:`~fp16fx.facade.fast.FastEngine` keeps thin methods over
+them and assigns its own attributes. The per-param translation itself is
+:mod:`fp16fx.facade.torch_state`'s; the loading, the core's (``fp16fx.checkpoint``) or
+``fp16fx.distributed``'s.
 """
 
 from __future__ import annotations
@@ -98,14 +100,14 @@ def export(
     a compact state, decoded: new tensors); a step count is on ``devices[i]`` (None: a
     Python-side count, as torch keeps it unless capturable or fused). Params that never took
     a step have no entry."""
-    exported = torch_state.export(leaves_fp32(state), entries, devices)
+    exported = torch_state.export(_leaves_fp32(state), entries, devices)
     for p, entry in zip(params, entries):
         if id(p) in dormant:
             exported.setdefault(entry, {}).update(dormant[id(p)])
     return exported
 
 
-def leaves_fp32(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]:
+def _leaves_fp32(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | None]:
     """Returns each param's part of the core's ``state`` in FP32 terms: views of the live
     tensors, or in a compact state decoded (new tensors)."""
     leaves = checkpoint.per_leaf(state)
@@ -117,10 +119,10 @@ def leaves_fp32(state: MixedPrecisionState) -> list[dict[str, torch.Tensor] | No
 
 def segment_marks(state: MixedPrecisionState) -> torch.Tensor:
     """Returns, per param in ``flat.params`` order, the index of the core's segment of
-    ``state`` that holds it (:meth:`fp16fx.flat.Layout.marks`), as one int64 tensor. A compact
+    ``state`` that holds it (:meth:`fp16fx.flat.Layout.marks`), as one int64 tensor. A
     checkpoint carries these (``param_segments``): int8 moments' blocks start with each
-    segment, and torch's format cannot say where the segments are, so without them it would
-    not resume bitwise."""
+    segment, and a clip's global norm is summed per segment; torch's format cannot say where
+    the segments are, so without them a run would not resume bitwise."""
     return torch.tensor(state.layout.marks(), dtype=torch.int64)
 
 
@@ -167,7 +169,7 @@ def core_state_dict(
     entry and its group's structure, in ``flat.params`` order; ``precision``: the state's.
 
     Raises ValueError when a state does not fit its param, or a param or master that the state
-    would be built from holds inf or NaN (:func:`check_finite_masters`).
+    would be built from holds inf or NaN (:func:`_check_finite_masters`).
     """
     paths = tree.leaf_paths(tree.flatten(params)[1])
     entry_states = torch_state.core_entries(
@@ -182,7 +184,7 @@ def core_state_dict(
         keep_compensated=precision.compensated,
         template_holds_masters=not sharded,
     )
-    check_finite_masters(
+    _check_finite_masters(
         params, (entry_states[path] for path in paths), device, names, sharded=sharded
     )
     # The loss scale is the facade's, which its caller writes (a checkpoint's) or keeps:
@@ -200,7 +202,7 @@ def core_state_dict(
     return sd, first
 
 
-def check_finite_masters(
+def _check_finite_masters(
     params: Sequence[torch.Tensor],
     entries: Iterable[Mapping[str, torch.Tensor]],
     device: torch.device,
@@ -234,13 +236,11 @@ def check_finite_masters(
 
 
 __all__ = [
-    "check_finite_masters",
     "check_state",
     "core_state_dict",
     "entries",
     "export",
     "fp32_masters",
-    "leaves_fp32",
     "saved_state",
     "segment_marks",
 ]

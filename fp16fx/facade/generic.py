@@ -237,8 +237,9 @@ class GenericEngine:
         """Clips the masters' grads to total norm ``max_norm``; returns their norm before
         (-1 on overflow). On one process by ``clip_grad_norm_`` (apex's clip); across
         processes by the norm the ranks agree on, as the fast path clips, so that every rank
-        clips alike and returns the same number (:meth:`_clip_agreed`)."""
-        self.check_norm_type(norm_type)
+        clips alike and returns the same number (:meth:`_clip_agreed`). A ``norm_type``
+        other than 2 is the caller's to check first (:meth:`check_norm_type`), before it
+        unscales the grads."""
         if not self.finite():
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]

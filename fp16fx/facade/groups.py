@@ -6,8 +6,10 @@ group], labels))`` from :mod:`fp16fx.transforms`, the one definition of each opt
 A group's *structure* (:class:`GroupSpec`: momentum on/off, nesterov, amsgrad, decoupled decay)
 is fixed when the transform is built; its *numbers* (lr, betas, eps, weight decay, momentum,
 dampening) and the clipping threshold are tensors in the state, rewritten from
-``param_groups`` each step. A saved param group is checked here for the keys its class steps
-with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
+``param_groups`` each step, where they changed (:class:`Written` remembers what it wrote). A
+sharded or FSDP2 engine keeps the structures it was built with
+(:func:`check_structure_unchanged`). A saved param group is checked here for the keys its
+class steps with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
 """
 
 from __future__ import annotations

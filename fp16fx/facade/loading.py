@@ -259,7 +259,8 @@ _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 def _parse_integers(
     sd: Mapping[str, Any], name: str, shape: tuple[int, ...]
 ) -> torch.Tensor | None:
-    """Returns compact precision's ``sd[name]`` (non-negative integers of ``shape``), if saved."""
+    """Returns fp16fx's ``sd[name]`` (non-negative integers of ``shape``: the fast path's
+    ``applied_steps`` or ``param_segments``), if saved."""
     value = sd.get(name)
     if value is not None and not (
         isinstance(value, torch.Tensor)

@@ -541,8 +541,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         """Returns per param group the unscaled FP32 grad of each param (None: no grad).
 
         Returns None (and logs a warning) when the current grads overflowed, as apex did.
-        A sharded optimizer raises RuntimeError: the averaged grads exist only as slices.
+        A sharded optimizer raises RuntimeError, overflow or not (every rank alike: a rank
+        reads its own grads' overflow): the averaged grads exist only as slices.
         """
+        if isinstance(self._engine, FastEngine):
+            self._engine.require_unsharded("inspect_master_grad_data()")
         if self.overflow:
             logger.warning(
                 "fp16fx: inspect_master_grad_data called while the gradients overflowed; "
@@ -615,9 +618,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
         Keys: ``optimizer_state_dict`` (the wrapped optimizer's, masters in place of FP16
         params), ``fp32_from_fp16`` (per group, the FP32 masters), ``loss_scaler`` (a plain
         dict: scale, growth tracker, hysteresis counter, policy), ``dynamic_loss_scale``,
-        ``overflow``, ``first_closure_call_this_step``. Some tensors are references to the
-        live state, as in torch.optim, others copies (step counts; in compact precision the
-        decoded masters and moments): save or copy the dict before stepping again. A sharded
+        ``overflow``, ``first_closure_call_this_step``; fp16fx's ``trainable`` and, on the
+        fast path, ``applied_steps`` and ``param_segments``
+        (:mod:`fp16fx.facade.checkpoint`). Some tensors are references to the live state, as
+        in torch.optim, others copies (step counts; in compact precision the decoded masters
+        and moments): save or copy the dict before stepping again. A sharded
         optimizer returns this rank's shard instead (:mod:`fp16fx.facade.checkpoint`). On an
         FSDP2 model it returns the dict for ``torch.distributed.checkpoint`` (DTensors laid
         out like the params; ``dcp.load`` into it, then pass it to :meth:`load_state_dict`).
