@@ -10,6 +10,7 @@ import math
 import pickle
 import warnings
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 import fp16fx
 import fp16fx.fp16_utils
+from fp16fx.facade.generic import GenericEngine
 from fp16fx.facade.policy import NO_CEILING, NO_FLOOR
 from fp16fx.fp16_utils import FP16_Optimizer
 from fp16fx.scaling import DynamicLossScale, StaticLossScale
@@ -620,6 +622,27 @@ def test_a_param_group_listing_a_param_twice_is_refused_and_changes_nothing(path
     assert all(map(torch.equal, params, values)) and all(map(torch.equal, snapshot(opt), state))
     train(model, opt, 1)  # and it still trains
     assert not torch.equal(model.trunk.weight, values[0])
+
+
+def test_a_group_that_fails_to_join_the_generic_path_leaves_no_trace():
+    """add_param_group's rollback pops the group; the generic engine once kept its params (it
+    joined them before unscaling their grads, which raised), so that every later step read
+    their grads: an inf there skipped every step."""
+    model = TwoHeads()
+    opt = wrap(model, "generic", torch.optim.Adam(model.trunk.parameters(), lr=1e-2))
+    model.a.weight.register_hook(lambda g: g * math.inf)  # a head no group trains
+    opt.zero_grad()
+    opt.backward(model(X))
+    opt.update_master_grads()  # the new group's grads would be unscaled as they join
+    with (
+        mock.patch.object(GenericEngine, "_unscale", side_effect=KeyboardInterrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        opt.add_param_group({"params": list(model.a.parameters())})
+    assert len(opt.param_groups) == 1
+    before = model.trunk.weight.detach().clone()
+    train(model, opt, 1)
+    assert not opt.overflow and not torch.equal(model.trunk.weight, before)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -75,16 +75,16 @@ class GenericEngine:
         (and a clip or a second step does not unscale the others' twice)."""
         kept = self._still_unscaled()
         pairs = list(zip(params, masters, strict=True))
-        self.pairs.extend(pairs)
         if kept and any(p.grad is not None for p in params):
             assert self._unscaled is not None and self._unscaled_by is not None
             assert self._local is not None
             # Over no grads at all, that scale says nothing of these, made with the current one.
             scale = self.scaler.state.scale if self._unscaled.empty else self._unscaled_by
-            finite, norm = self._unscale(pairs, scale)
+            finite, norm = self._unscale(pairs, scale)  # (raising, it added nothing)
             self._checked(
                 GradCheck(self._local.finite & finite, torch.hypot(self._local.norm, norm))
             )
+        self.pairs.extend(pairs)
         self._unscaled = self.grad_stamp() if kept else None
 
     def update_master_grads(self, scale: torch.Tensor | None = None) -> None:
