@@ -762,21 +762,58 @@ def test_amsgrad_and_maximize_switched_on_together_hand_over_with_the_maximum_at
         assert torch.equal(state["max_exp_avg_sq"], state["exp_avg_sq"])  # max(0, v) = v
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_an_infinite_max_norm_clips_nothing_as_clip_grad_norm_does(path):
+    """torch's clip_grad_norm_ takes max_norm=inf for "no clip"; clip_master_grads once
+    refused it as not a finite number > 0. 0 and negative numbers, which zero the grads or
+    flip their sign there, it still refuses, nothing changed."""
+    runs = []
+    for max_norm in (None, math.inf, torch.tensor(math.inf)):
+        model = TwoHeads()
+        opt = wrap(model, path)
+        norms = []
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(X))
+            if max_norm is not None:
+                norms.append(opt.clip_master_grads(max_norm))
+            opt.step()
+        runs.append((snapshot(opt), norms))
+    (unclipped, _), *clipped = runs
+    for masters, norms in clipped:
+        assert all(map(torch.equal, masters, unclipped))
+        assert len(norms) == 2 and all(0 < norm < math.inf for norm in norms)
+    opt.zero_grad()
+    opt.backward(model(X))
+    before = [g.clone() for group in opt.inspect_master_grad_data() for g in group]
+    for refused in (0.0, -1.0, -math.inf):
+        with pytest.raises(ValueError, match=r"max_norm must be a finite number > 0 \(or inf"):
+            opt.clip_master_grads(refused)
+    after = [g for group in opt.inspect_master_grad_data() for g in group]
+    assert all(map(torch.equal, after, before))  # the grads were left whole
+
+
+@pytest.mark.parametrize("number", [float, torch.tensor], ids=["float", "tensor"])
 @pytest.mark.parametrize("how", ["set later", "in an added group"])
-def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how):
+def test_nesterov_with_dampening_hands_over_to_torch_which_steps_it(how, number):
     """torch.optim.SGD refuses nesterov with dampening only when built, and steps it when a
     group gets it later. The fast path's momentum refuses it always: it once raised at a
-    later, unrelated rebuild, and refused such an add_param_group. torch's path takes it."""
+    later, unrelated rebuild, and refused such an add_param_group; a tensor dampening went on
+    to those, where a float one handed over. torch's path takes it."""
     masters = {}
     for path in PATHS:
         model = TwoHeads()
         inner = torch.optim.SGD(model.trunk.parameters(), lr=0.1, momentum=0.9, nesterov=True)
         opt = wrap(model, path, inner)
         if how == "in an added group":
-            opt.add_param_group({"params": list(model.a.parameters()), "dampening": 0.3})
+            opt.add_param_group({"params": list(model.a.parameters()), "dampening": number(0.3)})
         train(model, opt, 2)
         if how == "set later":
-            opt.param_groups[0]["dampening"] = 0.5
+            opt.param_groups[0]["dampening"] = number(0.5)
+            train(model, opt, 1)
+            opt.param_groups[0]["momentum"] = 0.0  # a rebuild, then another
+            train(model, opt, 1)
+            opt.param_groups[0]["momentum"] = 0.9
         train(model, opt, 2)
         assert opt.path == "generic"
         masters[path] = snapshot(opt)

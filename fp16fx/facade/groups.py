@@ -15,6 +15,7 @@ class steps with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,7 +88,7 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
         momentum = group["momentum"] != 0
         nesterov = momentum and bool(group["nesterov"])
         dampening = group["dampening"]
-        if nesterov and isinstance(dampening, (int, float)) and dampening != 0:
+        if nesterov and _nonzero_number(dampening):
             # torch.optim.SGD refuses this only when built; set later, or in a group added
             # later, it steps it. The fast path builds its transforms from the group, and
             # fp16fx.sgd refuses it as torch's constructor does: torch's path takes it.
@@ -96,6 +97,15 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
     # torch >= 2.7 marks the decay in every Adam/AdamW group; older AdamW groups lack the key.
     optimizer = "adamw" if group.get("decoupled_weight_decay", kind == "adamw") else "adam"
     return GroupSpec(optimizer, amsgrad=bool(group["amsgrad"]))
+
+
+def _nonzero_number(value: Any) -> bool:
+    """Whether ``value`` is a number other than 0: a Python or NumPy scalar, or a one-value
+    tensor (read: one sync, as :func:`group_values` reads it too). Anything else is
+    :func:`group_values`' to name."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value != 0)
+    return isinstance(value, numbers.Real) and value != 0
 
 
 def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -481,14 +482,20 @@ class FP16_Optimizer(torch.optim.Optimizer):
         second call sees the grads the first clipped and returns their norm, as apex's did.
         A ``norm_type`` other than 2 moves the optimizer to the generic path (a sharded or
         FSDP2 one, which has none, raises ValueError). Across processes every rank clips by
-        the norm the ranks agree on and returns it (docs/distributed.md). ``max_norm`` may
-        be any real number (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes;
-        the largest float (``sys.float_info.max``) means no clip, even where the norm is inf.
+        the norm the ranks agree on and returns it (docs/distributed.md). ``max_norm`` is a
+        number > 0 (numpy's too) or a one-element tensor, as ``clip_grad_norm_`` takes; inf,
+        or the largest float (``sys.float_info.max``), means no clip, even where the norm is
+        inf. (``clip_grad_norm_`` also takes 0 and negative numbers, which zero the grads or
+        flip their sign: ValueError here, nothing changed.)
         """
+        if _is_infinity(max_norm):  # clip_grad_norm_'s "no clip"; the core's is NO_CLIP
+            max_norm = NO_CLIP
         try:  # the rule of clip_by_global_norm's max_norm
             max_norm = check_hyperparam("max_norm", max_norm)
         except (TypeError, ValueError):
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}") from None
+            raise ValueError(
+                f"max_norm must be a finite number > 0 (or inf: no clip), got {max_norm!r}"
+            ) from None
         try:
             order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too
         except (TypeError, ValueError):
@@ -749,3 +756,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 generic.clip(max_norm, 2.0)
             if self._phase.grads == "fresh":  # as update_master_grads() would leave them;
                 self._phase.grads = "unscaled"  # stepped ones stay stale: new ones count
+
+
+def _is_infinity(value: Any) -> bool:
+    """Whether ``value`` is +inf: a Python or NumPy number, or a one-value tensor (read: one
+    sync, as the check of a tensor ``max_norm`` reads it too)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value == math.inf)
+    return isinstance(value, numbers.Real) and value == math.inf

@@ -2,8 +2,10 @@
 
 Each states its rule on the incoming update ``u`` of a param with FP32 master ``p``; scalar
 coefficients are computed in float64 and the elementwise math runs in float32, as in
-torch.optim's single-tensor implementations. Per-param state is a tree like the params, one
-entry per segment: a step count per segment (0-d) and moments per element.
+torch.optim's single-tensor implementations (where torch's CPU kernels fuse a multiply-add,
+``p.add_(u, alpha=-lr)``, the result can land one float32 unit apart). Per-param state is a
+tree like the params, one entry per segment: a step count per segment (0-d) and moments per
+element.
 """
 
 from __future__ import annotations
