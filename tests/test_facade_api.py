@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import pickle
+import sys
 import warnings
 import weakref
 from unittest import mock
@@ -791,6 +792,36 @@ def test_an_infinite_max_norm_clips_nothing_as_clip_grad_norm_does(path):
             opt.clip_master_grads(refused)
     after = [g for group in opt.inspect_master_grad_data() for g in group]
     assert all(map(torch.equal, after, before))  # the grads were left whole
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, sys.float_info.max], ids=["inf", "float max"])
+@pytest.mark.parametrize("path", PATHS)
+def test_no_clip_over_grads_whose_norm_overflows_steps_them_as_they_are(path, max_norm):
+    """Finite grads whose FP32 norm is inf: clip_grad_norm_ with a max_norm of inf (or of the
+    largest float, inf in FP32) scales them by inf / inf, NaN. The generic path on one process
+    once clipped with it, and stepped NaN weights with no overflow reported."""
+    model = nn.Linear(4, 3)  # FP32: its own master
+    opt = wrap(model, path, torch.optim.SGD(model.parameters(), lr=1e-35))
+    opt.zero_grad()
+    opt.backward(model(torch.ones(2, 4)).sum() * 1e30)
+    assert opt.clip_master_grads(max_norm) == math.inf
+    opt.step()
+    assert not opt.overflow and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("number", [float, torch.tensor], ids=["float", "tensor"])
+def test_a_nan_dampening_with_nesterov_is_refused_by_name_not_handed_over(number):
+    """A nesterov group's dampening is read to tell whether the fast path can step it: a NaN
+    one (a float; a tensor one since that read takes tensors) handed over to torch's SGD,
+    which stepped NaN weights, where every other NaN hyperparameter is refused by name."""
+    model = TwoHeads()
+    inner = torch.optim.SGD(model.trunk.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opt = wrap(model, "auto", inner)
+    train(model, opt, 1)
+    opt.param_groups[0]["dampening"] = number(math.nan)
+    with pytest.raises(ValueError, match="param group 0: hyperparameter 'dampening' must be a"):
+        train(model, opt, 1)
+    assert opt.path == "fast" and all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 @pytest.mark.parametrize("number", [float, torch.tensor], ids=["float", "tensor"])

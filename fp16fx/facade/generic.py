@@ -23,7 +23,7 @@ from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, GradCheck, all_finite, unscale_and_check
 from fp16fx.step import adopt_written_
-from fp16fx.transforms.primitives import clip_coefficient
+from fp16fx.transforms.primitives import NO_CLIP, clip_coefficient
 
 
 class GenericEngine:
@@ -243,7 +243,11 @@ class GenericEngine:
         if not self.finite():
             return -1.0
         masters = [m for _, m in self.pairs if m.grad is not None]
-        if self.scaler.consensus is None:
+        if self.scaler.consensus is None and max_norm == NO_CLIP:
+            # No clip: clip_grad_norm_ would scale by FP32's max_norm (inf) over the norm,
+            # NaN where that is inf too (finite grads whose squares overflow)
+            norm = float(torch.nn.utils.get_total_norm([m.grad for m in masters], norm_type))
+        elif self.scaler.consensus is None:
             norm = float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
         else:
             norm = self._clip_agreed(masters, max_norm, norm_type)

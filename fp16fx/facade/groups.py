@@ -15,7 +15,6 @@ class steps with (:func:`check_saved_numbers`, :func:`check_loaded_group_keys`).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,12 +99,13 @@ def group_spec(kind: str, group: dict[str, Any], index: int) -> GroupSpec:
 
 
 def _nonzero_number(value: Any) -> bool:
-    """Whether ``value`` is a number other than 0: a Python or NumPy scalar, or a one-value
-    tensor (read: one sync, as :func:`group_values` reads it too). Anything else is
-    :func:`group_values`' to name."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and bool(value != 0)
-    return isinstance(value, numbers.Real) and value != 0
+    """Whether ``value`` is a valid ``dampening`` other than 0: a finite Python or NumPy
+    number, or a one-value tensor holding one (read: one sync, as :func:`group_values` reads
+    it too). Anything else (NaN, a meta tensor...) is :func:`group_values`' to name."""
+    try:
+        return check_hyperparam("dampening", value) != 0
+    except (TypeError, ValueError):
+        return False
 
 
 def group_values(spec: GroupSpec, group: dict[str, Any], index: int) -> dict[str, Any]:

@@ -488,14 +488,14 @@ class FP16_Optimizer(torch.optim.Optimizer):
         inf. (``clip_grad_norm_`` also takes 0 and negative numbers, which zero the grads or
         flip their sign: ValueError here, nothing changed.)
         """
-        if _is_infinity(max_norm):  # clip_grad_norm_'s "no clip"; the core's is NO_CLIP
-            max_norm = NO_CLIP
         try:  # the rule of clip_by_global_norm's max_norm
             max_norm = check_hyperparam("max_norm", max_norm)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"max_norm must be a finite number > 0 (or inf: no clip), got {max_norm!r}"
-            ) from None
+            if not _is_positive_infinity(max_norm):
+                raise ValueError(
+                    f"max_norm must be a finite number > 0 (or inf: no clip), got {max_norm!r}"
+                ) from None
+            max_norm = NO_CLIP  # clip_grad_norm_'s "no clip", as the core spells it
         try:
             order = float(norm_type)  # as torch's clip_grad_norm_, which takes "inf" too
         except (TypeError, ValueError):
@@ -758,9 +758,11 @@ class FP16_Optimizer(torch.optim.Optimizer):
                 self._phase.grads = "unscaled"  # stepped ones stay stale: new ones count
 
 
-def _is_infinity(value: Any) -> bool:
-    """Whether ``value`` is +inf: a Python or NumPy number, or a one-value tensor (read: one
-    sync, as the check of a tensor ``max_norm`` reads it too)."""
+def _is_positive_infinity(value: Any) -> bool:
+    """Whether ``value`` is +inf: a Python or NumPy real number, or a one-value real tensor
+    that holds a value (read: one sync)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and bool(value == math.inf)
-    return isinstance(value, numbers.Real) and value == math.inf
+        if value.numel() != 1 or value.is_meta or not value.dtype.is_floating_point:
+            return False
+        value = value.item()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == math.inf
