@@ -584,6 +584,7 @@ class FastEngine:
         clipped as the next step clips them if ``clip_master_grads`` asked for it. Unsharded
         only: the caller refuses a sharded engine first (:meth:`require_unsharded`), before it
         reads the grads' overflow."""
+        assert self.sharded is None  # (its grads here: this rank's own, not yet averaged)
         made_at = self.grad_facts.made_at()
         scale = self.scaler.state.scale if made_at is None else made_at
         pairs = [(p, g) for p, g in zip(self.flat.params, self.grads()) if g is not None]
