@@ -142,7 +142,7 @@ def train_facade(
         process_group=process_group,
         path=path,
     )
-    scales, views, alone = [], [], 0
+    scales, views, alone, read_after_the_clip = [], [], 0, []
     for i in range(STEPS):
         x, y = batch(i, rank, world, dtype)
         opt.zero_grad()
@@ -169,6 +169,10 @@ def train_facade(
             if i == 5 and rank == 1:
                 params[0].grad[0, 0] = float("inf")
             opt.clip_master_grads(0.05)
+            if i == 5:  # every rank reads the clip's agreed check (rank 0's own grads: finite)
+                with counting_all_reduces() as calls:
+                    read_after_the_clip += [opt.overflow, opt.inspect_master_grad_data()]
+                alone += len(calls)
             if rank == 0:  # a read one rank makes alone: the clip's agreed check
                 with counting_all_reduces() as calls:
                     opt.inspect_master_grad_data()
@@ -192,6 +196,7 @@ def train_facade(
         "skipped": opt.skipped_steps,
         "grads_are_views": views[1:],  # step 0 creates the grads; the facade then binds them
         "path": opt.path,
+        "read_after_the_clip": read_after_the_clip,
         # by reads one rank made alone, or unscaling one rank did alone: none is a collective
         "all_reduces_alone": alone,
     }
@@ -543,7 +548,8 @@ def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     """inf_after_ddp runs the facade's compiled step (the consensus is traced into it);
     inf_after_ddp_generic the generic path (torch's Adam on the masters); in
     inf_between_clips only rank 1's grads changed since the first clip's consensus (its
-    cached result once left rank 1 alone in the second clip's collective); in
+    cached result once left rank 1 alone in the second clip's collective), and after the
+    second every rank reads its agreed overflow; in
     inf_after_unscale_generic only rank 1's since they were unscaled (rank 1 alone once ran
     a collective in the second ``update_master_grads()``)."""
     r0, r1 = (r[name] for r in replicated)
@@ -554,6 +560,8 @@ def test_an_inf_on_one_rank_skips_every_rank(replicated, name):
     assert r0["scales"][5] == r0["scales"][4] / 2
     for a, b in zip(r0["params"] + r0["masters"], r1["params"] + r1["masters"]):
         assert torch.equal(a, b)
+    if name == "inf_between_clips":  # once False and the grads on rank 0, its own being finite
+        assert r0["read_after_the_clip"] == r1["read_after_the_clip"] == [True, None]
 
 
 def test_a_read_on_one_rank_after_a_group_is_added_is_no_collective(replicated):

@@ -563,10 +563,14 @@ class FastEngine:
         return self._fast_grads.last_agreed(self.distributed)
 
     def local_finite(self) -> bool:
-        """Returns whether this rank's current grads are all finite (one sync, no collective;
-        sharded, the mean grads once they were reduce-scattered)."""
+        """Returns whether this rank's current grads are all finite (one sync, no collective):
+        across processes, while they are the grads a clip checked, the check every rank
+        agreed on there, so that every rank reads the same (sharded, once the clip
+        reduce-scattered them, the mean grads')."""
         if self._fast_grads.reduced:  # reduce-scattered by a clip: its agreed check
             return bool(self.agreed().finite)
+        if (agreed := self._fast_grads.agreed_of_these()) is not None:
+            return bool(agreed.finite)
         try:
             self.flat.collect_grads()
         except TypeError:  # a sparse grad, which no flat buffer holds (a step hands it over)

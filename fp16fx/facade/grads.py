@@ -180,11 +180,14 @@ class FastGrads:
 
     def __init__(self, stamp: Callable[[], GradStamp], scaler: Scaler, *, sharded: bool) -> None:
         self.facts = GradFacts(stamp)
-        self._scaler, self._sharded = scaler, sharded
+        self._stamp, self._scaler, self._sharded = stamp, scaler, sharded
         self._scattered: list[torch.Tensor] | None = None  # sharded: this step's mean grads
         # Across processes, the last check every rank made of these grads (a clip's, or the
         # step's): what a read one rank makes alone returns, with no collective.
         self._agreed: GradCheck | None = None
+        # And a clip's, while this rank's grads are still the ones it checked: what every
+        # rank's overflow read returns alike (a rank's own grads may differ after DDP).
+        self._agreed_of_these: GradMemo[GradCheck] = GradMemo()
 
     @property
     def reduced(self) -> bool:
@@ -248,8 +251,14 @@ class FastGrads:
         (``distributed``) as the last one every rank made, else cached (:meth:`cached`)."""
         if distributed:
             self._agreed = checked
+            self._agreed_of_these.remember(checked, self._stamp())
         else:
             self.facts.remember_check(checked)
+
+    def agreed_of_these(self) -> GradCheck | None:
+        """Returns the check every rank agreed on in the last clip while this rank's grads
+        are still the ones it checked (no write since), else None."""
+        return self._agreed_of_these.get()
 
     def last_agreed(self, distributed: bool) -> GradCheck | None:
         """Returns the last check every rank made of these grads (a clip's or the step's);
@@ -277,6 +286,7 @@ class FastGrads:
         again, still have that clip and were made with the step's loss scale."""
         self._scattered = None
         self._agreed = GradCheck(info.finite, info.grad_norm)
+        self._agreed_of_these.forget()  # (the step's own info says it after a step)
         self.facts.forget_check()
         self.facts.still_these(clip, info.loss_scale)  # the scale the grads were made with
 
@@ -287,12 +297,14 @@ class FastGrads:
         self.facts.forget_check()
         self.facts.still_these(clip, made_at)
         self._agreed = None
+        self._agreed_of_these.forget()
 
     def zeroed(self) -> None:
         """Forgets the cached check, the agreed one and the mean grads (``zero_grad``: new
         grads come; the other facts lapse by their stamps)."""
         self.facts.forget_check()
         self._scattered = self._agreed = None
+        self._agreed_of_these.forget()
 
 
 _GRAD = operator.attrgetter("grad")
