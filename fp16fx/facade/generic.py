@@ -23,7 +23,7 @@ from fp16fx.facade.grads import GradFacts, GradStamp
 from fp16fx.facade.policy import Scaler
 from fp16fx.scaling import CheckedGrads, GradCheck, all_finite, unscale_and_check
 from fp16fx.step import adopt_written_
-from fp16fx.transforms.primitives import NO_CLIP, clip_coefficient
+from fp16fx.transforms.primitives import clip_coefficient
 
 
 class GenericEngine:
@@ -235,22 +235,14 @@ class GenericEngine:
 
     def clip(self, max_norm: float, norm_type: float) -> float:
         """Clips the masters' grads to total norm ``max_norm``; returns their norm before
-        (-1 on overflow). On one process by ``clip_grad_norm_`` (apex's clip); across
-        processes by the norm the ranks agree on, as the fast path clips, so that every rank
-        clips alike and returns the same number (:meth:`_clip_agreed`). A ``norm_type``
+        (-1 on overflow), by ``clip_grad_norm_``'s rule (:meth:`_clip`): on one process their
+        own norm (apex's clip); across processes the norm the ranks agree on, as the fast path
+        clips, so that every rank clips alike and returns the same number. A ``norm_type``
         other than 2 is the caller's to check first (:meth:`check_norm_type`), before it
         unscales the grads."""
         if not self.finite():
             return -1.0
-        masters = [m for _, m in self.pairs if m.grad is not None]
-        if self.scaler.consensus is None and max_norm == NO_CLIP:
-            # No clip: clip_grad_norm_ would scale by FP32's max_norm (inf) over the norm,
-            # NaN where that is inf too (finite grads whose squares overflow)
-            norm = float(torch.nn.utils.get_total_norm([m.grad for m in masters], norm_type))
-        elif self.scaler.consensus is None:
-            norm = float(torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type))
-        else:
-            norm = self._clip_agreed(masters, max_norm, norm_type)
+        norm = self._clip([m for _, m in self.pairs if m.grad is not None], max_norm, norm_type)
         self._unscaled = self.grad_stamp()  # clipped in place, still the unscaled grads
         return norm
 
@@ -261,26 +253,32 @@ class GenericEngine:
         if float(norm_type) != 2.0 and any(isinstance(m, DTensor) for _, m in self.pairs):
             raise ValueError("an FSDP2 model's FP16_Optimizer clips by the L2 norm only")
 
-    def _clip_agreed(self, masters: list[torch.Tensor], max_norm: float, norm_type: float) -> float:
+    def _clip(self, masters: list[torch.Tensor], max_norm: float, norm_type: float) -> float:
         """Scales the grads of ``masters`` (their local shards, on FSDP2) by
-        ``clip_grad_norm_``'s rule, in its FP32, for the norm the ranks agree on: the L2 norm
-        the last :meth:`agree` gave (the ranks' largest; FSDP2's shards: the global one), or
-        another norm agreed now (the ranks' largest: one more collective). Returns that norm.
-        Each rank's own norm would clip by its own coefficient, wherever a rank's grads
-        differ (a rank-local hook), and return another number on each."""
+        ``clip_grad_norm_``'s rule, in its FP32 (:func:`clip_coefficient`, which keeps
+        :data:`NO_CLIP` a no-clip where FP32's inf over an inf norm would be NaN), for their
+        norm; returns it. On one process it is their own, as ``clip_grad_norm_`` sums it
+        (``get_total_norm``: apex's clip, bitwise). Across processes it is the norm the ranks
+        agree on: the L2 norm the last :meth:`agree` gave (the ranks' largest; FSDP2's
+        shards: the global one), or another norm agreed now (the ranks' largest: one more
+        collective). Each rank's own norm would clip by its own coefficient, wherever a
+        rank's grads differ (a rank-local hook), and return another number on each."""
         consensus = self.scaler.consensus
-        assert consensus is not None and self._local is not None and self._norm is not None
+        assert self._local is not None and self._norm is not None
         grads = [m.grad for m in masters]
         grads = [dtensors.local(g) if isinstance(g, DTensor) else g for g in grads]
-        if float(norm_type) == 2.0:
+        if consensus is None:
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+        elif float(norm_type) == 2.0:
             total = self._norm
         else:  # replicated ranks (FSDP2 refused it): the finite check agreed already
             # (on the device the consensus took the L2 norm on: no grads give a CPU 0)
             local = torch.nn.utils.get_total_norm(grads, norm_type).to(self._norm.device)
             _, total = consensus(torch.ones((), dtype=torch.bool, device=local.device), local)
         coef = clip_coefficient(max_norm, total, torch.float32)
-        with torch.no_grad():
-            torch._foreach_mul_(grads, coef)
+        if grads:  # (foreach takes no empty list)
+            with torch.no_grad():
+                torch._foreach_mul_(grads, coef)
         # The clipped grads' L2 norm, which a second clip reads (and agrees): 0 where an inf
         # norm clipped them to zeros, which inf * 0 would make NaN.
         self._norm = torch.where(coef > 0, self._norm * coef, 0.0)
